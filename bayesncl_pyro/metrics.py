@@ -1,0 +1,160 @@
+"""Interpretability and retrieval metrics of a representation, as the reference computes them.
+
+Every function takes ``features``, an N x K float tensor F (the representation the method is judged
+on: normalise(relu(z)) for NCL, the gated version for BayesNCL, normalise(z) for CL) and, where
+classes matter, ``labels``, an N long tensor. They return python floats (fractions, not percent).
+
+A dimension is *active* in a sample when |F| > ``ACTIVE_EPS``; a dimension is *alive* when its
+column of |F| sums to more than zero. Degenerate inputs (all-zero features, so no alive dimension)
+give 0.0 for every per-dimension average rather than NaN, so a collapsed run still logs numbers.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVE_EPS = 1e-5
+"""|F| above this counts as an active entry (the reference's threshold)."""
+
+_CHUNK_ROWS = 1024
+"""Query rows per similarity block: 1024 x 10,000 floats is 40 MB."""
+
+
+def _alive(features):
+    """K bool mask of dimensions whose column of |F| sums to more than zero."""
+    return features.abs().sum(dim=0) > 0
+
+
+def _class_mass(weights, labels):
+    """C x K per-class column sums of ``weights`` (N x K), C = labels.max() + 1."""
+    one_hot = F.one_hot(labels, int(labels.max()) + 1).to(weights.dtype)
+    return one_hot.T @ weights
+
+
+def _mean_over_used_dims(mass, per_dim):
+    """Average ``per_dim`` (K) over the dims whose class mass (C x K) is non-zero; 0.0 if none."""
+    used = mass.sum(dim=0) > 0
+    return float(per_dim[used].mean()) if used.any() else 0.0
+
+
+def semantic_consistency(features, labels):
+    """Mean over dims of the share of the most frequent class among the samples active in that dim.
+
+    features: N x K, labels: N. Rows are L2-normalised first (as in the reference) so the 1e-5
+    threshold is scale-free. Dense features give exactly the largest class share, i.e. 1/C for
+    balanced labels; one dimension per class gives 1.0. Dims active in no sample are skipped.
+    """
+    active = (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
+    counts = _class_mass(active, labels)
+    share = counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
+    return _mean_over_used_dims(counts, share)
+
+
+def semantic_entropy(features, labels, weighting="magnitude"):
+    """Mean over dims of the entropy (nats) of the class distribution a dim responds to.
+
+    features: N x K, labels: N. weighting="magnitude": p_c proportional to the summed |F| of
+    class c in that dim; "frequency": to the number of class-c samples active in it. Lower means
+    each dim is tied to fewer classes. Dims with no mass are skipped.
+    """
+    magnitude = features.double().abs()
+    if weighting == "magnitude":
+        weights = magnitude
+    elif weighting == "frequency":
+        weights = (magnitude > ACTIVE_EPS).double()
+    else:
+        raise ValueError(f"weighting must be 'magnitude' or 'frequency', got {weighting!r}")
+    mass = _class_mass(weights, labels)
+    p = mass / mass.sum(dim=0).clamp_min(torch.finfo(mass.dtype).tiny)
+    entropy = -torch.special.xlogy(p, p).sum(dim=0)  # xlogy: 0 log 0 = 0
+    return _mean_over_used_dims(mass, entropy)
+
+
+def sparsity(features):
+    """Fraction of the N x K entries with |F| <= ACTIVE_EPS (dead dims count as sparse)."""
+    return float((features.abs() <= ACTIVE_EPS).double().mean())
+
+
+def active_dims(features):
+    """Number of the K dims with non-zero mean |F| over the N samples."""
+    return int(_alive(features).sum())
+
+
+def activation_rate(features):
+    """Mean over alive dims of the fraction of the N samples in which the dim is active.
+
+    Unlike 1 - sparsity, dead dims are left out, so this measures how selective the dims that are
+    used are, not how many dims are used. 0.0 when no dim is alive.
+    """
+    alive = _alive(features)
+    if not alive.any():
+        return 0.0
+    return float((features[:, alive].abs() > ACTIVE_EPS).double().mean())
+
+
+def effective_rank(features):
+    """Entropy (nats) of the singular values of the N x K features, normalised to sum to one.
+
+    As in the reference this is *not* exponentiated: rank 1 gives 0, K equal singular values give
+    log K. 0.0 for all-zero features.
+    """
+    singular = torch.linalg.svdvals(features.double())
+    total = singular.sum()
+    if total <= 0:
+        return 0.0
+    p = singular / total
+    return float(-torch.special.xlogy(p, p).sum())
+
+
+def orthogonality(features):
+    """Mean |C - I| over the k x k cosine Gram matrix C of the k alive columns of N x K features.
+
+    0 for mutually orthogonal dims; the diagonal (always 1 - 1) is included in the mean, as in the
+    reference. 0.0 when no dim is alive.
+    """
+    alive = _alive(features)
+    if not alive.any():
+        return 0.0
+    columns = F.normalize(features[:, alive].double(), dim=0)
+    gram = columns.T @ columns
+    return float((gram - torch.eye(len(gram), dtype=gram.dtype)).abs().mean())
+
+
+def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
+    """Precision@k of cosine nearest-neighbour retrieval on the strongest dims, for each k in ks.
+
+    features: N x K, labels: N. Keeps the ``num_dims`` dims with the largest column sum of |F|
+    (None: all alive dims), re-normalises rows, and for each query takes its top-max(ks) cosine
+    neighbours among the *other* N - 1 samples (excluded by index, so duplicates of the query still
+    count as neighbours). P@k is the mean fraction of the first k neighbours that share the
+    query's label. Returns {k: P@k}.
+    """
+    if max(ks) > len(features) - 1:
+        raise ValueError(f"max(ks)={max(ks)} needs at least {max(ks) + 1} samples, got {len(features)}")
+    column_mass = features.abs().sum(dim=0)
+    keep = int(_alive(features).sum()) if num_dims is None else min(num_dims, features.shape[1])
+    dims = column_mass.topk(keep).indices
+    reduced = F.normalize(features[:, dims].float(), dim=1)
+
+    hits = []  # N x max(ks) bool: neighbour j of query i shares its label
+    for rows in torch.arange(len(reduced)).split(_CHUNK_ROWS):
+        sims = reduced[rows] @ reduced.T
+        sims[torch.arange(len(rows)), rows] = -math.inf
+        neighbours = sims.topk(max(ks), dim=1).indices
+        hits.append(labels[neighbours] == labels[rows, None])
+    hits = torch.cat(hits).double()
+    return {k: float(hits[:, :k].mean()) for k in ks}
+
+
+def interpretability_metrics(features, labels):
+    """All label-aware and label-free interpretability metrics of N x K features, as one dict."""
+    return {
+        "semantic_consistency": semantic_consistency(features, labels),
+        "semantic_entropy": semantic_entropy(features, labels),
+        "activation_rate": activation_rate(features),
+        "active_dims": active_dims(features),
+        "sparsity": sparsity(features),
+        "effective_rank": effective_rank(features),
+        "orthogonality": orthogonality(features),
+    }

@@ -1,0 +1,147 @@
+import math
+
+import pytest
+import torch
+
+from bayesncl_pyro.metrics import (
+    activation_rate,
+    active_dims,
+    effective_rank,
+    interpretability_metrics,
+    orthogonality,
+    retrieval_precision,
+    semantic_consistency,
+    semantic_entropy,
+    sparsity,
+)
+
+
+def entropy(*p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+# Dim 0 fires for 3 of 4 samples, dim 1 is dead, dim 2 fires once above and once below threshold.
+WITH_DEAD_DIM = torch.tensor([
+    [1.0, 0.0, 0.0],
+    [0.0, 0.0, 2.0],
+    [3.0, 0.0, 0.0],
+    [4.0, 0.0, 5e-6],
+])
+
+
+def test_semantic_consistency_hand_case():
+    features = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1], [1, 0, 1]])
+    labels = torch.tensor([0, 0, 1, 1])
+    # dim 0: samples 0, 1, 3 -> classes 0, 0, 1 -> 2/3; dim 1 dead; dim 2: samples 2, 3 -> class 1 -> 1
+    assert semantic_consistency(features, labels) == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_semantic_consistency_thresholds_after_row_normalisation():
+    # 5e-6 is below 1e-5 raw, but 5e-3 of the row's norm: active once the row is normalised.
+    features = torch.tensor([[1e-3, 5e-6], [0.0, 1.0]])
+    labels = torch.tensor([0, 1])
+    # dim 0: sample 0 -> 1; dim 1: samples 0 and 1 -> 1/2
+    assert semantic_consistency(features, labels) == pytest.approx(0.75)
+
+
+def test_dense_balanced_features_give_one_over_num_classes():
+    features = torch.rand(600, 8) + 0.1
+    labels = torch.arange(600) % 3
+    assert semantic_consistency(features, labels) == pytest.approx(1 / 3, abs=1e-12)
+
+
+def test_one_dim_per_class_is_perfectly_consistent_with_zero_entropy():
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 2])
+    features = torch.nn.functional.one_hot(labels, 3).float() * torch.rand(7, 1)
+    assert semantic_consistency(features, labels) == pytest.approx(1.0)
+    assert semantic_entropy(features, labels) == pytest.approx(0.0)
+    assert semantic_entropy(features, labels, weighting="frequency") == pytest.approx(0.0)
+
+
+def test_semantic_entropy_hand_case_both_weightings():
+    features = torch.tensor([[3.0, 2.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 0, 1, 1])
+    # dim 0: all mass in class 0 -> 0. dim 1: magnitude 2 vs 2 -> log 2; frequency 1 vs 2.
+    assert semantic_entropy(features, labels) == pytest.approx(math.log(2) / 2)
+    assert semantic_entropy(features, labels, weighting="frequency") == pytest.approx(
+        entropy(1 / 3, 2 / 3) / 2)
+
+
+def test_semantic_entropy_rejects_unknown_weighting():
+    with pytest.raises(ValueError, match="weighting"):
+        semantic_entropy(WITH_DEAD_DIM, torch.tensor([0, 1, 0, 1]), weighting="count")
+
+
+def test_sparsity_active_dims_and_activation_rate_with_a_dead_dim():
+    assert sparsity(WITH_DEAD_DIM) == pytest.approx(8 / 12)
+    assert active_dims(WITH_DEAD_DIM) == 2
+    # dim 0 active in 3/4 samples, dim 2 in 1/4; the dead dim is left out, unlike 1 - sparsity = 1/3
+    assert activation_rate(WITH_DEAD_DIM) == pytest.approx(0.5)
+
+
+def test_effective_rank():
+    rank_one = torch.outer(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, -1, 2]))
+    assert effective_rank(rank_one) == pytest.approx(0.0, abs=1e-6)
+    orthogonal = torch.linalg.qr(torch.randn(6, 6)).Q
+    assert effective_rank(orthogonal) == pytest.approx(math.log(6))
+    assert effective_rank(torch.diag(torch.tensor([3.0, 1.0]))) == pytest.approx(entropy(3 / 4, 1 / 4))
+
+
+def test_orthogonality():
+    assert orthogonality(torch.linalg.qr(torch.randn(5, 5)).Q[:, :3]) == pytest.approx(0.0, abs=1e-6)
+    # Alive columns [1, 0] and [1, 1]: cosine 1/sqrt 2 off the diagonal of a 2 x 2 matrix; the
+    # dead third column must not enter the mean.
+    features = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    assert orthogonality(features) == pytest.approx(2 * (1 / math.sqrt(2)) / 4)
+
+
+def test_retrieval_on_separated_clusters_is_perfect():
+    labels = torch.arange(60) % 3
+    features = torch.nn.functional.one_hot(labels, 3).float() * 5 + 0.1 * torch.rand(60, 3)
+    assert retrieval_precision(features, labels) == {1: 1.0, 3: 1.0, 5: 1.0, 10: 1.0}
+
+
+def test_retrieval_excludes_the_query_itself():
+    # Four directions 10 degrees apart with alternating labels: each nearest *other* point has the
+    # other label, so P@1 = 0 (it would be 1 if the query retrieved itself); the 3 others hold 1 match.
+    angles = torch.deg2rad(torch.tensor([0.0, 10, 20, 30]))
+    features = torch.stack([angles.cos(), angles.sin()], dim=1)
+    labels = torch.tensor([0, 1, 0, 1])
+    assert retrieval_precision(features, labels, ks=(1, 3)) == {1: 0.0, 3: pytest.approx(1 / 3)}
+
+
+def test_retrieval_excludes_the_query_by_index_so_duplicates_still_count():
+    features = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 1, 1, 0])
+    assert retrieval_precision(features, labels, ks=(1,)) == {1: 0.0}
+
+
+def test_retrieval_keeps_the_dims_with_largest_column_sum():
+    # Column sums 11.1, 12, 4. With all dims, dim 2 pulls samples 0 and 2 together (cos 0.82 vs
+    # 0.45 and 0.45), so they retrieve the wrong class and P@1 = 1/2. Dropping dim 2 leaves
+    # 0 <-> 1 and 2 <-> 3 as nearest pairs: P@1 = 1.
+    features = torch.tensor([[1.0, 0, 2], [10, 1, 0], [0.1, 1, 2], [0, 10, 0]])
+    labels = torch.tensor([0, 0, 1, 1])
+    assert retrieval_precision(features, labels, ks=(1,)) == {1: 0.5}
+    assert retrieval_precision(features, labels, ks=(1,), num_dims=2) == {1: 1.0}
+
+
+def test_retrieval_needs_more_samples_than_k():
+    with pytest.raises(ValueError, match="samples"):
+        retrieval_precision(torch.rand(5, 2), torch.zeros(5, dtype=torch.long), ks=(5,))
+
+
+def test_all_zero_features_do_not_crash():
+    features = torch.zeros(12, 4)
+    labels = torch.arange(12) % 2
+    assert interpretability_metrics(features, labels) == {
+        "semantic_consistency": 0.0,
+        "semantic_entropy": 0.0,
+        "activation_rate": 0.0,
+        "active_dims": 0,
+        "sparsity": 1.0,
+        "effective_rank": 0.0,
+        "orthogonality": 0.0,
+    }
+    precision = retrieval_precision(features, labels)
+    assert all(0.0 <= p <= 1.0 for p in precision.values())
