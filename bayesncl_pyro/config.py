@@ -1,0 +1,134 @@
+"""The one configuration of a run: saved inside every checkpoint and as ``config.json`` in the run folder.
+
+Fields left ``None`` take their dataset's default (``DATASET_DEFAULTS``), filled in by :func:`resolve`,
+so the saved config always holds the values that were actually used.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from bayesncl_pyro.errors import UserError
+
+METHODS = ("cl", "ncl", "bayesncl")
+GATES = ("relaxed", "ste", "gs")
+NONNEG = ("relu", "rep_relu", "none")
+OPTIMIZERS = ("lars", "sgd", "adamw")
+
+# The reference recipes (METHOD.md section 3) for CIFAR and ImageNet-100; digits is our CPU demo.
+DATASET_DEFAULTS = {
+    "digits": dict(image_size=8, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=60,
+                   batch_size=256, optimizer="sgd", lr=0.5, warmup_epochs=5),
+    "cifar10": dict(image_size=32, encoder="resnet18", proj_hidden=2048, proj_dim=256, nonneg="rep_relu", epochs=200,
+                    batch_size=256, optimizer="lars", lr=0.4, warmup_epochs=10),
+    "in100": dict(image_size=224, encoder="resnet18", proj_hidden=16384, proj_dim=2048, nonneg="relu", epochs=100,
+                  batch_size=128, optimizer="lars", lr=0.3, warmup_epochs=10),
+}
+DATASET_DEFAULTS["cifar100"] = DATASET_DEFAULTS["cifar10"]
+DATASET_DEFAULTS["imagefolder"] = dict(DATASET_DEFAULTS["in100"], proj_hidden=2048, proj_dim=256)
+
+
+@dataclass
+class Config:
+    # data
+    dataset: str = "digits"
+    data_dir: str | None = None
+    image_size: int | None = None
+    workers: int = 2
+    # method
+    method: str = "bayesncl"
+    nonneg: str | None = None
+    topk: int = 0
+    temperature: float = 0.2
+    # gates (BayesNCL)
+    prior: str = "bernoulli"
+    prior_prob: float = 0.8
+    kl_weight: float = 3e-5
+    gate: str = "relaxed"
+    gate_temperature: float = 1.0
+    head_depth: int = 2
+    logit_bound: float = 5.0
+    # encoder
+    encoder: str | None = None
+    proj_hidden: int | None = None
+    proj_dim: int | None = None
+    # optimisation
+    optimizer: str | None = None
+    lr: float | None = None
+    gate_lr: float = 0.1
+    weight_decay: float = 1e-4
+    momentum: float = 0.9
+    epochs: int | None = None
+    warmup_epochs: float | None = None
+    batch_size: int | None = None
+    max_steps: int | None = None
+    # run
+    out: str = "runs/default"
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = True
+    log_every: int = 10
+    ckpt_every: int = 500
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise UserError(f"config has unknown keys {sorted(unknown)}: it was written by another version "
+                            "of bayesncl-pyro; start a new --out folder")
+        return cls(**d)
+
+    # fields that change the numbers of a run; the rest (out, device, workers, logging) may differ on resume
+    def identity(self) -> dict:
+        d = self.to_dict()
+        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps"):
+            d.pop(k)
+        return d
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
+    from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
+    from models.priors import PRIORS
+
+    _choice("dataset", cfg.dataset, DATASETS)
+    defaults = {k: v for k, v in DATASET_DEFAULTS[cfg.dataset].items() if getattr(cfg, k) is None}
+    if cfg.method == "cl" and cfg.nonneg is None:
+        defaults["nonneg"] = "none"
+    cfg = dataclasses.replace(cfg, **defaults)
+    _choice("method", cfg.method, METHODS)
+    _choice("gate", cfg.gate, GATES)
+    _choice("nonneg", cfg.nonneg, NONNEG)
+    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    _choice("encoder", cfg.encoder, ("resnet18", "cnn"))
+    _choice("prior", cfg.prior, tuple(PRIORS))
+    _choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
+              "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
+    if not 0 < cfg.prior_prob < 1:
+        raise UserError(f"--prior-prob must lie strictly between 0 and 1, got {cfg.prior_prob}")
+    if cfg.batch_size < 2:
+        raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
+    if not 0 <= cfg.topk <= cfg.proj_dim:
+        raise UserError(f"--topk must lie in [0, --proj-dim={cfg.proj_dim}], got {cfg.topk}")
+    if cfg.weight_decay < 0 or cfg.warmup_epochs < 0 or cfg.workers < 0:
+        raise UserError("--weight-decay, --warmup-epochs and --workers must not be negative")
+    if cfg.warmup_epochs >= cfg.epochs:
+        raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        raise UserError(f"--max-steps must be at least 1, got {cfg.max_steps}")
+    return cfg
+
+
+def _choice(flag: str, value, valid):
+    if value not in valid:
+        raise UserError(f"unknown --{flag.replace('_', '-')} {value!r}; choose one of: {', '.join(valid)}")
+
+
+def _positive(cfg: Config, *names: str):
+    for n in names:
+        if not getattr(cfg, n) > 0:
+            raise UserError(f"--{n.replace('_', '-')} must be positive, got {getattr(cfg, n)}")

@@ -1,0 +1,58 @@
+"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics."""
+
+import torch
+from torch.utils.data import DataLoader
+
+from bayesncl_pyro.augment import eval_transform
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.metrics import interpretability_metrics
+from bayesncl_pyro.probe import knn_top1, linear_probe
+
+
+class _Transformed(torch.utils.data.Dataset):
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        image, label = self.dataset[i]
+        return self.transform(image), label
+
+
+@torch.no_grad()
+def extract(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h: N x D backbone features, F: N x K the method's representation, labels: N), in eval mode."""
+    learner.eval()
+    loader = DataLoader(_Transformed(dataset, eval_transform(cfg.image_size, channels)),
+                        batch_size=max(cfg.batch_size, 256), num_workers=cfg.workers)
+    hs, fs, ys = [], [], []
+    for x, y in loader:
+        h, f = learner.representation(x.to(device))
+        hs.append(h.cpu())
+        fs.append(f.cpu())
+        ys.append(y)
+    return torch.cat(hs), torch.cat(fs), torch.cat(ys)
+
+
+def evaluate(learner, data, cfg: Config, device) -> dict:
+    """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
+    on the test split's representation F. Fractions in [0, 1]."""
+    h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device)
+    h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
+    probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, seed=cfg.seed)
+    results = interpretability_metrics(f_te, y_te)
+    results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
+                   knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
+    if learner.gated:
+        results["gate_rate"] = (learner.gate_probs(h_te.to(device)) > 0.5).float().mean().item()
+    return dict(method=cfg.method, dataset=cfg.dataset, **results)
+
+
+def format_table(results: dict) -> str:
+    """A two-column text table of an eval dict."""
+    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in results.items()]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 12)
+    return "\n".join([line] + [f"{k:<{width}}  {v:>10}" for k, v in rows] + [line])

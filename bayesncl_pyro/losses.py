@@ -1,0 +1,81 @@
+"""The contrastive maths as pure functions: InfoNCE, the Bernoulli KL, non-negativity, top-k.
+
+Shapes: B images, 2 views each, give R = 2B *rows* stacked as ``[view 1 of all images; view 2]``,
+so row ``i`` and row ``(i + B) % R`` are the positive pair. K is the feature width.
+"""
+
+import torch
+import torch.nn.functional as F
+
+#: the reference clamps both the posterior and the prior inclusion rate before its KL
+KL_CLAMP = (0.01, 0.99)
+
+
+def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | None = None,
+                  offset: int = 0) -> torch.Tensor:
+    """Per-row NT-Xent loss of SimCLR.
+
+    Args:
+        u: R x K rows, L2-normalised (a row that is all zero is allowed: its similarities are 0).
+        temperature: tau > 0.
+        columns: C x K rows to contrast against, with ``u`` at rows ``offset .. offset + R`` of it
+            (the features of all ranks under DDP); defaults to ``u`` itself.
+    Returns:
+        R losses ``-log(pos / (pos + neg))``, where pos is the similarity to the row's other view and
+        neg sums over the rows of all other images (the row itself is excluded from both).
+    """
+    cols = u if columns is None else columns
+    rows, total = u.shape[0], cols.shape[0]
+    logits = u @ cols.T / temperature                                   # R x C
+    idx = torch.arange(rows, device=u.device)
+    self_col = idx + offset
+    # columns hold [view 1 of all images; view 2 of all images] per rank; the partner of a row is
+    # half a rank-block away, inside the same rank block
+    half = rows // 2
+    pos_col = offset + (idx + half) % rows
+    logits = logits.masked_fill(F.one_hot(self_col, total).bool(), float("-inf"))
+    return torch.logsumexp(logits, dim=1) - logits[idx, pos_col]
+
+
+def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The reference NT-Xent mean over all 2B rows.
+
+    Args:
+        z1, z2: B x K, L2-normalised; row i of ``z1`` and of ``z2`` are two views of one image.
+    Returns:
+        a scalar.
+    """
+    return info_nce_rows(torch.cat([z1, z2]), temperature).mean()
+
+
+def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float) -> torch.Tensor:
+    """Elementwise KL(Bernoulli(alpha) || Bernoulli(rho)), both clamped to [0.01, 0.99] as the reference.
+
+    The clamp bounds the KL's pull on a gate that is nearly always on or off, so the prior can never
+    push a gate's logit to infinity.
+    """
+    alpha = alpha.clamp(*KL_CLAMP)
+    rho = torch.as_tensor(rho, dtype=alpha.dtype, device=alpha.device).clamp(*KL_CLAMP)
+    return alpha * (alpha / rho).log() + (1 - alpha) * ((1 - alpha) / (1 - rho)).log()
+
+
+def nonneg(z: torch.Tensor, kind: str) -> torch.Tensor:
+    """Make features non-negative.
+
+    ``relu``: plain ReLU. ``rep_relu``: ReLU forward, GELU's gradient backward, so a unit that is
+    off still receives gradient and can switch back on. ``none``: identity (SimCLR).
+    """
+    if kind == "relu":
+        return F.relu(z)
+    if kind == "rep_relu":
+        g = F.gelu(z)
+        return g - g.detach() + F.relu(z).detach()
+    if kind == "none":
+        return z
+    raise ValueError(f"unknown non-negativity {kind!r}; expected relu, rep_relu or none")
+
+
+def topk_mask(z: torch.Tensor, k: int) -> torch.Tensor:
+    """A constant 0/1 mask (R x K) keeping the k largest entries of each row (the NCL+TopK baseline)."""
+    idx = z.detach().topk(k, dim=1).indices
+    return torch.zeros_like(z).scatter_(1, idx, 1.0)

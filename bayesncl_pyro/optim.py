@@ -1,0 +1,71 @@
+"""Optimizers and the learning-rate schedule of the reference recipe."""
+
+import math
+
+import torch
+
+WARMUP_START_LR = 3e-5  # the reference warms every group up from this absolute lr
+
+
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and a layer-wise trust ratio (You et al., 2017), as solo-learn uses it.
+
+    For every weight with more than one dimension the step is scaled by
+    ``eta * ||w|| / (||g|| + wd * ||w||)``, capped at 1 relative to the group lr (``clip_lr``); biases,
+    norm layers and other 1-D parameters take plain SGD steps without weight decay.
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 eta: float = 0.02, clip_lr: bool = True, eps: float = 1e-8):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta,
+                                      clip_lr=clip_lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            wd, lr = group["weight_decay"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d_p = p.grad
+                if p.ndim > 1:
+                    p_norm, g_norm = p.norm(), d_p.norm()
+                    trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
+                    if group["clip_lr"]:
+                        trust = (trust / lr).clamp(max=1.0)
+                    # tensors, not Python branches: no host sync per parameter
+                    trust = torch.where((p_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+                    d_p = d_p.add(p, alpha=wd) * trust
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = d_p.clone()
+                else:
+                    state["momentum_buffer"].mul_(group["momentum"]).add_(d_p)
+                p.add_(state["momentum_buffer"], alpha=-lr)
+
+
+def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float):
+    groups = [dict(g, weight_decay=g.get("weight_decay", weight_decay)) for g in groups]
+    if name == "lars":
+        return LARS(groups, lr=groups[0]["lr"], momentum=momentum)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=momentum)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=groups[0]["lr"])
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float) -> float:
+    """Multiplier of ``base_lr`` at ``step``: linear from WARMUP_START_LR to base_lr, then cosine to 0."""
+    if step < warmup_steps:
+        start = min(WARMUP_START_LR / base_lr, 1.0)
+        return start + (1 - start) * step / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
+    """Per-iteration LambdaLR, one warm-up/cosine curve per group (each relative to its own lr)."""
+    lambdas = [lambda s, lr=g["lr"]: warmup_cosine(s, warmup_steps, total_steps, lr)
+               for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

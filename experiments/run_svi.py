@@ -1,0 +1,97 @@
+"""Train CL, NCL or BayesNCL with SVI, then evaluate.
+
+    python experiments/run_svi.py                                   # BayesNCL on the bundled digits
+    python experiments/run_svi.py --dataset in100 --data-dir /data/imagenet --out runs/in100
+    torchrun --nproc_per_node=4 experiments/run_svi.py --dataset in100 --data-dir ...
+
+Rerunning a command with the same --out resumes it. Defaults marked "dataset" come from the
+dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS).
+"""
+
+import argparse
+import sys
+
+from bayesncl_pyro.config import GATES, METHODS, NONNEG, OPTIMIZERS, Config
+from bayesncl_pyro.data import DATASETS
+from bayesncl_pyro.errors import UserError
+from models.priors import PRIORS
+
+
+def parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s, "
+                   "bundled with scikit-learn, no download)")
+    g.add_argument("--data-dir", help="dataset folder (cifar10/100: pickled batches or {train,test}/<class>/; "
+                   "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
+    g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
+    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+
+    g = p.add_argument_group("method")
+    g.add_argument("--method", default=d.method, choices=METHODS, help="default: %(default)s")
+    g.add_argument("--nonneg", choices=NONNEG, help="non-negativity of z (default: dataset; none for cl)")
+    g.add_argument("--topk", type=int, default=d.topk, help="keep the k largest features per row, 0 = off "
+                   "(the NCL+TopK baseline)")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="InfoNCE tau (default: %(default)s)")
+
+    g = p.add_argument_group("gates and prior (bayesncl)")
+    g.add_argument("--prior", default=d.prior, help=f"one of {', '.join(PRIORS)} (default: %(default)s)")
+    g.add_argument("--prior-prob", type=float, default=d.prior_prob,
+                   help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
+    g.add_argument("--kl-weight", type=float, default=d.kl_weight,
+                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
+    g.add_argument("--gate", default=d.gate, choices=GATES,
+                   help="gate estimator: relaxed (sampled, straight-through), ste (threshold 0.5, "
+                   "deterministic), gs (Gumbel-sigmoid) (default: %(default)s)")
+    g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
+                   help="relaxation temperature of the gates (default: %(default)s)")
+    g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
+                   "(default: %(default)s)")
+    g.add_argument("--logit-bound", type=float, default=d.logit_bound,
+                   help="gate logits are squashed into (-b, b) so no gate saturates (default: %(default)s)")
+
+    g = p.add_argument_group("encoder")
+    g.add_argument("--encoder", choices=("resnet18", "cnn"), help="backbone (default: dataset)")
+    g.add_argument("--proj-hidden", type=int, help="projector and gating-head hidden width (default: dataset)")
+    g.add_argument("--proj-dim", type=int, help="K, the number of features and gates (default: dataset)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default: dataset (lars for the reference recipes)")
+    g.add_argument("--lr", type=float, help="base learning rate at batch 256, scaled by batch/256 (default: dataset)")
+    g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="gating-head learning rate, not "
+                   "batch-scaled (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="default: %(default)s")
+    g.add_argument("--epochs", type=int, help="passes over the training set (default: dataset)")
+    g.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: dataset)")
+    g.add_argument("--batch-size", type=int, help="images per step, two views each (default: dataset)")
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs); the "
+                   "schedule still spans --epochs")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default=d.out, help="run folder; rerunning into it resumes (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="default: %(default)s")
+    g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
+    g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
+                   help="steps between checkpoints (default: %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
+
+    try:
+        Trainer(Config(**vars(args))).fit()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The generative side: gates from the prior, InfoNCE on gated non-negative features as a likelihood factor.
+
+How lambda, the factor and the plate scaling fit together
+---------------------------------------------------------
+The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch holds R = 2B of them.
+Inside ``pyro.plate("rows", 2N, subsample=R rows)`` every site is scaled by 2N / R. Per row i:
+
+* ``pyro.factor("nce", -l_i)`` adds the row's InfoNCE loss l_i as a log-likelihood;
+* ``g_i ~ Bernoulli(rate)`` (K gates) sits under ``poutine.scale(lambda)`` in the model *and* the
+  guide, so TraceMeanField_ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)), the exact Bernoulli KL.
+
+So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(global latents)``, and the
+trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
+global-latent KL of hierarchical priors spread over the data set. Read lambda as the temperature of a
+Gibbs posterior, p(g | x) proportional to p(g) exp(-InfoNCE / lambda).
+
+NCL is this program without the gate site, and CL (SimCLR) also without non-negativity.
+"""
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from pyro import poutine
+from pyro.nn import PyroModule
+
+from bayesncl_pyro.losses import info_nce_rows, nonneg, topk_mask
+from models.priors import Prior
+
+
+def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
+    """The plate over view-rows: full size ``num_rows`` so sites are scaled by num_rows / batch_rows."""
+    return pyro.plate("rows", num_rows, subsample=torch.arange(batch_rows, device=device))
+
+
+class ContrastiveModel(PyroModule):
+    """p(g) p(x | g) for one minibatch of projector outputs.
+
+    Args:
+        num_rows: view-rows in the whole training set (2 per image).
+        temperature: InfoNCE tau.
+        nonneg: ``relu`` | ``rep_relu`` | ``none`` (CL).
+        topk: if > 0, keep only the k largest features per row (the NCL+TopK baseline).
+        prior: a :class:`models.priors.Prior` for BayesNCL, None for NCL / CL (no gate site).
+        kl_weight: lambda.
+    """
+
+    def __init__(self, num_rows: int, temperature: float = 0.2, nonneg: str = "relu", topk: int = 0,
+                 prior: Prior | None = None, kl_weight: float = 3e-5):
+        super().__init__()
+        self.num_rows, self.temperature = num_rows, temperature
+        self.nonneg, self.topk = nonneg, topk
+        self.prior, self.kl_weight = prior, kl_weight
+        # set by the trainer under DDP: gathers rows from all ranks -> (all rows, offset of ours)
+        self.gather = None
+
+    def features(self, z: torch.Tensor) -> torch.Tensor:
+        """Projector output (R x K) -> the L2-normalised (non-negative, top-k) features, before gating."""
+        z = nonneg(z, self.nonneg)
+        if self.topk:
+            z = z * topk_mask(z, self.topk)
+        return F.normalize(z, dim=1)
+
+    def forward(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """z: R x K projector output, h: R x D backbone features (used by the guide only).
+        Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns the per-row InfoNCE."""
+        u = self.features(z)
+        rows = u.shape[0]
+        if self.prior is not None:
+            with poutine.scale(scale=self.kl_weight):
+                rate = self.prior.rate()
+        with rows_plate(self.num_rows, rows, u.device):
+            if self.prior is not None:
+                with poutine.scale(scale=self.kl_weight):
+                    g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
+                u = F.normalize(u * g, dim=1)
+            if self.gather is None:
+                nce = info_nce_rows(u, self.temperature)
+            else:
+                columns, offset = self.gather(u)
+                nce = info_nce_rows(u, self.temperature, columns, offset)
+            pyro.factor("nce", -nce)
+        self.last_nce = nce.detach().mean()  # for monitoring only: read by the trainer's log
+        return nce

@@ -1,0 +1,139 @@
+"""Swappable priors over the feature gates.
+
+A prior says how likely each of the K gates of a row is to be on. It is called inside the model, where
+it may sample global latents of its own (always under the KL weight, see ``models/bayesncl.py``), and
+returns the per-dimension inclusion rate. A prior with global latents also supplies the variational
+family for them through :meth:`Prior.make_guide`, which the amortized guide calls.
+
+To add a prior, subclass :class:`Prior`, decorate it with ``@register("my-name")`` and pass
+``--prior my-name``. Every constructor takes ``num_features`` and ``prior_prob`` (the rate, or its
+mean) and validates what it is given.
+"""
+
+from typing import ClassVar
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.nn import PyroModule, PyroParam
+from torch.distributions import constraints
+
+from bayesncl_pyro.errors import UserError
+
+PRIORS: dict[str, type["Prior"]] = {}
+
+
+def register(name: str):
+    """Class decorator adding a prior to the registry under ``name``."""
+
+    def add(cls):
+        cls.name = name
+        PRIORS[name] = cls
+        return cls
+
+    return add
+
+
+def build_prior(name: str, num_features: int, prior_prob: float, **kwargs) -> "Prior":
+    if name not in PRIORS:
+        raise UserError(f"unknown prior {name!r}; choose one of: {', '.join(sorted(PRIORS))}")
+    return PRIORS[name](num_features, prior_prob, **kwargs)
+
+
+def _check_rate(prior_prob: float) -> float:
+    if not 0.0 < prior_prob < 1.0:
+        raise UserError(f"prior inclusion rate must lie strictly between 0 and 1, got {prior_prob}; "
+                        "pass e.g. --prior-prob 0.8 (the published value)")
+    return float(prior_prob)
+
+
+class Prior(PyroModule):
+    """p(rate) p(g | rate) for the gates; subclasses implement :meth:`rate`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, num_features: int, prior_prob: float):
+        super().__init__()
+        self.num_features = num_features
+        self.prior_prob = _check_rate(prior_prob)
+
+    def rate(self) -> torch.Tensor:
+        """Inclusion rate of each gate, shape (K,); may sample global latents (model side)."""
+        raise NotImplementedError
+
+    def make_guide(self) -> PyroModule | None:
+        """Variational posterior for this prior's global latents, or None if it has none."""
+        return None
+
+    def mean_rate(self) -> torch.Tensor:
+        """A point summary of the inclusion rate (K,), for logs and reports."""
+        return self.rate().detach()
+
+
+@register("bernoulli")
+class BernoulliPrior(Prior):
+    """g_k ~ Bernoulli(rho), one fixed rate for every gate (the paper's prior; rho = 0.8 published)."""
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8):
+        super().__init__(num_features, prior_prob)
+        self.register_buffer("_rate", torch.full((num_features,), self.prior_prob))
+
+    def rate(self):
+        return self._rate
+
+
+@register("learned")
+class LearnedPrior(Prior):
+    """g_k ~ Bernoulli(rho_k) with rho_k a parameter fitted by maximising the ELBO (empirical Bayes).
+
+    Starts at ``prior_prob``; the ELBO's optimum is rho_k = the mean posterior inclusion rate of
+    dimension k, so the prior follows what the data use instead of pulling every gate to one rate.
+    """
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8):
+        super().__init__(num_features, prior_prob)
+        self.logit_rate = PyroParam(torch.full((num_features,), self.prior_prob).logit())
+
+    def rate(self):
+        return self.logit_rate.sigmoid()
+
+
+@register("beta-bernoulli")
+class BetaBernoulliPrior(Prior):
+    """rho_k ~ Beta(a, b), g_k ~ Bernoulli(rho_k): a per-dimension rate with a hyperprior.
+
+    ``prior_prob`` is the Beta mean a / (a + b) and ``concentration`` is a + b (how strongly the rates
+    are tied to that mean). The rates are global latents ("rate") with a Beta posterior per dimension.
+    """
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
+        super().__init__(num_features, prior_prob)
+        if not concentration > 0:
+            raise UserError(f"Beta concentration must be positive, got {concentration}")
+        a, b = self.prior_prob * concentration, (1 - self.prior_prob) * concentration
+        self.register_buffer("a", torch.full((num_features,), a))
+        self.register_buffer("b", torch.full((num_features,), b))
+
+    def rate(self):
+        return pyro.sample("rate", dist.Beta(self.a, self.b).to_event(1))
+
+    def make_guide(self):
+        return BetaRateGuide(self.a, self.b)
+
+    def mean_rate(self):
+        return self.a / (self.a + self.b)
+
+
+class BetaRateGuide(PyroModule):
+    """q(rho_k) = Beta(a_k, b_k), initialised at the prior."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.a = PyroParam(a.clone(), constraint=constraints.positive)
+        self.b = PyroParam(b.clone(), constraint=constraints.positive)
+
+    def forward(self):
+        return pyro.sample("rate", dist.Beta(self.a, self.b).to_event(1))
+
+    def mean(self) -> torch.Tensor:
+        return (self.a / (self.a + self.b)).detach()

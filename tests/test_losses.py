@@ -1,0 +1,81 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bayesncl_pyro.losses import bernoulli_kl, info_nce, info_nce_rows, nonneg, topk_mask
+
+
+def test_info_nce_hand_computed():
+    # two images, orthogonal one-hot features, identical views: every row has one positive at
+    # similarity 1 and two negatives at similarity 0
+    z = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    tau = 0.5
+    pos, neg = math.exp(1 / tau), 2 * math.exp(0.0)
+    expected = -math.log(pos / (pos + neg))
+    assert info_nce(z, z, tau).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_info_nce_matches_reference_formula_on_random_rows():
+    torch.manual_seed(0)
+    b, k, tau = 5, 7, 0.2
+    z1, z2 = F.normalize(torch.randn(b, k), dim=1), F.normalize(torch.randn(b, k), dim=1)
+    u = torch.cat([z1, z2])
+    s = torch.exp(u @ u.T / tau)
+    losses = []
+    for i in range(2 * b):
+        j = (i + b) % (2 * b)
+        neg = sum(s[i, m] for m in range(2 * b) if m not in (i, j))
+        losses.append(-torch.log(s[i, j] / (s[i, j] + neg)))
+    assert info_nce(z1, z2, tau).item() == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+def test_info_nce_rows_against_gathered_columns_equals_local():
+    # under DDP each rank contrasts its rows against the rows of all ranks
+    torch.manual_seed(1)
+    a, b = F.normalize(torch.randn(6, 4), dim=1), F.normalize(torch.randn(6, 4), dim=1)
+    cols = torch.cat([a, b])
+    rows_a = info_nce_rows(a, 0.2, cols, offset=0)
+    rows_b = info_nce_rows(b, 0.2, cols, offset=6)
+    # the same as a single program that holds both blocks, each with its own positives
+    s = cols @ cols.T / 0.2
+    s.fill_diagonal_(float("-inf"))
+    pos = torch.tensor([3, 4, 5, 0, 1, 2, 9, 10, 11, 6, 7, 8])
+    expected = torch.logsumexp(s, 1) - s[torch.arange(12), pos]
+    torch.testing.assert_close(torch.cat([rows_a, rows_b]), expected)
+
+
+def test_all_zero_row_is_allowed():
+    u = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+    loss = info_nce_rows(u, 0.2)
+    assert torch.isfinite(loss).all()
+    assert loss[0].item() == pytest.approx(math.log(3))  # three equal similarities of 0
+
+
+def test_bernoulli_kl_hand_values_and_clamp():
+    alpha, rho = torch.tensor([0.5, 0.9]), 0.8
+    expected = [0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2),
+                0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2)]
+    torch.testing.assert_close(bernoulli_kl(alpha, rho), torch.tensor(expected))
+    # alpha = 0 is clamped to 0.01: finite, and equal to the KL at 0.01
+    assert bernoulli_kl(torch.tensor([0.0]), rho).item() == pytest.approx(bernoulli_kl(torch.tensor([0.01]), rho).item())
+    assert bernoulli_kl(torch.tensor([0.8]), 0.8).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_rep_relu_forward_is_relu_backward_is_gelu():
+    z = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+    out = nonneg(z, "rep_relu")
+    torch.testing.assert_close(out, F.relu(z))
+    out.sum().backward()
+    zz = z.detach().clone().requires_grad_()
+    F.gelu(zz).sum().backward()
+    torch.testing.assert_close(z.grad, zz.grad)
+    assert z.grad[0] != 0  # an inactive unit still learns
+    with pytest.raises(ValueError, match="non-negativity"):
+        nonneg(z, "softplus")
+
+
+def test_topk_mask_keeps_k_largest():
+    z = torch.tensor([[0.1, 0.9, 0.5, 0.3], [4.0, 1.0, 2.0, 3.0]])
+    torch.testing.assert_close(topk_mask(z, 2), torch.tensor([[0.0, 1, 1, 0], [1, 0, 0, 1]]))

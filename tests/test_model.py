@@ -1,0 +1,152 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import TraceMeanField_ELBO
+
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows
+from guides.gates import GATES, GateGuide, GumbelSigmoidGate, ThresholdGate
+from models.bayesncl import ContrastiveModel
+from models.priors import PRIORS, BetaBernoulliPrior, build_prior
+
+R, K, D, N = 12, 8, 10, 1000
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(R, K, requires_grad=True), torch.randn(R, D)
+
+
+def _program(estimator="ste", prior="bernoulli", kl_weight=3e-5, rho=0.8):
+    p = build_prior(prior, K, rho)
+    model = ContrastiveModel(N, 0.2, "relu", prior=p, kl_weight=kl_weight)
+    guide = GateGuide(D, 16, K, N, estimator=estimator, kl_weight=kl_weight, rate_guide=p.make_guide())
+    return model, guide
+
+
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_kl_is_registered_and_is_the_discrete_bernoulli_kl(gate):
+    logits = torch.randn(5, K)
+    q = GATES[gate](torch.tensor(1.0), logits=logits)
+    kl = torch.distributions.kl_divergence(q, dist.Bernoulli(torch.full((5, K), 0.8)))
+    torch.testing.assert_close(kl, bernoulli_kl(logits.sigmoid(), 0.8))
+
+
+def test_parity_with_reference_formula_ste():
+    """-ELBO / num_rows with the STE gate == InfoNCE + lambda * mean_rows sum_dims KL (METHOD.md)."""
+    z, h = _inputs()
+    model, guide = _program("ste")
+    loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
+    alpha = guide.logits(h).sigmoid()
+    u = F.normalize(F.normalize(F.relu(z), dim=1) * (alpha > 0.5).float(), dim=1)
+    reference = info_nce_rows(u, 0.2).mean() + 3e-5 * bernoulli_kl(alpha, 0.8).sum(1).mean()
+    assert abs(loss.item() - reference.item()) < 1e-5
+
+
+def test_kl_weight_scales_only_the_kl():
+    z, h = _inputs()
+    losses = {}
+    for lam in (1e-3, 2e-3):
+        torch.manual_seed(5)
+        model, guide = _program("ste", kl_weight=lam)
+        losses[lam] = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h).item() / N
+        nce = model.last_nce.item()
+    # same head init (same seed) -> same gates -> same InfoNCE; the KL part doubles
+    assert losses[2e-3] - nce == pytest.approx(2 * (losses[1e-3] - nce), rel=1e-4)
+
+
+def test_gate_estimators_forward_hard_and_backward_to_alpha():
+    logits = torch.randn(4, K, requires_grad=True)
+    g = ThresholdGate(torch.tensor(1.0), logits=logits).rsample()
+    torch.testing.assert_close(g, (logits.sigmoid() > 0.5).float())
+    g.sum().backward()
+    torch.testing.assert_close(logits.grad, (logits.sigmoid() * (1 - logits.sigmoid())).detach())
+    for cls in (GumbelSigmoidGate, dist.RelaxedBernoulliStraightThrough):
+        v = cls(torch.tensor(1.0), logits=torch.randn(4, K)).rsample()
+        assert set(v.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_relaxed_gate_on_rate_matches_sigmoid_of_logits():
+    logits = torch.tensor([-1.0, 0.0, 2.0]).expand(20000, 3)
+    g = dist.RelaxedBernoulliStraightThrough(torch.tensor(0.5), logits=logits).rsample()
+    torch.testing.assert_close(g.mean(0), torch.tensor([-1.0, 0.0, 2.0]).sigmoid(), atol=0.015, rtol=0)
+
+
+def test_logits_are_bounded_with_gradient():
+    _, guide = _program()
+    h = torch.randn(R, D)
+    raw = guide.head(h)
+    h = h * (2 * guide.logit_bound / raw.abs().max())  # raw logits up to twice the bound (head is ReLU-homogeneous up to bias)
+    logits = guide.logits(h)
+    assert logits.abs().max() <= guide.logit_bound
+    logits.abs().max().backward()
+    # a squashed, not clipped, logit: the largest one still passes gradient to the head
+    assert guide.head[-1].weight.grad.abs().sum() > 0
+
+
+def test_head_does_not_train_the_backbone():
+    z, h = _inputs()
+    h = h.requires_grad_()
+    model, guide = _program("relaxed")
+    TraceMeanField_ELBO().differentiable_loss(model, guide, z, h).backward()
+    assert h.grad is None and z.grad is not None
+
+
+@pytest.mark.parametrize("prior", sorted(PRIORS))
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_every_prior_and_gate_trains_one_step(prior, gate):
+    z, h = _inputs()
+    model, guide = _program(gate, prior)
+    params = list(guide.parameters()) + list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params + [z], lr=0.1)
+    loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, params))
+
+
+def test_beta_bernoulli_has_a_global_rate_latent_in_model_and_guide():
+    z, h = _inputs()
+    model, guide = _program("relaxed", "beta-bernoulli")
+    tr = pyro.poutine.trace(guide).get_trace(z, h)
+    assert tr.nodes["rate"]["fn"].event_shape == (K,)
+    assert {"rate", "g"} <= set(tr.stochastic_nodes)
+    assert tr.nodes["rate"]["scale"] == pytest.approx(3e-5)  # global: lambda, no plate scaling
+    prior = BetaBernoulliPrior(K, 0.7, concentration=4.0)
+    torch.testing.assert_close(prior.mean_rate(), torch.full((K,), 0.7))
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.2, 1.5])
+def test_bad_prior_rate_is_rejected(bad):
+    with pytest.raises(UserError, match="between 0 and 1"):
+        build_prior("bernoulli", K, bad)
+
+
+def test_bad_beta_concentration_and_unknown_prior():
+    with pytest.raises(UserError, match="concentration must be positive"):
+        BetaBernoulliPrior(K, 0.8, concentration=0.0)
+    with pytest.raises(UserError, match="beta-bernoulli"):
+        build_prior("spike-slab", K, 0.8)
+
+
+@pytest.mark.parametrize("method", ["cl", "ncl", "bayesncl"])
+def test_all_methods_train_through_one_svi_path(method):
+    cfg = resolve(Config(method=method, proj_hidden=32, proj_dim=16))
+    learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
+    x = torch.randn(8, 1, 8, 8)
+    loss = learner(x)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert learner.gated == (method == "bayesncl")
+    h, feats = learner.representation(x)
+    assert feats.shape == (8, 16)
+    if method == "cl":
+        assert (feats < 0).any()
+    else:
+        assert (feats >= 0).all()
