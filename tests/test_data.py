@@ -1,0 +1,262 @@
+"""Data loading and augmentation, on tiny generated folders (plus the real CIFAR-10 archive when present)."""
+
+import pickle
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
+from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
+from bayesncl_pyro.errors import UserError
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def write_image(path: Path, mode: str = "RGB", size=(12, 10), fmt: str | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    color = {"L": 128, "RGBA": (10, 20, 30, 40), "CMYK": (10, 20, 30, 40)}.get(mode, (200, 100, 50))
+    Image.new(mode, size, color).save(path, format=fmt)
+    return path
+
+
+def make_tree(root: Path, splits: dict[str, list[str]], ext: str = ".png") -> Path:
+    """``root/<split>/<class>/0<ext>`` with one small image per class."""
+    for split, classes in splits.items():
+        for c in classes:
+            write_image(root / split / c / f"0{ext}")
+    return root
+
+
+# --------------------------------------------------------------------------------------------- digits
+
+
+def test_digits_sizes_shapes_and_stratified_split():
+    spec = load_dataset("digits")
+    assert (len(spec.train), len(spec.test)) == (1437, 360)
+    assert spec.num_classes == 10 and spec.channels == 1 and spec.image_size == 8
+    image, label = spec.train[0]
+    assert image.shape == (1, 8, 8) and image.dtype == torch.uint8 and isinstance(label, int)
+    assert int(spec.train.images.max()) == 255
+    # Stratified: every class keeps about 20% of its images in the test split.
+    train_counts, test_counts = Counter(spec.train.labels), Counter(spec.test.labels)
+    for c in range(10):
+        assert abs(test_counts[c] / (train_counts[c] + test_counts[c]) - 0.2) < 0.02
+
+
+def test_digits_split_is_determined_by_seed():
+    a, b, c = load_dataset("digits", seed=1), load_dataset("digits", seed=1), load_dataset("digits", seed=2)
+    assert torch.equal(a.test.images, b.test.images) and a.test.labels == b.test.labels
+    assert not torch.equal(a.test.images, c.test.images)
+
+
+# --------------------------------------------------------------------------------------- image folders
+
+
+def test_imagefolder_converts_every_mode_to_rgb(tmp_path):
+    make_tree(tmp_path, {"train": ["cat", "dog"], "val": ["cat", "dog"]})
+    write_image(tmp_path / "train" / "cat" / "gray.png", "L")
+    write_image(tmp_path / "train" / "cat" / "alpha.png", "RGBA")
+    write_image(tmp_path / "train" / "dog" / "cmyk.JPEG", "CMYK", fmt="JPEG")
+    (tmp_path / "train" / "dog" / "notes.txt").write_text("not an image")
+    spec = load_dataset("imagefolder", tmp_path)
+    assert spec.classes == ["cat", "dog"] and spec.image_size == 224 and spec.channels == 3
+    assert (len(spec.train), len(spec.test)) == (5, 2)
+    assert sorted(label for _, label in spec.train) == [0, 0, 0, 1, 1]
+    for image, _ in spec.train:
+        assert image.mode == "RGB" and image.size == (12, 10)
+
+
+@pytest.mark.parametrize(
+    "splits, match",
+    [
+        ({"train": ["a"]}, "exactly one of val/ or test/"),
+        ({"val": ["a"]}, "should hold train/"),
+        ({"train": ["a", "b"], "val": ["a", "c"]}, "only in train b, only in val c"),
+    ],
+)
+def test_imagefolder_layout_errors(tmp_path, splits, match):
+    make_tree(tmp_path, splits)
+    with pytest.raises(UserError, match=match):
+        load_dataset("imagefolder", tmp_path)
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    make_tree(tmp_path, {"train": ["a"], "test": ["a"]})
+    (tmp_path / "train" / "empty").mkdir()
+    with pytest.raises(UserError, match=r"class folder .*empty holds no images"):
+        load_dataset("imagefolder", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100", "imagefolder", "in100"])
+def test_missing_data_dir_names_expected_layout(tmp_path, name):
+    with pytest.raises(UserError, match="needs a data directory"):
+        load_dataset(name)
+    with pytest.raises(UserError, match="does not exist"):
+        load_dataset(name, tmp_path / "nowhere")
+
+
+def test_unknown_dataset_lists_valid_names():
+    with pytest.raises(UserError, match=", ".join(DATASETS)):
+        load_dataset("mnist")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_bad_image_raises_or_is_skipped(tmp_path, damage):
+    make_tree(tmp_path, {"train": ["a"], "test": ["a"]}, ext=".jpg")
+    good = write_image(tmp_path / "train" / "a" / "1.jpg", size=(64, 64))
+    bad = tmp_path / "train" / "a" / "bad.jpg"
+    bad.write_bytes(b"not a jpeg" if damage == "garbage" else good.read_bytes()[:300])
+    spec = load_dataset("imagefolder", tmp_path)
+    i = [path for path, _ in spec.train.samples].index(bad)
+    with pytest.raises(UserError, match=str(bad)):
+        spec.train[i]
+    skipping = load_dataset("imagefolder", tmp_path, skip_bad=True).train
+    image, label = skipping[i]
+    assert image.mode == "RGB" and label == 0 and skipping.bad_files == [str(bad)]
+
+
+# ---------------------------------------------------------------------------------------------- CIFAR
+
+
+def write_cifar_pickles(root: Path, name: str, rows: int = 4) -> Path:
+    """A few rows of the official python-version CIFAR files (Python 2 style byte-string keys)."""
+    rng = np.random.default_rng(0)
+
+    def dump(path, obj):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(obj))
+
+    def batch(label_key, num_classes):
+        return {b"data": rng.integers(0, 256, (rows, 3072), dtype=np.uint8),
+                label_key: [int(y) for y in rng.integers(0, num_classes, rows)]}
+
+    if name == "cifar10":
+        folder = root / "cifar-10-batches-py"
+        for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            dump(folder / f, batch(b"labels", 10))
+        dump(folder / "batches.meta", {b"label_names": [f"c{i}".encode() for i in range(10)]})
+    else:
+        folder = root / "cifar-100-python"
+        for f in ("train", "test"):
+            dump(folder / f, {**batch(b"fine_labels", 100), b"coarse_labels": [0] * rows})
+        dump(folder / "meta", {b"fine_label_names": [f"f{i}".encode() for i in range(100)]})
+    return folder
+
+
+@pytest.mark.parametrize("name, train_rows, classes", [("cifar10", 20, 10), ("cifar100", 4, 100)])
+@pytest.mark.parametrize("point_at_folder", [True, False])
+def test_cifar_pickles(tmp_path, name, train_rows, classes, point_at_folder):
+    folder = write_cifar_pickles(tmp_path, name)
+    spec = load_dataset(name, folder if point_at_folder else tmp_path)
+    assert (len(spec.train), len(spec.test), spec.num_classes, spec.image_size) == (train_rows, 4, classes, 32)
+    image, label = spec.test[1]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and 0 <= label < classes
+    # Channel-planar rows: the first 1024 bytes are the red plane.
+    raw = pickle.loads((folder / ("test_batch" if name == "cifar10" else "test")).read_bytes())[b"data"][1]
+    assert torch.equal(image[0].flatten(), torch.from_numpy(raw[:1024]))
+
+
+def test_cifar_image_folder_variant_and_errors(tmp_path):
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    make_tree(tmp_path, {"train": names, "test": names}, ext=".jpg")
+    spec = load_dataset("cifar10", tmp_path)
+    assert spec.classes == names and spec.image_size == 32
+    with pytest.raises(UserError, match="cifar100 has 100"):
+        load_dataset("cifar100", tmp_path)
+    with pytest.raises(UserError, match="cifar-10-batches-py"):
+        load_dataset("cifar10", tmp_path / "train" / "cat")
+
+
+def test_real_cifar10_archive(tmp_path):
+    archive = SHARED_DATA / "cifar10-jpeg.tar.gz"
+    if not archive.is_file():
+        pytest.skip(f"real data archive {archive} is absent (CI keeps it in ../shared/data beside the repo)")
+    per_class = Counter()
+    with tarfile.open(archive, "r|gz") as tar:  # streaming: stop as soon as enough members are out
+        for member in tar:
+            parts = Path(member.name).parts  # cifar10/<split>/<class>/<file>
+            if member.isfile() and len(parts) == 4 and per_class[parts[1:3]] < 2:
+                target = tmp_path.joinpath(*parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())
+                per_class[parts[1:3]] += 1
+                if len(per_class) == 20 and min(per_class.values()) == 2:
+                    break
+    spec = load_dataset("cifar10", tmp_path / "cifar10")
+    assert spec.classes[0] == "airplane" and spec.classes[-1] == "truck"
+    assert (len(spec.train), len(spec.test)) == (20, 20)
+    image, _ = spec.train[0]
+    assert image.size == (32, 32) and image.mode == "RGB"
+    views = TwoViews(spec.train, simclr_transform(32))[5]
+    assert views[0].shape == (3, 32, 32) and views[2] == 2
+
+
+# ------------------------------------------------------------------------------------------- ImageNet
+
+
+@pytest.fixture(scope="module")
+def in100_wnids():
+    wnids = imagenet100_classes()
+    assert len(set(wnids)) == 100
+    return wnids
+
+
+def test_in100_selects_the_listed_classes_from_full_imagenet(tmp_path, in100_wnids):
+    extra = ["n00000001", "n99999999"]
+    make_tree(tmp_path, {s: in100_wnids + extra for s in ("train", "val")}, ext=".JPEG")
+    spec = load_dataset("in100", tmp_path)
+    assert spec.classes == sorted(in100_wnids) and spec.image_size == 224
+    assert (len(spec.train), len(spec.test)) == (100, 100)
+
+
+def test_in100_accepts_an_in100_folder_and_names_missing_classes(tmp_path, in100_wnids):
+    make_tree(tmp_path, {s: in100_wnids for s in ("train", "val")})
+    assert load_dataset("in100", tmp_path).num_classes == 100
+    for wnid in in100_wnids[:3]:
+        for f in (tmp_path / "val" / wnid).iterdir():
+            f.unlink()
+        (tmp_path / "val" / wnid).rmdir()
+    with pytest.raises(UserError, match=r"lacks 3 of the 100 .*" + sorted(in100_wnids[:3])[0]):
+        load_dataset("in100", tmp_path)
+
+
+def test_in100_flat_val_asks_for_class_folders(tmp_path, in100_wnids):
+    make_tree(tmp_path, {"train": in100_wnids})
+    write_image(tmp_path / "val" / "ILSVRC2012_val_00000001.JPEG", fmt="JPEG")
+    with pytest.raises(UserError, match="val/<wnid>/ class folders"):
+        load_dataset("in100", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- augment
+
+
+@pytest.mark.parametrize("size, channels", [(8, 1), (32, 3), (64, 3)])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_transforms_output_float_tensors(size, channels, as_tensor):
+    pil = Image.new("L" if channels == 1 else "RGB", (size + 5, size + 3), 90)
+    image = torch.from_numpy(np.array(pil)).reshape(size + 3, size + 5, -1).permute(2, 0, 1) if as_tensor else pil
+    for transform in (simclr_transform(size, channels), eval_transform(size, channels)):
+        out = transform(image)
+        assert type(out) is torch.Tensor and out.dtype == torch.float32 and out.shape == (channels, size, size)
+
+
+def test_bad_normalisation_is_a_user_error():
+    with pytest.raises(UserError, match="need 1 values"):
+        simclr_transform(8, 1, mean=(0.1, 0.2, 0.3), std=(1, 1, 1))
+
+
+def test_two_views_differ_and_reseeding_reproduces_them():
+    spec = load_dataset("digits")
+    pairs = TwoViews(spec.train, simclr_transform(8, 1))
+    torch.manual_seed(3)
+    v1, v2, label, index = pairs[7]
+    assert v1.shape == v2.shape == (1, 8, 8) and label == spec.train[7][1] and index == 7
+    assert not torch.equal(v1, v2)
+    torch.manual_seed(3)
+    w1, w2, _, _ = pairs[7]
+    assert torch.equal(v1, w1) and torch.equal(v2, w2)
