@@ -88,16 +88,22 @@ def _to_normalized_float(channels: int, mean: Sequence[float] | None, std: Seque
 class TwoViews(Dataset):
     """Item ``i`` of ``dataset`` as ``(view1, view2, label, i)``: two independent draws of ``transform``.
 
-    The index lets per-sample quantities (e.g. local latent variables) be looked up by item.
+    Indices past ``len(dataset)`` encode the epoch, ``epoch * len + i`` (see ``EpochSampler``), and the
+    views of item i in an epoch are drawn from an RNG seeded by ``(seed, epoch, i)``: the same views
+    whatever the number of workers, and after a resume in the middle of an epoch.
     """
 
-    def __init__(self, dataset: Dataset, transform: Callable):
+    def __init__(self, dataset: Dataset, transform: Callable, seed: int = 0):
         self.dataset = dataset
         self.transform = transform
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        i = index % len(self.dataset)
         image, label = self.dataset[i]
-        return self.transform(image), self.transform(image), label, i
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + index)
+            return self.transform(image), self.transform(image), label, i

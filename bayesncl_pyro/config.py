@@ -16,8 +16,8 @@ OPTIMIZERS = ("lars", "sgd", "adamw")
 
 # The reference recipes (METHOD.md section 3) for CIFAR and ImageNet-100; digits is our CPU demo.
 DATASET_DEFAULTS = {
-    "digits": dict(image_size=8, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=60,
-                   batch_size=256, optimizer="sgd", lr=0.5, warmup_epochs=5),
+    "digits": dict(image_size=8, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=50,
+                   batch_size=256, optimizer="sgd", lr=0.1, warmup_epochs=2),
     "cifar10": dict(image_size=32, encoder="resnet18", proj_hidden=2048, proj_dim=256, nonneg="rep_relu", epochs=200,
                     batch_size=256, optimizer="lars", lr=0.4, warmup_epochs=10),
     "in100": dict(image_size=224, encoder="resnet18", proj_hidden=16384, proj_dim=2048, nonneg="relu", epochs=100,

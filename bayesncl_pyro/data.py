@@ -133,7 +133,7 @@ _EXPECTED_LAYOUT = {
 
 def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
     if data_dir is None:
-        raise UserError(f"dataset {name!r} needs a data directory: pass {_EXPECTED_LAYOUT[name]}")
+        raise UserError(f"dataset {name!r} needs a data directory (--data-dir): {_EXPECTED_LAYOUT[name]}")
     root = Path(data_dir).expanduser()
     if not root.is_dir():
         raise UserError(f"data directory {root} does not exist; for {name!r} pass {_EXPECTED_LAYOUT[name]}")

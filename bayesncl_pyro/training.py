@@ -36,7 +36,8 @@ CHECKPOINT = "checkpoint.pt"
 
 class EpochSampler(Sampler):
     """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
-    resuming mid-epoch replays exactly the remaining batches of the interrupted epoch."""
+    resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
+    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item."""
 
     def __init__(self, n: int, batch_size: int, seed: int):
         self.n, self.batch_size, self.seed = n, batch_size, seed
@@ -48,7 +49,7 @@ class EpochSampler(Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:]
-        return iter(order.tolist())
+        return iter((order + self.epoch * self.n).tolist())
 
     def __len__(self):
         return self.n - self.start * self.batch_size
@@ -158,10 +159,12 @@ class Trainer:
     # -- training -----------------------------------------------------------------------------
     def _loader(self, sampler: EpochSampler) -> DataLoader:
         cfg = self.cfg
-        views = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels))
+        views = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
+        # its own generator: creating an epoch's iterator must not draw from the global RNG, which
+        # the gate samples use and the checkpoint restores
         return DataLoader(views, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                           num_workers=cfg.workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
-                          persistent_workers=False)
+                          persistent_workers=cfg.workers > 0, generator=torch.Generator())
 
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():

@@ -250,13 +250,19 @@ def test_bad_normalisation_is_a_user_error():
         simclr_transform(8, 1, mean=(0.1, 0.2, 0.3), std=(1, 1, 1))
 
 
-def test_two_views_differ_and_reseeding_reproduces_them():
+def test_two_views_differ_and_are_seeded_by_epoch_and_item():
     spec = load_dataset("digits")
-    pairs = TwoViews(spec.train, simclr_transform(8, 1))
-    torch.manual_seed(3)
+    pairs = TwoViews(spec.train, simclr_transform(8, 1), seed=3)
+    n = len(spec.train)
+    torch.manual_seed(0)
     v1, v2, label, index = pairs[7]
     assert v1.shape == v2.shape == (1, 8, 8) and label == spec.train[7][1] and index == 7
     assert not torch.equal(v1, v2)
-    torch.manual_seed(3)
+    torch.manual_seed(1)  # the global RNG neither matters nor moves
+    state = torch.get_rng_state()
     w1, w2, _, _ = pairs[7]
     assert torch.equal(v1, w1) and torch.equal(v2, w2)
+    assert torch.equal(state, torch.get_rng_state())
+    e1, _, _, index = pairs[n + 7]  # the same item in the next epoch: new views
+    assert index == 7 and not torch.equal(e1, v1)
+    assert not torch.equal(TwoViews(spec.train, simclr_transform(8, 1), seed=4)[7][0], v1)

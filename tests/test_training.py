@@ -1,0 +1,112 @@
+import json
+
+import pytest
+import torch
+
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.optim import LARS, WARMUP_START_LR, warmup_cosine
+from bayesncl_pyro.training import Trainer, load_checkpoint, load_learner
+
+# a tiny digits run: 2 epochs of 7 steps at batch 200
+TINY = dict(dataset="digits", proj_hidden=64, proj_dim=32, batch_size=200, epochs=2, warmup_epochs=0.5,
+            workers=0, log_every=1, ckpt_every=3)
+
+
+def tiny(tmp_path, **kw):
+    return Config(out=str(tmp_path / "run"), **{**TINY, **kw})
+
+
+def _params(trainer):
+    return {k: v.clone() for k, v in trainer.learner.state_dict().items()}
+
+
+def test_digits_training_lowers_the_loss_and_keeps_gates_alive(tmp_path):
+    cfg = tiny(tmp_path, epochs=12, warmup_epochs=1, lr=0.06, log_every=7)
+    results = Trainer(cfg, progress=False).fit()
+    log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert log[-1]["loss"] < log[0]["loss"] - 0.1
+    for key in ("step", "epoch", "lr", "loss", "nce", "kl", "gate_rate", "incl_min", "incl_max", "grad_norm",
+                "images_per_s"):
+        assert key in log[-1]
+    assert 0.05 < log[-1]["gate_rate"] < 0.995  # neither all dead nor all open
+    assert results["linear_probe_top1"] > 0.5  # chance is 0.1
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    for key in ("semantic_consistency", "semantic_entropy", "activation_rate", "active_dims", "sparsity",
+                "effective_rank", "linear_probe_top1", "linear_probe_top5", "knn_top1"):
+        assert key in saved
+        assert key == "active_dims" or key in ("semantic_entropy", "effective_rank") or 0 <= saved[key] <= 1
+
+
+def test_resume_continues_exactly(tmp_path):
+    """An interrupted run (max_steps) continued with the same command ends with the parameters of an
+    uninterrupted run."""
+    straight = Trainer(tiny(tmp_path / "a"), progress=False)
+    straight.train(straight.total_steps)
+    first = Trainer(tiny(tmp_path / "b", max_steps=9), progress=False)  # stops mid-epoch 2
+    first.train(9)
+    first.save()
+    resumed = Trainer(tiny(tmp_path / "b"), progress=False)
+    assert resumed.step == 9
+    resumed.train(resumed.total_steps)
+    a, b = _params(straight), _params(resumed)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_checkpoint_round_trip_and_finished_run_is_not_retrained(tmp_path, capsys):
+    cfg = tiny(tmp_path, epochs=1, warmup_epochs=0)
+    first = Trainer(cfg, progress=False).fit()
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert ckpt["finished"] and ckpt["step"] == 7 and ckpt["config"]["proj_dim"] == 32
+    learner, saved_cfg = load_learner(tmp_path / "run")
+    assert saved_cfg == resolve(cfg)
+    assert not learner.training
+    before = (tmp_path / "run" / "checkpoint.pt").stat().st_mtime_ns
+    again = Trainer(cfg, progress=False).fit()
+    assert again == first
+    assert "already holds a finished run" in capsys.readouterr().out
+    assert (tmp_path / "run" / "checkpoint.pt").stat().st_mtime_ns == before
+
+
+def test_folder_with_another_config_is_refused(tmp_path):
+    Trainer(tiny(tmp_path, max_steps=1), progress=False)
+    with pytest.raises(UserError, match="different configuration.*temperature"):
+        Trainer(tiny(tmp_path, temperature=0.5), progress=False)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(temperature=0.0), "temperature must be positive"),
+    (dict(prior_prob=1.0), "between 0 and 1"),
+    (dict(batch_size=1), "at least 2"),
+    (dict(topk=100), "--topk"),
+    (dict(lr=-1.0), "--lr must be positive"),
+    (dict(dataset="mnist"), "digits, cifar10"),
+    (dict(prior="horseshoe"), "beta-bernoulli"),
+    (dict(warmup_epochs=5), "shorter than --epochs"),
+])
+def test_impossible_configs_are_rejected(tmp_path, bad, match):
+    with pytest.raises(UserError, match=match):
+        resolve(tiny(tmp_path, **bad))
+
+
+def test_batch_larger_than_the_data_is_rejected(tmp_path):
+    with pytest.raises(UserError, match="larger than the training set"):
+        Trainer(tiny(tmp_path, batch_size=5000), progress=False)
+
+
+def test_schedule_warms_up_from_reference_start_then_cosine():
+    assert warmup_cosine(0, 10, 100, 0.4) * 0.4 == pytest.approx(WARMUP_START_LR)
+    assert warmup_cosine(10, 10, 100, 0.4) == pytest.approx(1.0)
+    assert warmup_cosine(55, 10, 100, 0.4) == pytest.approx(0.5)
+    assert warmup_cosine(100, 10, 100, 0.4) == pytest.approx(0.0)
+
+
+def test_lars_trust_ratio_and_excluded_biases():
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    b = torch.nn.Parameter(torch.ones(2))
+    w.grad, b.grad = torch.full((2, 2), 10.0), torch.full((2,), 10.0)
+    LARS([w, b], lr=1.0, momentum=0.0, weight_decay=0.0, eta=0.02).step()
+    # weight: step = lr * eta * ||w|| / ||g|| * g = 0.02 * 2 / 20 * 10 = 0.02; bias: plain SGD
+    torch.testing.assert_close(w.detach(), torch.full((2, 2), 0.98))
+    torch.testing.assert_close(b.detach(), torch.full((2,), -9.0))
