@@ -52,3 +52,17 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, args, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
+
+
+def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
+    """The in100 path end to end, on a generated full-ImageNet tree (100 listed classes + extras)."""
+    from test_data import make_tree
+
+    from bayesncl_pyro.data import imagenet100_classes
+
+    classes = imagenet100_classes() + ["n00000001"]
+    make_tree(tmp_path / "imagenet", {"train": classes, "val": classes}, ext=".JPEG")
+    proc = run("run_svi.py", "--dataset", "in100", "--data-dir", str(tmp_path / "imagenet"), "--encoder", "cnn",
+               "--image-size", "32", *TINY_RUN, "--batch-size", "50", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"

@@ -54,6 +54,16 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+def test_same_seed_same_numbers(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        t = Trainer(tiny(tmp_path / name, max_steps=3), progress=False)
+        t.train(3)
+        runs.append(_params(t))
+    for k in runs[0]:
+        torch.testing.assert_close(runs[0][k], runs[1][k], rtol=0, atol=0, msg=k)
+
+
 def test_checkpoint_round_trip_and_finished_run_is_not_retrained(tmp_path, capsys):
     cfg = tiny(tmp_path, epochs=1, warmup_epochs=0)
     first = Trainer(cfg, progress=False).fit()
