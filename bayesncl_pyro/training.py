@@ -94,6 +94,15 @@ def write_json(obj, path: Path):
     atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
 
 
+def append_line(line: str, path: Path):
+    """Append one line (opened and closed each time: nothing lost to a buffer on a crash)."""
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:  # also from the close, which flushes
+        raise UserError(_cannot_write(path, e)) from None
+
+
 def _cannot_write(path: Path, e: OSError) -> str:
     return f"cannot write {path}: {e.strerror or e}; free some space or choose another --out"
 
@@ -272,7 +281,7 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        with open(self.out / "log.jsonl", "a") as log, pyro.validation_enabled(False), _StopRequest() as stop:
+        with pyro.validation_enabled(False), _StopRequest() as stop:
             tic, seen = time.perf_counter(), 0
             while self.step < last_step and not stop.signum:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
@@ -289,11 +298,7 @@ class Trainer:
                     if self.step % cfg.log_every == 0 or self.step == last_step:
                         rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
-                        try:
-                            log.write(json.dumps(rec) + "\n")
-                            log.flush()
-                        except OSError as e:
-                            raise UserError(_cannot_write(Path(log.name), e)) from None
+                        append_line(json.dumps(rec), self.out / "log.jsonl")
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import bayesncl_pyro.training as training
-from bayesncl_pyro.config import Config
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.data import ImageFiles
 from bayesncl_pyro.errors import Stopped, UserError
-from bayesncl_pyro.training import Trainer, load_checkpoint, load_learner
+from bayesncl_pyro.training import Trainer, load_checkpoint, load_learner, pick_device
 from test_data import make_tree, write_image
 
 RUN_SVI = Path(__file__).resolve().parents[1] / "experiments" / "run_svi.py"
@@ -166,6 +167,57 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before  # handlers are put back
 
 
+def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    calls = []
+
+    def two_sigints_in_step_3(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer.learner.encoder.register_forward_pre_hook(two_sigints_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(10)
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2  # the last periodic one
+
+
+def _run_svi():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_svi", RUN_SVI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("raised, code, printed", [
+    (UserError("bad value"), 2, "error: bad value"),
+    (Stopped("SIGINT received", signal.SIGINT), 130, "stopped: SIGINT received"),
+    (Stopped("SIGTERM received", signal.SIGTERM), 143, "stopped: SIGTERM received"),
+    (KeyboardInterrupt(), 130, "stopped: interrupted; rerun the same command to resume"),
+])
+def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
+    class Failing:
+        def __init__(self, cfg, overwrite):
+            raise raised
+
+    monkeypatch.setattr(training, "Trainer", Failing)
+    assert _run_svi().main(["--out", "unused"]) == code
+    assert capsys.readouterr().err == printed + "\n"
+
+
+def test_run_svi_flags():
+    parser = _run_svi().parser
+    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite"]))
+    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--on-nan", "ignore"])
+    with pytest.raises(UserError, match="unknown --on-nan 'ignore'; choose one of: stop, skip"):
+        resolve(Config(on_nan="ignore"))
+
+
 # ------------------------------------------------------------------------------------------- divergence
 
 
@@ -248,6 +300,14 @@ def test_bad_image_in_a_loader_worker_is_one_line_naming_the_file(tmp_path):
     assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
 
 
+def test_no_readable_image_at_all_is_named(tmp_path):
+    bad = [write_image(tmp_path / f"{i}.png") for i in range(2)]
+    for path in bad:
+        path.write_bytes(b"junk")
+    with pytest.raises(UserError, match=f"none of the 2 images could be read \\(first bad file: {bad[0]}\\)"):
+        ImageFiles([(p, 0) for p in bad], skip_bad=True)[0]
+
+
 def test_skip_bad_images_trains_and_counts_them_across_workers(tmp_path, capsys):
     bad = _tree_with_a_bad_image(tmp_path / "data")
     Trainer(_image_run(tmp_path, skip_bad_images=True), progress=False).fit()
@@ -270,10 +330,14 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, ca
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
-def test_unreadable_config_json_is_refused(tmp_path):
+@pytest.mark.parametrize("text, match", [
+    ("{ not json", "not a readable run configuration; pass --overwrite"),
+    ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
+])
+def test_unreadable_config_json_is_refused(tmp_path, text, match):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.json").write_text("{ not json")
-    with pytest.raises(UserError, match="not a readable run configuration; pass --overwrite"):
+    (tmp_path / "run" / "config.json").write_text(text)
+    with pytest.raises(UserError, match=match):
         Trainer(fast(tmp_path / "run"), progress=False)
 
 
@@ -301,17 +365,18 @@ def test_read_only_or_full_output_folder(tmp_path, monkeypatch, code):
     assert not (tmp_path / "run" / "checkpoint.pt.tmp").exists()
 
 
-def test_run_svi_flags():
-    import importlib.util
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_full_disk_while_logging(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    (tmp_path / "run" / "log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(UserError, match="cannot write .*log.jsonl: No space left on device; free some space"):
+        trainer.train(2)
 
-    spec = importlib.util.spec_from_file_location("run_svi", RUN_SVI)
-    run_svi = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_svi)
-    parser = run_svi.parser
-    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite"]))
-    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"]
-    with pytest.raises(SystemExit):
-        parser().parse_args(["--on-nan", "ignore"])
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu():
+    with pytest.raises(UserError, match="--device cuda was asked for but PyTorch sees no CUDA GPU"):
+        pick_device("cuda")
 
 
 # ---------------------------------------------------------------------------------- foreign checkpoints
