@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,13 +91,23 @@ def finish(cfg: Config) -> dict:
 # ------------------------------------------------------------------------------------ kills and signals
 
 
-def test_sigkill_at_several_points_then_rerun_matches_an_uninterrupted_run(tmp_path):
-    cfg = fast(tmp_path / "killed" / "run", max_steps=9)
-    for step in (2, 5):  # checkpoints every 2 steps: the second kill also loses a step, replayed on resume
-        assert signal_after(cfg, step, signal.SIGKILL) == -signal.SIGKILL
+def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
+    """SIGKILL at two points, then Ctrl-C (SIGINT to the whole process group, as from a terminal) with
+    2 loader workers, then the same command to the end: the parameters of a 0-worker uninterrupted run.
+    Checkpoints every 2 steps, so a kill loses steps, which the resume replays."""
+    cfg = fast(tmp_path / "stopped" / "run", max_steps=12)
+    for step, workers in ((2, 0), (5, 2)):
+        assert signal_after(replace(cfg, workers=workers), step, signal.SIGKILL) == -signal.SIGKILL
+    cfg = replace(cfg, workers=2)
+    assert signal_after(cfg, 8, signal.SIGINT, to_group=True) == 130
+    stderr = (tmp_path / "stopped" / "stderr").read_text()
+    saved = load_checkpoint(tmp_path / "stopped" / "run" / "checkpoint.pt")
+    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 12 in {cfg.out}; "
+                      "rerun the same command to resume\n")
+    assert 8 <= saved["step"] < 12 and not saved["finished"]
     state = finish(cfg)
-    assert state["step"] == 9 and state["finished"]
-    assert_same_params(state["learner"], reference(tmp_path / "ref", 9))
+    assert state["step"] == 12 and state["finished"]
+    assert_same_params(state["learner"], reference(tmp_path / "ref", 12))
 
 
 def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
@@ -134,19 +145,6 @@ def test_sigkill_at_random_times_always_resumes_to_the_same_params(tmp_path):
         proc.wait()
     state = finish(cfg)
     assert_same_params(state["learner"], reference(tmp_path / "ref", 30))
-
-
-def test_ctrl_c_with_workers_checkpoints_exits_130_and_resumes_exactly(tmp_path):
-    """SIGINT to the whole process group (as from a terminal) with 2 loader workers; resumed, also with
-    2 workers, it ends where a 0-worker uninterrupted run ends: the worker count never changes the numbers."""
-    cfg = fast(tmp_path / "stopped" / "run", workers=2, max_steps=12)
-    assert signal_after(cfg, 2, signal.SIGINT, to_group=True) == 130
-    stderr = (tmp_path / "stopped" / "stderr").read_text()
-    saved = load_checkpoint(tmp_path / "stopped" / "run" / "checkpoint.pt")
-    assert f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 12" in stderr
-    assert 2 <= saved["step"] < 12 and not saved["finished"] and "Traceback" not in stderr
-    state = finish(cfg)
-    assert_same_params(state["learner"], reference(tmp_path / "ref", 12))
 
 
 def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
