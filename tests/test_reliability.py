@@ -237,6 +237,7 @@ def _nan_at_step(trainer: Trainer, step: int, where: str):
         next(learner.encoder.parameters()).register_hook(poison)
 
 
+@pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
 @pytest.mark.parametrize("where, message", [
     ("InfoNCE", "the InfoNCE term is nan"),
     ("grad", r"the gradient of encoder\.\S+ \(from InfoNCE\) is not finite"),
@@ -260,6 +261,7 @@ def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
         trainer.train(3)
 
 
+@pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
 def test_on_nan_skip_skips_the_step_and_reports_it(tmp_path, capsys):
     trainer = Trainer(fast(tmp_path / "run", on_nan="skip"), progress=False)
     _nan_at_step(trainer, 2, "InfoNCE")
@@ -429,6 +431,7 @@ class _Exploit:
         return os.system, ("touch pwned",)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("content", ["not a checkpoint", "pickle", "exploit"])
 def test_unusable_checkpoint_files_are_refused_without_running_code(tmp_path, monkeypatch, content):
     Trainer(fast(tmp_path / "run"), progress=False)
