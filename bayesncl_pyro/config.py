@@ -13,6 +13,7 @@ METHODS = ("cl", "ncl", "bayesncl")
 GATES = ("relaxed", "ste", "gs")
 NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
+ON_NAN = ("stop", "skip")
 
 # The reference recipes (METHOD.md section 3) for CIFAR and ImageNet-100; digits is our CPU demo.
 DATASET_DEFAULTS = {
@@ -34,6 +35,7 @@ class Config:
     data_dir: str | None = None
     image_size: int | None = None
     workers: int = 2
+    skip_bad_images: bool = False
     # method
     method: str = "bayesncl"
     nonneg: str | None = None
@@ -68,6 +70,7 @@ class Config:
     amp: bool = True
     log_every: int = 10
     ckpt_every: int = 500
+    on_nan: str = "stop"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,12 +84,19 @@ class Config:
                             "of bayesncl-pyro; start a new --out folder")
         return cls(**d)
 
-    # fields that change the numbers of a run; the rest (out, device, workers, logging) may differ on resume
+    # fields that change the numbers of a run; the rest (out, device, workers, logging, and the answers
+    # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps"):
+        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps",
+                  "skip_bad_images", "on_nan"):
             d.pop(k)
         return d
+
+    def differences(self, other: "Config") -> str:
+        """The identity fields that differ, as ``"name: self -> other, ..."`` ("" when none do)."""
+        a, b = self.identity(), other.identity()
+        return ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
 
 
 def resolve(cfg: Config) -> Config:
@@ -106,6 +116,7 @@ def resolve(cfg: Config) -> Config:
     _choice("encoder", cfg.encoder, ("resnet18", "cnn"))
     _choice("prior", cfg.prior, tuple(PRIORS))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    _choice("on_nan", cfg.on_nan, ON_NAN)
     _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
               "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
     if not 0 < cfg.prior_prob < 1:

@@ -67,13 +67,15 @@ class ImageFiles(Dataset):
     ``samples`` is a list of ``(path, label)``. With ``skip_bad`` an unreadable file is replaced
     by the next readable one (a long run can survive a few corrupt files in a big dataset) and
     recorded in ``bad_files``; without it, it raises ``UserError`` naming the file. ``bad_files``
-    is per process, so with DataLoader workers it only sees the main process's reads.
+    is per process, so with DataLoader workers it only sees the main process's reads; set ``bad_log``
+    to a file and every process appends each file it skips to it, one path per line.
     """
 
     def __init__(self, samples: list[tuple[Path, int]], skip_bad: bool = False):
         self.samples = samples
         self.skip_bad = skip_bad
         self.bad_files: list[str] = []
+        self.bad_log: Path | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -91,6 +93,9 @@ class ImageFiles(Dataset):
                     raise
                 if str(path) not in self.bad_files:
                     self.bad_files.append(str(path))
+                    if self.bad_log is not None:
+                        with open(self.bad_log, "a") as log:  # one short append: whole lines across processes
+                            log.write(f"{path}\n")
         raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); check the data folder")
 
 
@@ -100,7 +105,7 @@ def _open_rgb(path: Path) -> Image.Image:
             # convert() forces the full decode here, so truncation surfaces now, with the path.
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise UserError(f"cannot read image {path} ({err}); delete or replace it, or load with skip_bad=True") from None
+        raise UserError(f"cannot read image {path} ({err}); delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)") from None
 
 
 def load_dataset(

@@ -1,10 +1,25 @@
-"""The one exception type users are meant to read.
+"""The exception types users are meant to read.
 
 Anything raised as ``UserError`` is a problem with the user's input (data folder, config, checkpoint)
 and its message says what is wrong and how to fix it. ``experiments/run_svi.py`` prints it as one line
-and exits non-zero; every other exception is a bug and keeps its traceback.
+and exits 2; every other exception is a bug and keeps its traceback. ``Stopped`` is a run that was
+asked to stop (SIGINT/SIGTERM) and saved its checkpoint first; it exits 128 + the signal number.
 """
 
 
 class UserError(Exception):
     """Bad input: the message names the problem and the fix."""
+
+    def __init__(self, message: str):
+        # A DataLoader worker's exception is re-raised in the main process as
+        # type("Caught ... Original Traceback ... <module>.UserError: <message>"): keep the message only.
+        marker = f"{type(self).__module__}.{type(self).__qualname__}: "
+        super().__init__(message.rsplit(marker, 1)[-1].strip())
+
+
+class Stopped(Exception):
+    """Training stopped on a signal after writing its checkpoint; rerunning the command resumes it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM

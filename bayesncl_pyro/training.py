@@ -6,15 +6,21 @@ One ``Trainer`` owns a run folder::
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
     log.jsonl       one JSON object every ``log_every`` steps
     eval.json       the evaluation of the final model
+    bad_images.txt  with --skip-bad-images: the unreadable files that were skipped, one per line
 
 Running the same command again in the same folder resumes from ``checkpoint.pt``; a finished run is
-not retrained (its results are printed again).
+not retrained (its results are printed again). SIGINT/SIGTERM stop it at the next step boundary with
+a checkpoint; a SIGKILL loses at most the steps since the last one. ``docs/RELIABILITY.md`` lists every
+fault handled and what the user sees.
 """
 
 import json
 import os
 import random
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,12 +32,14 @@ from bayesncl_pyro import __version__
 from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 
 CHECKPOINT = "checkpoint.pt"
+BAD_IMAGES = "bad_images.txt"
+PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
 
 
 class EpochSampler(Sampler):
@@ -64,20 +72,68 @@ def pick_device(name: str) -> torch.device:
 
 
 def atomic_save(obj, path: Path):
-    """Write to a temporary file in the same folder, fsync, then rename: a crash mid-write leaves the
-    previous file intact."""
+    """``torch.save(obj)``, or ``obj`` itself if it is bytes, to a temporary file in the same folder,
+    fsync, then rename: a crash mid-write leaves the previous file intact. A failed write (disk full,
+    read-only) raises ``UserError`` and leaves no temporary file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(obj, bytes):
+                f.write(obj)
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{_cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
 
 
 def write_json(obj, path: Path):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
+
+
+def append_line(line: str, path: Path):
+    """Append one line (opened and closed each time: nothing lost to a buffer on a crash)."""
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:  # also from the close, which flushes
+        raise UserError(_cannot_write(path, e)) from None
+
+
+def _cannot_write(path: Path, e: OSError) -> str:
+    return f"cannot write {path}: {e.strerror or e}; free some space or choose another --out"
+
+
+# the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
+_TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
+
+
+class _StopRequest:
+    """Within ``with``: SIGINT and SIGTERM only set ``signum``, so training stops at the next step boundary
+    with a checkpoint; a second signal acts as usual (the first one puts the old handlers back)."""
+
+    def __enter__(self):
+        self.signum, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _note(self, signum, frame):
+        self.signum = signum  # no printing here: the handler may interrupt a write to the same stream
+        self.__exit__()
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _ignore_sigint(worker_id: int):
+    # Ctrl-C reaches the whole process group: workers keep serving batches while the main process
+    # finishes the step and checkpoints (they end with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _collate(batch):
@@ -89,14 +145,19 @@ def _collate(batch):
 class Trainer:
     """Trains one run and evaluates it. ``Trainer(cfg).fit()`` returns the evaluation dict."""
 
-    def __init__(self, cfg: Config, progress: bool | None = None):
+    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False):
+        """``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
+        start afresh, instead of resuming the run there or refusing one with another config."""
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
         self.device = pick_device(cfg.device)
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self._claim_folder()
+        self._claim_folder(overwrite)
         pyro.set_rng_seed(cfg.seed)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images)
+        for split in (self.data.train, self.data.test):
+            if hasattr(split, "bad_log"):  # image files: every loader worker appends what it skips here
+                split.bad_log = self.out / BAD_IMAGES
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
@@ -107,47 +168,73 @@ class Trainer:
                                          cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, round(cfg.warmup_epochs * self.steps_per_epoch),
                                          self.total_steps)
-        self.step = 0
+        self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
         self._load_checkpoint()
 
     # -- run folder ---------------------------------------------------------------------------
-    def _claim_folder(self):
+    def _claim_folder(self, overwrite: bool):
         """Create the run folder, or check that the one there holds this very run."""
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create the output folder {self.out}: {e.strerror}; choose another --out")
         saved = self.out / "config.json"
-        if saved.exists():
-            old = Config.from_dict(json.loads(saved.read_text()))
-            diff = {k: (v, self.cfg.identity()[k]) for k, v in old.identity().items() if self.cfg.identity()[k] != v}
-            if diff:
-                what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *ab) for k, ab in diff.items()))
+        if overwrite:
+            self._move_aside()
+        elif saved.exists():
+            try:
+                old = Config.from_dict(json.loads(saved.read_text()))
+            except (ValueError, TypeError):
+                raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
+                                "folder's files aside and start afresh, or pass another --out") from None
+            what = old.differences(self.cfg)
+            if what:
                 raise UserError(f"{self.out} holds a run with a different configuration ({what}); "
-                                "rerun with the same flags to resume it, or pass another --out")
+                                "rerun with the same flags to resume it, pass --overwrite to move it aside "
+                                "and start afresh, or pass another --out")
+        write_json(self.cfg.to_dict(), saved)
+
+    def _move_aside(self):
+        """Move every file of the run folder (but earlier ``previous-*`` folders) into a new
+        ``previous-<time>`` subfolder: restarting never deletes results."""
+        old = [p for p in self.out.iterdir() if not p.name.startswith(PREVIOUS)]
+        if not old:
+            return
         try:
-            write_json(self.cfg.to_dict(), saved)
+            aside = Path(tempfile.mkdtemp(prefix=f"{PREVIOUS}{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.out))
+            for p in old:
+                p.rename(aside / p.name)
         except OSError as e:
-            raise UserError(f"cannot write to the output folder {self.out}: {e.strerror}; choose another --out")
+            raise UserError(f"cannot move the previous run aside in {self.out}: {e.strerror}; "
+                            "choose another --out") from None
+        print(f"moved the previous run's files in {self.out} to {aside}", file=sys.stderr)
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
                     num_train=len(self.data.train), channels=self.data.channels,
                     learner=self.learner.state_dict(), optimizer=self.optimizer.state_dict(),
-                    scheduler=self.scheduler.state_dict(),
+                    scheduler=self.scheduler.state_dict(), skipped_steps=self.skipped_steps,
                     rng=dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
                              cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []))
 
     def save(self):
         atomic_save(self.state_dict(), self.out / CHECKPOINT)
+        self.saved_step = self.step
 
     def _load_checkpoint(self):
         path = self.out / CHECKPOINT
         if not path.exists():
             return
         state = load_checkpoint(path)
-        self.learner.load_state_dict(state["learner"])
+        what = Config.from_dict(state["config"]).differences(self.cfg)
+        if what:
+            raise UserError(f"{path} was written by a run with another configuration ({what}); "
+                            "move it away, or rerun with the flags it was made with")
+        if state["num_train"] != len(self.data.train):
+            raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
+                            f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
+        _load_weights(self.learner, state, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -155,6 +242,7 @@ class Trainer:
         if state["rng"]["cuda"] and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step, self.finished = state["step"], state["finished"]
+        self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
     # -- training -----------------------------------------------------------------------------
     def _loader(self, sampler: EpochSampler) -> DataLoader:
@@ -164,7 +252,8 @@ class Trainer:
         # the gate samples use and the checkpoint restores
         return DataLoader(views, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                           num_workers=cfg.workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
-                          persistent_workers=cfg.workers > 0, generator=torch.Generator())
+                          persistent_workers=cfg.workers > 0, generator=torch.Generator(),
+                          worker_init_fn=_ignore_sigint)
 
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():
@@ -180,6 +269,7 @@ class Trainer:
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / "eval.json")
         print(format_table(results))
+        self._report_skipped()
         return results
 
     def train(self, last_step: int):
@@ -191,37 +281,75 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        with open(self.out / "log.jsonl", "a") as log, pyro.validation_enabled(False):
+        with pyro.validation_enabled(False), _StopRequest() as stop:
             tic, seen = time.perf_counter(), 0
-            while self.step < last_step:
+            while self.step < last_step and not stop.signum:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in loader:
                     loss = learner(x.to(self.device, non_blocking=True))
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    self.optimizer.step()
+                    if self._check_finite(loss):
+                        self.optimizer.step()
                     self.scheduler.step()
                     self.step += 1
                     seen += x.shape[0] // 2
                     if self.step % cfg.log_every == 0 or self.step == last_step:
                         rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
-                        log.write(json.dumps(rec) + "\n")
-                        log.flush()
+                        append_line(json.dumps(rec), self.out / "log.jsonl")
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-                    if self.step % cfg.ckpt_every == 0:
+                    if self.step % cfg.ckpt_every == 0 or stop.signum:
                         self.save()
-                    if self.step >= last_step:
+                    if self.step >= last_step or stop.signum:
                         break
         if bar is not None:
             bar.close()
         learner.eval()
+        if stop.signum:
+            raise Stopped(f"{signal.Signals(stop.signum).name} received: checkpoint saved at step {self.step} "
+                          f"of {last_step} in {self.out}; rerun the same command to resume", stop.signum)
+
+    def _check_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss and every gradient are finite, so the step may be taken. If not, stop the run
+        with a message naming the step and the term (the checkpoint on disk stays the last good one),
+        or with ``on_nan="skip"`` warn and return False."""
+        grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
+        if torch.isfinite(loss + torch.nn.utils.get_total_norm(grads)):  # any inf/nan makes the sum one
+            return True
+        nce = self.learner.model.last_nce
+        if not torch.isfinite(nce):
+            what = f"the InfoNCE term is {nce.item()}"
+        elif not torch.isfinite(loss):
+            what = f"the KL term is {(loss - nce).item()}"
+        else:
+            name = next((n for n, p in self.learner.named_parameters()
+                         if p.grad is not None and not p.grad.isfinite().all()), None)
+            what = (f"the gradient of {name} (from {_TERMS[name.split('.')[0]]}) is not finite" if name
+                    else "the gradient norm overflows")
+        if self.cfg.on_nan == "skip":
+            self.skipped_steps += 1
+            print(f"warning: step {self.step + 1}: {what}; step skipped (--on-nan skip)", file=sys.stderr)
+            return False
+        kept = f"the last good checkpoint (step {self.saved_step})" if self.saved_step else "no checkpoint"
+        raise UserError(f"training diverged at step {self.step + 1}: {what}; {kept} is kept in {self.out}. "
+                        "Lower --lr (or --kl-weight), or pass --on-nan skip to skip such steps")
+
+    def _report_skipped(self):
+        """Warn about what the run skipped: non-finite steps (--on-nan skip), unreadable images."""
+        if self.skipped_steps:
+            print(f"warning: {self.skipped_steps} of {self.step} steps were skipped for a non-finite loss or "
+                  "gradient", file=sys.stderr)
+        bad = self.out / BAD_IMAGES
+        if bad.exists():
+            count = len(set(bad.read_text().splitlines()))
+            print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
     def _record(self, loss: torch.Tensor, epoch: int, images_per_s: float) -> dict:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, and the gates' state."""
@@ -242,10 +370,28 @@ class Trainer:
 def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint without executing code from it (weights-only unpickling)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
         raise UserError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}; "
                         "it is corrupt or not a bayesncl-pyro checkpoint (move it away to start afresh)")
+    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
+        raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
+    return state
+
+
+def _load_weights(learner: ContrastiveLearner, state: dict, path: Path):
+    """Load a checkpoint's weights, explaining a mismatch (another version's model) in one line instead
+    of torch's state_dict error."""
+    mine, theirs = learner.state_dict(), state["learner"]
+    problems = [f"{k} is {tuple(theirs[k].shape)} there but {tuple(v.shape)} here"
+                for k, v in mine.items() if k in theirs and theirs[k].shape != v.shape]
+    problems += [f"{k} missing" for k in mine if k not in theirs]
+    problems += [f"{k} unexpected" for k in theirs if k not in mine]
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise UserError(f"{path} (bayesncl-pyro {state['version']}) does not fit the model of bayesncl-pyro "
+                        f"{__version__}: {'; '.join(problems[:3])}{more}; load it with the version that wrote it")
+    learner.load_state_dict(theirs)
 
 
 def load_learner(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[ContrastiveLearner, Config]:
@@ -253,6 +399,6 @@ def load_learner(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[Contr
     state = load_checkpoint(Path(run_dir) / CHECKPOINT)
     cfg = Config.from_dict(state["config"])
     learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
-    learner.load_state_dict(state["learner"])
+    _load_weights(learner, state, Path(run_dir) / CHECKPOINT)
     return learner.to(device).eval(), cfg
 

@@ -6,14 +6,17 @@
 
 Rerunning a command with the same --out resumes it. Defaults marked "dataset" come from the
 dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS).
+
+Exit status: 0 done; 2 bad input, a full or read-only --out, or a diverged run (one "error:" line);
+130 or 143 stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint (rerun to resume).
 """
 
 import argparse
 import sys
 
-from bayesncl_pyro.config import GATES, METHODS, NONNEG, OPTIMIZERS, Config
+from bayesncl_pyro.config import GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import Stopped, UserError
 from models.priors import PRIORS
 
 
@@ -28,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
                    "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
     g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+    g.add_argument("--skip-bad-images", action="store_true", help="train past unreadable image files instead "
+                   "of stopping; they are listed in <out>/bad_images.txt and counted at the end")
 
     g = p.add_argument_group("method")
     g.add_argument("--method", default=d.method, choices=METHODS, help="default: %(default)s")
@@ -69,9 +74,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, help="images per step, two views each (default: dataset)")
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs); the "
                    "schedule still spans --epochs")
+    g.add_argument("--on-nan", default=d.on_nan, choices=ON_NAN, help="a step whose loss or gradients are not "
+                   "finite stops the run, keeping the last good checkpoint, or is skipped (default: %(default)s)")
 
     g = p.add_argument_group("run")
     g.add_argument("--out", default=d.out, help="run folder; rerunning into it resumes (default: %(default)s)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the files already "
+                   "there (e.g. a run with another config) into <out>/previous-<time>/; nothing is deleted")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="default: %(default)s")
     g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
@@ -82,14 +91,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    args = vars(parser().parse_args(argv))
+    overwrite = args.pop("overwrite")
     from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
 
     try:
-        Trainer(Config(**vars(args))).fit()
+        Trainer(Config(**args), overwrite=overwrite).fit()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
+        print("stopped: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,0 +1,448 @@
+"""Faults and bad input during training: kills, signals, divergence, bad images, unwritable folders,
+foreign checkpoints. docs/RELIABILITY.md maps every case to its test here."""
+
+import errno
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import bayesncl_pyro.training as training
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.data import ImageFiles
+from bayesncl_pyro.errors import Stopped, UserError
+from bayesncl_pyro.training import Trainer, load_checkpoint, load_learner, pick_device
+from test_data import make_tree, write_image
+
+RUN_SVI = Path(__file__).resolve().parents[1] / "experiments" / "run_svi.py"
+# 44 steps per epoch at batch 32; runs stop early through max_steps (which may change on resume)
+FAST = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5,
+            workers=0, log_every=1, ckpt_every=2)
+
+
+def fast(path: Path, **kw) -> Config:
+    return Config(out=str(path), **{**FAST, **kw})
+
+
+def reference(path: Path, steps: int) -> dict:
+    """The parameters of an uninterrupted run after ``steps`` steps."""
+    trainer = Trainer(fast(path), progress=False)
+    trainer.train(steps)
+    return trainer.learner.state_dict()
+
+
+def assert_same_params(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def cli(cfg: Config) -> list[str]:
+    """run_svi.py flags for the non-default fields of ``cfg``."""
+    default = Config()
+    return [a for k, v in cfg.to_dict().items() if v != getattr(default, k)
+            for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def start(cfg: Config) -> subprocess.Popen:
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the thread count of the in-process reference runs (conftest), so that sums add up alike
+    env = dict(os.environ, PYTHONPATH=str(RUN_SVI.parents[1]), OMP_NUM_THREADS=str(torch.get_num_threads()))
+    with open(out.parent / "stdout", "a") as so, open(out.parent / "stderr", "w") as se:
+        # a session of its own, so that a signal to its process group plays a terminal's Ctrl-C
+        return subprocess.Popen([sys.executable, str(RUN_SVI), *cli(cfg)], stdout=so, stderr=se, env=env,
+                                start_new_session=True)
+
+
+def logged_step(cfg: Config) -> int:
+    log = Path(cfg.out) / "log.jsonl"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def signal_after(cfg: Config, step: int, signum: int, to_group: bool = False) -> int:
+    """Start run_svi, send ``signum`` once the log shows ``step``, and return its exit status."""
+    proc = start(cfg)
+    deadline = time.monotonic() + 300
+    while logged_step(cfg) < step:
+        assert proc.poll() is None, (Path(cfg.out).parent / "stderr").read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (os.killpg if to_group else os.kill)(proc.pid, signum)
+    return proc.wait(timeout=300)
+
+
+def finish(cfg: Config) -> dict:
+    proc = start(cfg)
+    assert proc.wait(timeout=600) == 0, (Path(cfg.out).parent / "stderr").read_text()
+    return load_checkpoint(Path(cfg.out) / "checkpoint.pt")
+
+
+# ------------------------------------------------------------------------------------ kills and signals
+
+
+def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
+    """SIGKILL at two points, then Ctrl-C (SIGINT to the whole process group, as from a terminal) with
+    2 loader workers, then the same command to the end: the parameters of a 0-worker uninterrupted run.
+    Checkpoints every 2 steps, so a kill loses steps, which the resume replays."""
+    cfg = fast(tmp_path / "stopped" / "run", max_steps=12)
+    for step, workers in ((2, 0), (5, 2)):
+        assert signal_after(replace(cfg, workers=workers), step, signal.SIGKILL) == -signal.SIGKILL
+    cfg = replace(cfg, workers=2)
+    assert signal_after(cfg, 8, signal.SIGINT, to_group=True) == 130
+    stderr = (tmp_path / "stopped" / "stderr").read_text()
+    saved = load_checkpoint(tmp_path / "stopped" / "run" / "checkpoint.pt")
+    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 12 in {cfg.out}; "
+                      "rerun the same command to resume\n")
+    assert 8 <= saved["step"] < 12 and not saved["finished"]
+    state = finish(cfg)
+    assert state["step"] == 12 and state["finished"]
+    assert_same_params(state["learner"], reference(tmp_path / "ref", 12))
+
+
+def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
+    """What SIGKILL during ``atomic_save`` leaves on disk: the previous checkpoint and a partial .tmp."""
+    first = Trainer(fast(tmp_path / "run"), progress=False)
+    first.train(4)  # checkpoints at steps 2 and 4
+    good = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    real_save = torch.save
+
+    def dies_halfway(obj, f):  # the bytes a killed writer would have got out, then death
+        real_save(obj, f)
+        f.truncate(f.tell() // 2)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "save", dies_halfway)
+        with pytest.raises(KeyboardInterrupt):
+            first.train(8)  # dies writing the checkpoint of step 6
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
+    assert (tmp_path / "run" / "checkpoint.pt.tmp").exists()  # the half-written file, never renamed
+    resumed = Trainer(fast(tmp_path / "run"), progress=False)
+    assert resumed.step == 4
+    resumed.train(8)
+    assert_same_params(resumed.learner.state_dict(), reference(tmp_path / "ref", 8))
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times_always_resumes_to_the_same_params(tmp_path):
+    cfg = fast(tmp_path / "killed" / "run", max_steps=30, ckpt_every=1)  # many kills land in a write
+    rng = random.Random(0)
+    for _ in range(6):
+        proc = start(cfg)
+        time.sleep(rng.uniform(4, 12))  # past the imports, somewhere in training
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    state = finish(cfg)
+    assert_same_params(state["learner"], reference(tmp_path / "ref", 30))
+
+
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    calls = []
+
+    def term_during_step_3(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.learner.encoder.register_forward_pre_hook(term_during_step_3)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped, match="SIGTERM received: checkpoint saved at step 3 of 10") as stop:
+        trainer.train(10)
+    assert stop.value.exit_code == 143
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers are put back
+
+
+def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    calls = []
+
+    def two_sigints_in_step_3(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer.learner.encoder.register_forward_pre_hook(two_sigints_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(10)
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2  # the last periodic one
+
+
+def _run_svi():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_svi", RUN_SVI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("raised, code, printed", [
+    (UserError("bad value"), 2, "error: bad value"),
+    (Stopped("SIGINT received", signal.SIGINT), 130, "stopped: SIGINT received"),
+    (Stopped("SIGTERM received", signal.SIGTERM), 143, "stopped: SIGTERM received"),
+    (KeyboardInterrupt(), 130, "stopped: interrupted; rerun the same command to resume"),
+])
+def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
+    class Failing:
+        def __init__(self, cfg, overwrite):
+            raise raised
+
+    monkeypatch.setattr(training, "Trainer", Failing)
+    assert _run_svi().main(["--out", "unused"]) == code
+    assert capsys.readouterr().err == printed + "\n"
+
+
+def test_run_svi_flags():
+    parser = _run_svi().parser
+    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite"]))
+    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--on-nan", "ignore"])
+    with pytest.raises(UserError, match="unknown --on-nan 'ignore'; choose one of: stop, skip"):
+        resolve(Config(on_nan="ignore"))
+
+
+# ------------------------------------------------------------------------------------------- divergence
+
+
+def _nan_at_step(trainer: Trainer, step: int, where: str):
+    """Make step ``step`` non-finite in the InfoNCE term, or in one encoder gradient only."""
+    calls = []
+    learner = trainer.learner
+
+    def count(module, args):
+        calls.append(1)
+
+    def poison(value):
+        return value * float("nan") if len(calls) == step else value
+
+    learner.encoder.register_forward_pre_hook(count)
+    if where == "InfoNCE":
+        learner.encoder.register_forward_hook(lambda m, a, out: (out[0], poison(out[1])))
+    else:
+        next(learner.encoder.parameters()).register_hook(poison)
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
+@pytest.mark.parametrize("where, message", [
+    ("InfoNCE", "the InfoNCE term is nan"),
+    ("grad", r"the gradient of encoder\.\S+ \(from InfoNCE\) is not finite"),
+])
+def test_divergence_stops_naming_step_and_term_and_keeps_the_last_good_checkpoint(tmp_path, where, message):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    _nan_at_step(trainer, 5, where)
+    with pytest.raises(UserError, match=f"diverged at step 5: {message}; the last good checkpoint \\(step 4\\)"):
+        trainer.train(10)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert saved["step"] == 4
+    assert all(v.isfinite().all() for v in saved["learner"].values() if v.is_floating_point())
+
+
+def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
+    import guides.gates
+
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    monkeypatch.setattr(guides.gates, "bernoulli_kl", lambda q, p: torch.full_like(q, float("inf")))
+    with pytest.raises(UserError, match="diverged at step 1: the KL term is (inf|nan); no checkpoint is kept"):
+        trainer.train(3)
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
+def test_on_nan_skip_skips_the_step_and_reports_it(tmp_path, capsys):
+    trainer = Trainer(fast(tmp_path / "run", on_nan="skip"), progress=False)
+    _nan_at_step(trainer, 2, "InfoNCE")
+    trainer.train(4)
+    assert trainer.step == 4 and trainer.skipped_steps == 1
+    assert all(p.isfinite().all() for p in trainer.learner.parameters())
+    assert "warning: step 2: the InfoNCE term is nan; step skipped" in capsys.readouterr().err
+    trainer.save()
+    assert Trainer(fast(tmp_path / "run", on_nan="skip"), progress=False).skipped_steps == 1
+
+
+# ------------------------------------------------------------------------------------------- bad images
+
+
+def _tree_with_a_bad_image(root: Path) -> Path:
+    make_tree(root, {"train": ["a", "b"], "val": ["a", "b"]})
+    for c in "ab":
+        for i in range(1, 6):
+            write_image(root / "train" / c / f"{i}.png", "RGBA" if i == 1 else "L" if i == 2 else "RGB")
+    bad = root / "train" / "b" / "3.png"
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated
+    return bad
+
+
+def _image_run(tmp_path: Path, **kw) -> Config:
+    return Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=8,
+                  proj_hidden=16, proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=2,
+                  out=str(tmp_path / "run"), **kw)
+
+
+def test_bad_image_in_a_loader_worker_is_one_line_naming_the_file(tmp_path):
+    bad = _tree_with_a_bad_image(tmp_path / "data")
+    with pytest.raises(UserError) as err:
+        Trainer(_image_run(tmp_path), progress=False).fit()
+    assert str(bad) in str(err.value) and "--skip-bad-images" in str(err.value)
+    assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
+
+
+def test_no_readable_image_at_all_is_named(tmp_path):
+    bad = [write_image(tmp_path / f"{i}.png") for i in range(2)]
+    for path in bad:
+        path.write_bytes(b"junk")
+    with pytest.raises(UserError, match=f"none of the 2 images could be read \\(first bad file: {bad[0]}\\)"):
+        ImageFiles([(p, 0) for p in bad], skip_bad=True)[0]
+
+
+def test_skip_bad_images_trains_and_counts_them_across_workers(tmp_path, capsys):
+    bad = _tree_with_a_bad_image(tmp_path / "data")
+    Trainer(_image_run(tmp_path, skip_bad_images=True), progress=False).fit()
+    assert "warning: 1 unreadable images were skipped" in capsys.readouterr().err
+    assert set((tmp_path / "run" / "bad_images.txt").read_text().splitlines()) == {str(bad)}
+
+
+# ------------------------------------------------------------------------------------- the run folder
+
+
+def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, capsys):
+    old = Trainer(fast(tmp_path / "run"), progress=False)
+    old.save()
+    Trainer(fast(tmp_path / "run", temperature=0.5), progress=False, overwrite=True)
+    aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("previous-")]
+    assert len(aside) == 1 and "moved the previous run's files" in capsys.readouterr().err
+    assert {p.name for p in aside[0].iterdir()} == {"config.json", "checkpoint.pt"}
+    assert json.loads((aside[0] / "config.json").read_text())["temperature"] == 0.2
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["temperature"] == 0.5
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{ not json", "not a readable run configuration; pass --overwrite"),
+    ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
+])
+def test_unreadable_config_json_is_refused(tmp_path, text, match):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(text)
+    with pytest.raises(UserError, match=match):
+        Trainer(fast(tmp_path / "run"), progress=False)
+
+
+def test_output_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot create the output folder .*choose another --out"):
+        Trainer(fast(tmp_path / "file" / "run"), progress=False)
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_read_only_or_full_output_folder(tmp_path, monkeypatch, code):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    trainer.train(2)
+    trainer.save()
+    good = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+
+    def failing_save(obj, f):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(UserError, match=f"cannot write .*checkpoint.pt: {os.strerror(code)}; free some space or "
+                       "choose another --out \\(any previous checkpoint.pt is unchanged\\)"):
+        trainer.train(4)  # checkpoints at step 4
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
+    assert not (tmp_path / "run" / "checkpoint.pt.tmp").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_full_disk_while_logging(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    (tmp_path / "run" / "log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(UserError, match="cannot write .*log.jsonl: No space left on device; free some space"):
+        trainer.train(2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu():
+    with pytest.raises(UserError, match="--device cuda was asked for but PyTorch sees no CUDA GPU"):
+        pick_device("cuda")
+
+
+# ---------------------------------------------------------------------------------- foreign checkpoints
+
+
+def _copy_checkpoint_into(tmp_path: Path, **kw) -> Path:
+    """A checkpoint made by a run with ``kw``, copied into a fresh folder of the default FAST run."""
+    other = Trainer(fast(tmp_path / "other", **kw), progress=False)
+    other.save()
+    Trainer(fast(tmp_path / "run"), progress=False)
+    (tmp_path / "other" / "checkpoint.pt").rename(tmp_path / "run" / "checkpoint.pt")
+    return tmp_path / "run" / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prior="learned"), "prior: 'learned' -> 'bernoulli'"),
+    (dict(proj_dim=8), "proj_dim: 8 -> 16"),
+    (dict(method="ncl"), "method: 'ncl' -> 'bayesncl'"),
+])
+def test_checkpoint_of_another_configuration_is_explained(tmp_path, kw, match):
+    _copy_checkpoint_into(tmp_path, **kw)
+    with pytest.raises(UserError, match=f"written by a run with another configuration \\({match}"):
+        Trainer(fast(tmp_path / "run"), progress=False)
+
+
+def test_checkpoint_of_another_version_is_explained(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    state = trainer.state_dict()
+    weights = state["learner"]
+    weights["encoder.renamed"] = weights.pop(next(iter(weights)))
+    key = next(k for k in weights if k.startswith("guide.") and weights[k].dim() == 2)
+    weights[key] = weights[key][:, :3]
+    state["version"] = "0.0.1"
+    torch.save(state, tmp_path / "run" / "checkpoint.pt")
+    with pytest.raises(UserError, match=f"\\(bayesncl-pyro 0.0.1\\) does not fit the model of bayesncl-pyro "
+                       f".*{key} is .* there but .* here.*missing.*encoder.renamed unexpected; load it with"):
+        load_learner(tmp_path / "run")
+    with pytest.raises(UserError, match="does not fit the model"):
+        Trainer(fast(tmp_path / "run"), progress=False)
+
+
+def test_checkpoint_of_another_training_set_is_refused(tmp_path):
+    path = _copy_checkpoint_into(tmp_path)
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "num_train": 1000}, path)
+    with pytest.raises(UserError, match="trained on 1000 images but the training set now holds 1437"):
+        Trainer(fast(tmp_path / "run"), progress=False)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("content", ["not a checkpoint", "pickle", "exploit"])
+def test_unusable_checkpoint_files_are_refused_without_running_code(tmp_path, monkeypatch, content):
+    Trainer(fast(tmp_path / "run"), progress=False)
+    path = tmp_path / "run" / "checkpoint.pt"
+    if content == "not a checkpoint":
+        torch.save({"weights": torch.zeros(2)}, path)
+    elif content == "pickle":
+        path.write_bytes(b"garbage" * 10)
+    else:
+        path.write_bytes(pickle.dumps(_Exploit()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="not a bayesncl-pyro checkpoint"):
+        Trainer(fast(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "pwned").exists()
