@@ -2,10 +2,10 @@
 
 import torch
 import torch.nn.functional as F
-from pyro.infer import TraceMeanField_ELBO
 from torch import nn
 
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import Encoder
 from guides.gates import GateGuide
 from models.bayesncl import ContrastiveModel
@@ -37,7 +37,7 @@ class ContrastiveLearner(nn.Module):
             estimator=cfg.gate, temperature=cfg.gate_temperature, logit_bound=cfg.logit_bound,
             kl_weight=cfg.kl_weight, rate_guide=prior.make_guide(),
         ) if gated else None
-        self.elbo = TraceMeanField_ELBO()
+        self.elbo = MeanFieldELBO()
 
     @property
     def gated(self) -> bool:
