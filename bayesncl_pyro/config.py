@@ -66,6 +66,7 @@ class Config:
     seed: int = 0
     device: str = "auto"
     amp: bool = True
+    compile: bool = False
     log_every: int = 10
     ckpt_every: int = 500
 
@@ -84,7 +85,7 @@ class Config:
     # fields that change the numbers of a run; the rest (out, device, workers, logging) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps"):
+        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps", "compile"):
             d.pop(k)
         return d
 

@@ -16,13 +16,16 @@ import os
 import random
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pyro
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro import __version__
+from bayesncl_pyro import __version__, distributed
 from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
@@ -37,10 +40,13 @@ CHECKPOINT = "checkpoint.pt"
 class EpochSampler(Sampler):
     """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
     resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
-    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item."""
+    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item.
+    Under DDP rank r of W takes the r-th slice (batch_size / W items) of every global batch, so the
+    ranks together see the batches of a single-process run."""
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.rank, self.world = rank, world
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0):
@@ -48,11 +54,13 @@ class EpochSampler(Sampler):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:]
+        whole = self.n // self.batch_size * self.batch_size  # the last, partial batch is dropped
+        order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:whole]
+        order = order.view(-1, self.world, self.batch_size // self.world)[:, self.rank].reshape(-1)
         return iter((order + self.epoch * self.n).tolist())
 
     def __len__(self):
-        return self.n - self.start * self.batch_size
+        return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
 
 
 def pick_device(name: str) -> torch.device:
@@ -92,15 +100,27 @@ class Trainer:
     def __init__(self, cfg: Config, progress: bool | None = None):
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
-        self.device = pick_device(cfg.device)
-        self.progress = sys.stderr.isatty() if progress is None else progress
-        self._claim_folder()
+        self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
+        if cfg.batch_size % self.world:
+            raise UserError(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
+                            f"{self.world} processes; pick a multiple of {self.world}")
+        self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
+        if self.rank == 0:
+            self._claim_folder()
+        distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
-        self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(self.device)
+        # channels_last: the layout cuDNN's tensor-core convolutions want
+        self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.preserve_format
+        self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(
+            self.device, memory_format=self.memory_format)
+        if self.world > 1 and self.device.type == "cuda":
+            self.learner = nn.SyncBatchNorm.convert_sync_batchnorm(self.learner)
+        if self.rank:  # same initial weights everywhere, then each rank its own gate noise
+            pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.optimizer = build_optimizer(cfg.optimizer, self.learner.param_groups(), cfg.momentum,
@@ -110,6 +130,13 @@ class Trainer:
         self.step = 0
         self.finished = False
         self._load_checkpoint()
+        self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
+        if self.world > 1:
+            self.learner.model.gather = distributed.gather_rows
+            self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if self.device.type == "cuda"
+                                               else None)
+        if cfg.compile:
+            self.learner.encoder.compile()
 
     # -- run folder ---------------------------------------------------------------------------
     def _claim_folder(self):
@@ -136,11 +163,15 @@ class Trainer:
                     num_train=len(self.data.train), channels=self.data.channels,
                     learner=self.learner.state_dict(), optimizer=self.optimizer.state_dict(),
                     scheduler=self.scheduler.state_dict(),
-                    rng=dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
-                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []))
+                    rng=distributed.all_gather_objects(  # one entry per rank
+                        dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
+                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
 
     def save(self):
-        atomic_save(self.state_dict(), self.out / CHECKPOINT)
+        """Every rank calls this (it gathers their RNG states); rank 0 writes the file."""
+        state = self.state_dict()
+        if self.rank == 0:
+            atomic_save(state, self.out / CHECKPOINT)
 
     def _load_checkpoint(self):
         path = self.out / CHECKPOINT
@@ -150,10 +181,14 @@ class Trainer:
         self.learner.load_state_dict(state["learner"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate((3, tuple(state["rng"]["python"]), None))
-        if state["rng"]["cuda"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if len(state["rng"]) != self.world:
+            raise UserError(f"{path} was written by {len(state['rng'])} training process(es), this run has "
+                            f"{self.world}; resume it with torchrun --nproc_per_node={len(state['rng'])}")
+        rng = state["rng"][self.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate((3, tuple(rng["python"]), None))
+        if rng["cuda"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(rng["cuda"])
         self.step, self.finished = state["step"], state["finished"]
 
     # -- training -----------------------------------------------------------------------------
@@ -162,21 +197,24 @@ class Trainer:
         views = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
         # its own generator: creating an epoch's iterator must not draw from the global RNG, which
         # the gate samples use and the checkpoint restores
-        return DataLoader(views, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+        return DataLoader(views, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
                           num_workers=cfg.workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
                           persistent_workers=cfg.workers > 0, generator=torch.Generator())
 
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():
             results = json.loads((self.out / "eval.json").read_text())
-            print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
-            print(format_table(results))
+            if self.rank == 0:
+                print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
+                print(format_table(results))
             return results
         last = self.total_steps if self.cfg.max_steps is None else min(self.total_steps, self.cfg.max_steps)
         if self.step < last:
             self.train(last)
         self.finished = True
         self.save()
+        if self.rank:
+            return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / "eval.json")
         print(format_table(results))
@@ -185,26 +223,29 @@ class Trainer:
     def train(self, last_step: int):
         cfg, learner = self.cfg, self.learner
         learner.train()
-        sampler = EpochSampler(len(self.data.train), cfg.batch_size, cfg.seed)
+        sampler = EpochSampler(len(self.data.train), cfg.batch_size, cfg.seed, self.rank, self.world)
         loader = self._loader(sampler)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        with open(self.out / "log.jsonl", "a") as log, pyro.validation_enabled(False):
+        log_file = open(self.out / "log.jsonl", "a") if self.rank == 0 else nullcontext()
+        with log_file as log, pyro.validation_enabled(False):
             tic, seen = time.perf_counter(), 0
             while self.step < last_step:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in loader:
-                    loss = learner(x.to(self.device, non_blocking=True))
+                    loss = self.net(x.to(self.device, non_blocking=True, memory_format=self.memory_format))
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     self.optimizer.step()
                     self.scheduler.step()
                     self.step += 1
-                    seen += x.shape[0] // 2
-                    if self.step % cfg.log_every == 0 or self.step == last_step:
+                    seen += x.shape[0] // 2 * self.world
+                    # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
+                    # it syncs with the GPU, so only every log_every steps
+                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
                         rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
                         log.write(json.dumps(rec) + "\n")
@@ -212,9 +253,10 @@ class Trainer:
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
+                        else:
+                            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
                     if self.step % cfg.ckpt_every == 0:
                         self.save()
                     if self.step >= last_step:
