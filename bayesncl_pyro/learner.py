@@ -44,11 +44,11 @@ class ContrastiveLearner(nn.Module):
         return self.guide is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # autocast covers the encoder only; the Pyro program runs in fp32 (exp/log of the loss)
+        # autocast covers the encoder only; the Pyro program runs at the input's precision (exp/log of the loss)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda):
             h, z = self.encoder(x)
         guide = self.guide if self.gated else _no_guide
-        loss = self.elbo.differentiable_loss(self.model, guide, z.float(), h.float())
+        loss = self.elbo.differentiable_loss(self.model, guide, z.to(x.dtype), h.to(x.dtype))
         return loss / self.model.num_rows
 
     @torch.no_grad()
