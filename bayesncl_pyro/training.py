@@ -133,8 +133,8 @@ class Trainer:
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
         if self.world > 1:
             self.learner.model.gather = distributed.gather_rows
-            self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if self.device.type == "cuda"
-                                               else None)
+            on_gpu = self.device.type == "cuda"
+            self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
             self.learner.encoder.compile()
 

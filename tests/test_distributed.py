@@ -61,7 +61,7 @@ def _local_rows(x, rank):
 
 
 def _ddp_step(rank, out):
-    rank, world, device = distributed.setup(torch.device("cpu"))
+    distributed.setup(torch.device("cpu"))
     pyro.enable_validation(False)  # the fast ELBO path, as in training
     learner, x = _learner_and_batch()
     learner.model.gather = distributed.gather_rows
