@@ -68,6 +68,7 @@ class Config:
     seed: int = 0
     device: str = "auto"
     amp: bool = True
+    compile: bool = False
     log_every: int = 10
     ckpt_every: int = 500
     on_nan: str = "stop"
@@ -88,7 +89,7 @@ class Config:
     # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps",
+        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps", "compile",
                   "skip_bad_images", "on_nan"):
             d.pop(k)
         return d

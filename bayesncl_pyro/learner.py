@@ -1,12 +1,12 @@
 """The trainable object: encoder -> (model, guide) -> -ELBO per row, for CL, NCL and BayesNCL alike."""
 
 import torch
-import torch.nn.functional as F
-from pyro.infer import TraceMeanField_ELBO
 from torch import nn
 
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import Encoder
+from bayesncl_pyro.losses import normalize
 from guides.gates import GateGuide
 from models.bayesncl import ContrastiveModel
 from models.priors import build_prior
@@ -37,18 +37,18 @@ class ContrastiveLearner(nn.Module):
             estimator=cfg.gate, temperature=cfg.gate_temperature, logit_bound=cfg.logit_bound,
             kl_weight=cfg.kl_weight, rate_guide=prior.make_guide(),
         ) if gated else None
-        self.elbo = TraceMeanField_ELBO()
+        self.elbo = MeanFieldELBO()
 
     @property
     def gated(self) -> bool:
         return self.guide is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # autocast covers the encoder only; the Pyro program runs in fp32 (exp/log of the loss)
+        # autocast covers the encoder only; the Pyro program runs at the input's precision (exp/log of the loss)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda):
             h, z = self.encoder(x)
         guide = self.guide if self.gated else _no_guide
-        loss = self.elbo.differentiable_loss(self.model, guide, z.float(), h.float())
+        loss = self.elbo.differentiable_loss(self.model, guide, z.to(x.dtype), h.to(x.dtype))
         return loss / self.model.num_rows
 
     @torch.no_grad()
@@ -62,7 +62,7 @@ class ContrastiveLearner(nn.Module):
         h, z = h.float(), z.float()
         feats = self.model.features(z)
         if self.gated:
-            feats = F.normalize(feats * (self.gate_probs(h) > 0.5).to(feats), dim=1)
+            feats = normalize(feats * (self.gate_probs(h) > 0.5).to(feats))
         return h, feats
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:

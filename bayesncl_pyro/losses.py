@@ -59,6 +59,17 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float) -> torch.Tensor
     return alpha * (alpha / rho).log() + (1 - alpha) * ((1 - alpha) / (1 - rho)).log()
 
 
+def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Row-wise L2 normalisation (R x K) that maps an all-zero row to zero *with zero gradient*.
+
+    ``F.normalize`` divides by ``max(||x||, eps)``, so at a zero row (every gate off, or every feature
+    dead) its gradient is 1 / eps = 1e12: through the straight-through gates that blows up the gating
+    head. Such a row contributes nothing, and here it also receives nothing.
+    """
+    norm = x.norm(dim=1, keepdim=True)
+    return torch.where(norm > eps, x / norm.clamp_min(eps), torch.zeros_like(x))
+
+
 def nonneg(z: torch.Tensor, kind: str) -> torch.Tensor:
     """Make features non-negative.
 

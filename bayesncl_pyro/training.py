@@ -26,9 +26,11 @@ from pathlib import Path
 
 import pyro
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro import __version__
+from bayesncl_pyro import __version__, distributed
 from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
@@ -45,10 +47,13 @@ PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlie
 class EpochSampler(Sampler):
     """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
     resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
-    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item."""
+    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item.
+    Under DDP rank r of W takes the r-th slice (batch_size / W items) of every global batch, so the
+    ranks together see the batches of a single-process run."""
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.rank, self.world = rank, world
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0):
@@ -56,11 +61,13 @@ class EpochSampler(Sampler):
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:]
+        whole = self.n // self.batch_size * self.batch_size  # the last, partial batch is dropped
+        order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:whole]
+        order = order.view(-1, self.world, self.batch_size // self.world)[:, self.rank].reshape(-1)
         return iter((order + self.epoch * self.n).tolist())
 
     def __len__(self):
-        return self.n - self.start * self.batch_size
+        return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
 
 
 def pick_device(name: str) -> torch.device:
@@ -150,9 +157,14 @@ class Trainer:
         start afresh, instead of resuming the run there or refusing one with another config."""
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
-        self.device = pick_device(cfg.device)
-        self.progress = sys.stderr.isatty() if progress is None else progress
-        self._claim_folder(overwrite)
+        self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
+        if cfg.batch_size % self.world:
+            raise UserError(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
+                            f"{self.world} processes; pick a multiple of {self.world}")
+        self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
+        if self.rank == 0:
+            self._claim_folder(overwrite)
+        distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images)
         for split in (self.data.train, self.data.test):
@@ -161,7 +173,14 @@ class Trainer:
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
-        self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(self.device)
+        # channels_last: the layout cuDNN's tensor-core convolutions want
+        self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.preserve_format
+        self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(
+            self.device, memory_format=self.memory_format)
+        if self.world > 1 and self.device.type == "cuda":
+            self.learner = nn.SyncBatchNorm.convert_sync_batchnorm(self.learner)
+        if self.rank:  # same initial weights everywhere, then each rank its own gate noise
+            pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.optimizer = build_optimizer(cfg.optimizer, self.learner.param_groups(), cfg.momentum,
@@ -171,6 +190,13 @@ class Trainer:
         self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
         self._load_checkpoint()
+        self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
+        if self.world > 1:
+            self.learner.model.gather = distributed.gather_rows
+            on_gpu = self.device.type == "cuda"
+            self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
+        if cfg.compile:
+            self.learner.encoder.compile()
 
     # -- run folder ---------------------------------------------------------------------------
     def _claim_folder(self, overwrite: bool):
@@ -215,11 +241,15 @@ class Trainer:
                     num_train=len(self.data.train), channels=self.data.channels,
                     learner=self.learner.state_dict(), optimizer=self.optimizer.state_dict(),
                     scheduler=self.scheduler.state_dict(), skipped_steps=self.skipped_steps,
-                    rng=dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
-                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []))
+                    rng=distributed.all_gather_objects(  # one entry per rank
+                        dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
+                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
 
     def save(self):
-        atomic_save(self.state_dict(), self.out / CHECKPOINT)
+        """Every rank calls this (it gathers their RNG states); rank 0 writes the file."""
+        state = self.state_dict()
+        if self.rank == 0:
+            atomic_save(state, self.out / CHECKPOINT)
         self.saved_step = self.step
 
     def _load_checkpoint(self):
@@ -237,10 +267,14 @@ class Trainer:
         _load_weights(self.learner, state, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate((3, tuple(state["rng"]["python"]), None))
-        if state["rng"]["cuda"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if len(state["rng"]) != self.world:
+            raise UserError(f"{path} was written by {len(state['rng'])} training process(es), this run has "
+                            f"{self.world}; resume it with torchrun --nproc_per_node={len(state['rng'])}")
+        rng = state["rng"][self.rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate((3, tuple(rng["python"]), None))
+        if rng["cuda"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(rng["cuda"])
         self.step, self.finished = state["step"], state["finished"]
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
@@ -250,7 +284,7 @@ class Trainer:
         views = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
         # its own generator: creating an epoch's iterator must not draw from the global RNG, which
         # the gate samples use and the checkpoint restores
-        return DataLoader(views, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+        return DataLoader(views, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
                           num_workers=cfg.workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
                           persistent_workers=cfg.workers > 0, generator=torch.Generator(),
                           worker_init_fn=_ignore_sigint)
@@ -258,14 +292,17 @@ class Trainer:
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():
             results = json.loads((self.out / "eval.json").read_text())
-            print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
-            print(format_table(results))
+            if self.rank == 0:
+                print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
+                print(format_table(results))
             return results
         last = self.total_steps if self.cfg.max_steps is None else min(self.total_steps, self.cfg.max_steps)
         if self.step < last:
             self.train(last)
         self.finished = True
         self.save()
+        if self.rank:
+            return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / "eval.json")
         print(format_table(results))
@@ -275,46 +312,53 @@ class Trainer:
     def train(self, last_step: int):
         cfg, learner = self.cfg, self.learner
         learner.train()
-        sampler = EpochSampler(len(self.data.train), cfg.batch_size, cfg.seed)
+        sampler = EpochSampler(len(self.data.train), cfg.batch_size, cfg.seed, self.rank, self.world)
         loader = self._loader(sampler)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
+        stopping = False
         with pyro.validation_enabled(False), _StopRequest() as stop:
             tic, seen = time.perf_counter(), 0
-            while self.step < last_step and not stop.signum:
+            while self.step < last_step and not stopping:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in loader:
-                    loss = learner(x.to(self.device, non_blocking=True))
+                    loss = self.net(x.to(self.device, non_blocking=True, memory_format=self.memory_format))
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     if self._check_finite(loss):
                         self.optimizer.step()
                     self.scheduler.step()
                     self.step += 1
-                    seen += x.shape[0] // 2
-                    if self.step % cfg.log_every == 0 or self.step == last_step:
+                    seen += x.shape[0] // 2 * self.world
+                    # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
+                    # it syncs with the GPU, so only every log_every steps
+                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
                         rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / "log.jsonl")
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
+                        else:
+                            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-                    if self.step % cfg.ckpt_every == 0 or stop.signum:
+                    # a signal reaches one rank or all; they must stop, and save, at the same step
+                    stopping = distributed.any_rank(stop.signum is not None, self.device)
+                    if self.step % cfg.ckpt_every == 0 or stopping:
                         self.save()
-                    if self.step >= last_step or stop.signum:
+                    if self.step >= last_step or stopping:
                         break
         if bar is not None:
             bar.close()
         learner.eval()
-        if stop.signum:
-            raise Stopped(f"{signal.Signals(stop.signum).name} received: checkpoint saved at step {self.step} "
-                          f"of {last_step} in {self.out}; rerun the same command to resume", stop.signum)
+        if stopping:
+            signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops as if terminated
+            raise Stopped(f"{signal.Signals(signum).name} received: checkpoint saved at step {self.step} "
+                          f"of {last_step} in {self.out}; rerun the same command to resume", signum)
 
     def _check_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss and every gradient are finite, so the step may be taken. If not, stop the run

@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="default: %(default)s")
     g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoder (worth it for long GPU runs; "
+                   "the first steps wait for compilation)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
     g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
                    help="steps between checkpoints (default: %(default)s)")

@@ -20,11 +20,10 @@ NCL is this program without the gate site, and CL (SimCLR) also without non-nega
 import pyro
 import pyro.distributions as dist
 import torch
-import torch.nn.functional as F
 from pyro import poutine
 from pyro.nn import PyroModule
 
-from bayesncl_pyro.losses import info_nce_rows, nonneg, topk_mask
+from bayesncl_pyro.losses import info_nce_rows, nonneg, normalize, topk_mask
 from models.priors import Prior
 
 
@@ -59,7 +58,7 @@ class ContrastiveModel(PyroModule):
         z = nonneg(z, self.nonneg)
         if self.topk:
             z = z * topk_mask(z, self.topk)
-        return F.normalize(z, dim=1)
+        return normalize(z)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """z: R x K projector output, h: R x D backbone features (used by the guide only).
@@ -73,7 +72,7 @@ class ContrastiveModel(PyroModule):
             if self.prior is not None:
                 with poutine.scale(scale=self.kl_weight):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
-                u = F.normalize(u * g, dim=1)
+                u = normalize(u * g)
             if self.gather is None:
                 nce = info_nce_rows(u, self.temperature)
             else:

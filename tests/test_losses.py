@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.losses import bernoulli_kl, info_nce, info_nce_rows, nonneg, topk_mask
+from bayesncl_pyro.losses import bernoulli_kl, info_nce, info_nce_rows, nonneg, normalize, topk_mask
 
 
 def test_info_nce_hand_computed():
@@ -79,3 +79,14 @@ def test_rep_relu_forward_is_relu_backward_is_gelu():
 def test_topk_mask_keeps_k_largest():
     z = torch.tensor([[0.1, 0.9, 0.5, 0.3], [4.0, 1.0, 2.0, 3.0]])
     torch.testing.assert_close(topk_mask(z, 2), torch.tensor([[0.0, 1, 1, 0], [1, 0, 0, 1]]))
+
+
+def test_normalize_zero_row_has_zero_gradient():
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]], requires_grad=True)
+    out = normalize(x)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0], [0.6, 0.8]]))
+    out.sum().backward()
+    assert torch.equal(x.grad[0], torch.zeros(2))  # F.normalize gives 1e12 here
+    y = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    F.normalize(y, dim=1).sum().backward()
+    torch.testing.assert_close(x.grad[1], y.grad[0])  # elsewhere: F.normalize exactly

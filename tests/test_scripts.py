@@ -13,6 +13,9 @@ TINY_RUN = ["--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batc
 
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
+    "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
+                                  "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
+                                  "--workers", "0"],
 }
 
 

@@ -1,0 +1,262 @@
+"""Training-step throughput of CL, NCL and BayesNCL, and what the Pyro layer costs.
+
+    python experiments/bench_step.py                                  # CPU, digits recipe (small CNN)
+    python experiments/bench_step.py --device cuda --dataset in100 --batch-size 512 --memory-batches 128,256,512
+    python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \\
+        --pipeline-batches 50                                         # + data pipeline and end to end
+
+Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
+  cl, ncl, bayesncl   the learner as training runs it (Pyro program, MeanFieldELBO)
+  bayesncl_tmf        the same program through Pyro's stock TraceMeanField_ELBO
+  bayesncl_plain      the same maths written directly in PyTorch (no Pyro)
+Before timing, the three BayesNCL variants are checked to give the same loss and gradients.
+
+Every repeat runs each variant once, in turn, and ratios are taken within a repeat, then the median over
+repeats: on a shared machine the ratios are meaningful, absolute times less so.
+"""
+
+import argparse
+import copy
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+
+import pyro
+import torch
+import torch.nn.functional as F
+from pyro.infer import TraceMeanField_ELBO
+
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows
+
+
+def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
+    """``learner(x)`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row."""
+    model, guide = learner.model, learner.guide
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
+        h, z = learner.encoder(x)
+    h, z = h.float(), z.float()
+    u, kl = model.features(z), 0.0
+    if guide is not None:
+        logits = guide.logits(h)
+        u = F.normalize(u * guide.gate(guide.temperature, logits=logits).rsample(), dim=1)
+        kl = bernoulli_kl(logits.sigmoid(), model.prior.rate()).sum(1).mean()
+    return info_nce_rows(u, model.temperature).mean() + model.kl_weight * kl
+
+
+def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
+    """Variant name -> (loss function of a batch, the learner it trains)."""
+    fns = {}
+    for method in ("cl", "ncl", "bayesncl"):
+        learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": method})), channels, 50_000)
+        fns[method] = (learner, learner)
+    bayes = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
+    stock = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
+    stock.load_state_dict(bayes.state_dict())
+    stock.elbo = TraceMeanField_ELBO()
+    fns["bayesncl_tmf"] = (stock, stock)
+    fns["bayesncl_plain"] = (lambda x, m=bayes: plain_loss(m, x), bayes)
+    mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
+    for _, learner in fns.values():
+        learner.to(device, memory_format=mf).train()
+    return fns
+
+
+def check_equal(fns: dict, x: torch.Tensor):
+    """The BayesNCL variants give the same loss and gradients from the same weights and gate noise."""
+    ref = fns["bayesncl_tmf"][1].state_dict()
+    results = {}
+    for name in ("bayesncl_tmf", "bayesncl_plain", "bayesncl"):
+        fn, learner = fns[name]
+        learner.load_state_dict(ref)
+        learner.zero_grad()
+        pyro.set_rng_seed(0)
+        loss = fn(x)
+        loss.backward()
+        results[name] = loss.detach().float(), [p.grad.float() for p in learner.parameters() if p.grad is not None]
+    tol = dict(rtol=1e-4, atol=1e-5) if x.device.type == "cpu" else dict(rtol=2e-2, atol=1e-3)  # bf16 on GPU
+    for name in ("bayesncl_plain", "bayesncl"):
+        torch.testing.assert_close(results[name][0], results["bayesncl_tmf"][0], **tol)
+        for a, b in zip(results[name][1], results["bayesncl_tmf"][1], strict=True):
+            torch.testing.assert_close(a, b, **tol)
+
+
+def check_float64(cfg: Config, channels: int, x: torch.Tensor):
+    """The BayesNCL loss on the device, in float32 and under the autocast training uses, against a float64
+    CPU reference on the same weights and the first 16 images of the batch (STE gates: deterministic on
+    every device)."""
+    b, n = x.shape[0] // 2, min(x.shape[0] // 2, 16)
+    x = torch.cat([x[:n], x[b:b + n]])
+    learner = ContrastiveLearner(resolve(dataclasses.replace(cfg, method="bayesncl", gate="ste")), channels, 50_000)
+    expected = copy.deepcopy(learner).double()(x.cpu().double()).item()
+    learner.to(x.device)
+    # float32 on a GPU uses TF32 convolutions and matmuls: about 1e-3 relative
+    tolerances = {"float32": 1e-5 if x.device.type == "cpu" else 5e-3}
+    if x.is_cuda and cfg.amp:
+        tolerances["bf16 autocast"] = 5e-2
+    for name, tol in tolerances.items():
+        learner.cfg = dataclasses.replace(learner.cfg, amp=name != "float32")
+        got = learner(x).item()
+        rel = abs(got - expected) / abs(expected)
+        print(f"check: {x.device.type} {name} loss {got:.6f} vs CPU float64 {expected:.6f}: relative difference "
+              f"{rel:.1e} (tolerance {tol:.0e})")
+        if not rel <= tol:
+            raise SystemExit(f"error: the {x.device.type} {name} loss is off the float64 reference")
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fn, opt, x: torch.Tensor, steps: int) -> float:
+    """Seconds per optimizer step."""
+    sync(x.device)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        loss = fn(x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    sync(x.device)
+    return (time.perf_counter() - tic) / max(steps, 1)
+
+
+def peak_memory(fn, opt, x: torch.Tensor) -> float:
+    """GiB of GPU memory at the peak of one step."""
+    torch.cuda.reset_peak_memory_stats()
+    time_steps(fn, opt, x, 1)
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="digits", help="recipe for the defaults below, and the data of the "
+                   "pipeline figure (default: %(default)s)")
+    p.add_argument("--data-dir", help="dataset folder, for the pipeline figure of file-based datasets")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--encoder", help="default: the dataset's")
+    p.add_argument("--image-size", type=int, help="default: the dataset's")
+    p.add_argument("--batch-size", type=int, help="images per step (two views each); default: the dataset's")
+    p.add_argument("--proj-hidden", type=int, help="default: the dataset's")
+    p.add_argument("--proj-dim", type=int, help="default: the dataset's")
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the encoders (CUDA)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant and repeat (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default: %(default)s)")
+    p.add_argument("--memory-batches", default="", help="comma-separated batch sizes: peak GPU memory of a "
+                   "BayesNCL step at each (CUDA)")
+    p.add_argument("--pipeline-batches", type=int, default=0, help="batches for the data-pipeline-only and the "
+                   "end-to-end figures, 0 = skip (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="data-loading processes (default: %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda was asked for but PyTorch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    cfg = resolve(Config(dataset=args.dataset, encoder=args.encoder, image_size=args.image_size,
+                         batch_size=args.batch_size, proj_hidden=args.proj_hidden, proj_dim=args.proj_dim,
+                         amp=args.amp, device=args.device, workers=args.workers))
+    channels = 1 if cfg.dataset == "digits" else 3
+    torch.manual_seed(0)
+    x = torch.randn(2 * cfg.batch_size, channels, cfg.image_size, cfg.image_size, device=device)
+    if device.type == "cuda":
+        x = x.contiguous(memory_format=torch.channels_last)
+    fns = loss_fns(cfg, channels, device)
+    print(f"torch {torch.__version__}, pyro {pyro.__version__}, {device_name(device)}; {cfg.encoder} at "
+          f"{cfg.image_size} px, batch {cfg.batch_size} images ({2 * cfg.batch_size} rows), K={cfg.proj_dim}, "
+          f"amp={cfg.amp and device.type == 'cuda'}, compile={args.compile}")
+
+    with pyro.validation_enabled(False):
+        check_float64(cfg, channels, x)
+        check_equal(fns, x)
+        print("check: BayesNCL loss and gradients equal for MeanFieldELBO, TraceMeanField_ELBO and plain PyTorch")
+        if args.compile:
+            for _, learner in fns.values():
+                learner.encoder.compile()
+        opts = {name: torch.optim.SGD(learner.parameters(), lr=1e-3) for name, (_, learner) in fns.items()}
+        for name, (fn, _) in fns.items():
+            time_steps(fn, opts[name], x, args.warmup)
+        times = {name: [] for name in fns}
+        for _ in range(args.repeats):
+            for name, (fn, _) in fns.items():
+                times[name].append(time_steps(fn, opts[name], x, args.steps))
+        report(times, cfg.batch_size)
+        if device.type == "cuda":
+            print("\npeak GPU memory of one step (GiB):",
+                  ", ".join(f"{n} {peak_memory(fn, opts[n], x):.2f}" for n, (fn, _) in fns.items()))
+            for b in filter(None, args.memory_batches.split(",")):
+                xb = torch.randn(2 * int(b), *x.shape[1:], device=device).contiguous(
+                    memory_format=torch.channels_last)
+                gib = peak_memory(fns["bayesncl"][0], opts["bayesncl"], xb)
+                print(f"peak GPU memory, BayesNCL, batch {b}: {gib:.2f} GiB")
+        if args.pipeline_batches:
+            pipeline(cfg, args, device)
+    return 0
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def report(times: dict, batch: int):
+    """Median images/s per variant and the ratios, each taken within a repeat."""
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"{name:16} {1e3 * t:9.2f} {batch / t:10.1f}")
+    print(f"\nPyro/plain step time, MeanFieldELBO (training):   {ratio('bayesncl', 'bayesncl_plain'):.3f}")
+    print(f"Pyro/plain step time, stock TraceMeanField_ELBO: {ratio('bayesncl_tmf', 'bayesncl_plain'):.3f}")
+    print(f"BayesNCL/NCL step time:                          {ratio('bayesncl', 'ncl'):.3f}")
+    print(f"NCL/CL step time:                                {ratio('ncl', 'cl'):.3f}")
+
+
+def pipeline(cfg: Config, args, device: torch.device):
+    """Images/s of the training data pipeline alone (decode, two augmented views, collate, to the device),
+    then end to end: the same loader feeding BayesNCL training steps."""
+    from bayesncl_pyro.training import EpochSampler, Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(Config(**{**cfg.to_dict(), "method": "bayesncl", "data_dir": args.data_dir, "out": out,
+                                    "log_every": 10**9, "ckpt_every": 10**9}), progress=False)
+        n = args.pipeline_batches
+
+        def run(step: bool) -> float:
+            sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
+            loader = iter(trainer._loader(sampler))
+            for i in range(n + 2):  # the first batches wait for the workers to start
+                if i == 2:
+                    sync(device)
+                    tic = time.perf_counter()
+                x = next(loader).to(device, non_blocking=True, memory_format=trainer.memory_format)
+                if step:
+                    loss = trainer.net(x)
+                    trainer.optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    trainer.optimizer.step()
+            sync(device)
+            return n * cfg.batch_size / (time.perf_counter() - tic)
+
+        if len(trainer.data.train) < (n + 2) * cfg.batch_size:
+            print(f"\n(the pipeline figures need {(n + 2) * cfg.batch_size} training images; "
+                  f"{args.dataset} has {len(trainer.data.train)})")
+            return
+        print(f"\ndata pipeline only ({args.workers} workers): {run(False):.1f} images/s")
+        print(f"end to end, BayesNCL:                {run(True):.1f} images/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
