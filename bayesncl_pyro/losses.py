@@ -67,7 +67,8 @@ def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     head. Such a row contributes nothing, and here it also receives nothing.
     """
     norm = x.norm(dim=1, keepdim=True)
-    return torch.where(norm > eps, x / norm.clamp_min(eps), torch.zeros_like(x))
+    # written so that a NaN norm falls in the second branch: NaNs must surface, not become zeros
+    return torch.where(norm <= eps, torch.zeros_like(x), x / norm.clamp_min(eps))
 
 
 def nonneg(z: torch.Tensor, kind: str) -> torch.Tensor:

@@ -90,3 +90,4 @@ def test_normalize_zero_row_has_zero_gradient():
     y = torch.tensor([[3.0, 4.0]], requires_grad=True)
     F.normalize(y, dim=1).sum().backward()
     torch.testing.assert_close(x.grad[1], y.grad[0])  # elsewhere: F.normalize exactly
+    assert normalize(torch.tensor([[float("nan"), 1.0]])).isnan().all()  # NaNs are not masked
