@@ -96,7 +96,7 @@ class Trainer:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._claim_folder()
         pyro.set_rng_seed(cfg.seed)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, train_subset=cfg.train_subset)
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
