@@ -11,8 +11,12 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 TINY_RUN = ["--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
             "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0", "--log-every", "1"]
 
+TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
+                "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
+
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
+    "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
 }
 
 
@@ -52,3 +56,33 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, args, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
+
+
+def test_compare_trains_every_method_and_writes_the_table(tmp_path):
+    out = tmp_path / "cmp"
+    proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    methods = ["cl", "ncl", "ncl+topk", "bayesncl-relaxed", "bayesncl-ste", "bayesncl-gs"]
+    assert {f"{m}-seed0" for m in methods} <= {p.name for p in out.iterdir()}
+    assert {"comparison.md", "comparison.json", "consistency_vs_probe.png"} <= {p.name for p in out.iterdir()}
+    md = (out / "comparison.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Method"))
+    for column in ("Cons.", "H_s", "Act.", "LP@1", "LP@5", "kNN", "P@1", "P@3", "P@5", "P@10", "Sparsity",
+                   "Eff. rank", "Train s"):
+        assert f"| {column} |" in header
+    assert all(f"| {m} |" in md for m in methods)
+    assert "smoke run" in md
+    report = json.loads((out / "comparison.json").read_text())
+    assert [r["name"] for r in report["runs"]] == methods
+    assert report["runs"][1]["method"] == "ncl" and report["runs"][2]["folder"] == "ncl+topk-seed0"
+    assert all(0 <= r["retrieval_p@10"] <= 1 and r["train_time_s"] > 0 for r in report["runs"])
+    assert set(report["summary"]) == set(methods)
+
+
+def test_compare_reuses_finished_runs_and_refuses_other_settings(tmp_path):
+    args = [*TINY_COMPARE, "--methods", "ncl", "--out", str(tmp_path / "cmp")]
+    assert run("compare.py", *args).returncode == 0
+    again = run("compare.py", *args)
+    assert again.returncode == 0 and "already holds a finished run" in again.stdout
+    other = run("compare.py", *args, "--lr", "0.5")
+    assert other.returncode == 2 and "different configuration" in other.stderr
