@@ -72,7 +72,8 @@ def factor_report(learner, h, features, factors: dict, device) -> dict:
         closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
         for name, mask in factor_tracking(ungated, factors).items():
             results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
-            results[f"gated_off_share_{name}"] = float((closed_share[mask] > 0.5).double().mean()) if mask.any() else 0.0
+            switched_off = (closed_share[mask] > 0.5).double()
+            results[f"gated_off_share_{name}"] = float(switched_off.mean()) if mask.any() else 0.0
     return results
 
 
