@@ -185,7 +185,7 @@ def compare(args) -> dict:
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
     runs = []
-    for name, fields in method_configs(methods, args.priors.split(","), args.topk or proj_dim // 8).items():
+    for name, fields in method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8)).items():
         for seed in args.seeds:
             run_dir = out / f"{name}-seed{seed}"
             print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
