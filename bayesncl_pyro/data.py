@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, Subset
 
 from bayesncl_pyro.errors import UserError
 
-DATASETS: tuple[str, ...] = ("digits", "compositional", "cifar10", "cifar100", "imagefolder", "in100")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "imagefolder", "in100", "compositional")
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 
