@@ -19,6 +19,9 @@ ON_NAN = ("stop", "skip")
 DATASET_DEFAULTS = {
     "digits": dict(image_size=8, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=50,
                    batch_size=256, optimizer="sgd", lr=0.1, warmup_epochs=2),
+    # the generated benchmark: the CPU recipe of METHOD.md section 5
+    "compositional": dict(image_size=32, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=15,
+                          batch_size=256, optimizer="sgd", lr=0.06, warmup_epochs=1),
     "cifar10": dict(image_size=32, encoder="resnet18", proj_hidden=2048, proj_dim=256, nonneg="rep_relu", epochs=200,
                     batch_size=256, optimizer="lars", lr=0.4, warmup_epochs=10),
     "in100": dict(image_size=224, encoder="resnet18", proj_hidden=16384, proj_dim=2048, nonneg="relu", epochs=100,
@@ -34,6 +37,7 @@ class Config:
     dataset: str = "digits"
     data_dir: str | None = None
     image_size: int | None = None
+    train_subset: int | None = None  # train on this many random training images (small-budget runs)
     workers: int = 2
     skip_bad_images: bool = False
     # method

@@ -5,7 +5,7 @@ from torch.utils.data import DataLoader
 
 from bayesncl_pyro.augment import eval_transform
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.metrics import interpretability_metrics
+from bayesncl_pyro.metrics import ACTIVE_EPS, factor_tracking, interpretability_metrics, retrieval_precision
 from bayesncl_pyro.probe import knn_top1, linear_probe
 
 
@@ -38,16 +38,43 @@ def extract(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch
 
 def evaluate(learner, data, cfg: Config, device) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
-    on the test split's representation F. Fractions in [0, 1]."""
+    and retrieval precision on the test split's representation F; on generated data whose test split
+    records its factors, which factor each dimension tracks. Fractions in [0, 1]."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device)
     h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, seed=cfg.seed)
     results = interpretability_metrics(f_te, y_te)
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
+    results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te).items()})
     if learner.gated:
         results["gate_rate"] = (learner.gate_probs(h_te.to(device)) > 0.5).float().mean().item()
+    factors = getattr(data.test, "factors", None)
+    if factors is not None:
+        results.update(factor_report(learner, h_te, f_te, factors, device))
     return dict(method=cfg.method, dataset=cfg.dataset, **results)
+
+
+@torch.no_grad()
+def factor_report(learner, h, features, factors: dict, device) -> dict:
+    """How many dims of the representation F (N x K) track each ground-truth factor, and for a gated
+    learner, which share of the dims that each factor drives *before* gating the gates switch off.
+
+    A dim counts as switched off when its gate is closed in more than half of the samples where its
+    ungated feature is active. h: N x D backbone features of the same samples.
+    """
+    results = {f"dims_tracking_{name}": int(mask.sum()) for name, mask in factor_tracking(features, factors).items()}
+    if learner.gated:
+        h = h.to(device)
+        ungated = learner.model.features(learner.encoder.projector(h)).cpu()
+        closed = (learner.gate_probs(h) <= 0.5).cpu().double()
+        active = (ungated.abs() > ACTIVE_EPS).double()
+        closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
+        for name, mask in factor_tracking(ungated, factors).items():
+            results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
+            switched_off = (closed_share[mask] > 0.5).double()
+            results[f"gated_off_share_{name}"] = float(switched_off.mean()) if mask.any() else 0.0
+    return results
 
 
 def format_table(results: dict) -> str:

@@ -147,6 +147,41 @@ def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
     return {k: float(hits[:, :k].mean()) for k in ks}
 
 
+def _binary_entropy(p):
+    return -torch.special.xlogy(p, p) - torch.special.xlogy(1 - p, 1 - p)
+
+
+def factor_information(features, factor):
+    """K tensor in [0, 1]: per dim, the share of the entropy of its on/off pattern that ``factor`` explains.
+
+    features: N x K, factor: N long (a ground-truth factor's value per sample). With a_k = 1[|F_k| >
+    ACTIVE_EPS] (rows L2-normalised first), returns I(a_k; factor) / H(a_k): 1 when the dim is on exactly
+    for some set of factor values, 0 when it is independent of the factor. Scores of factors with
+    different numbers of values are comparable. Dims that are always or never on score 0.
+    """
+    active = (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
+    one_hot = F.one_hot(factor).double()  # N x V
+    p_value = one_hot.mean(dim=0)  # V
+    p_on_given = (one_hot.T @ active) / (one_hot.sum(dim=0)[:, None]).clamp_min(1)  # V x K
+    h_on = _binary_entropy(active.mean(dim=0))
+    h_on_given = p_value @ _binary_entropy(p_on_given)
+    score = (h_on - h_on_given) / h_on.clamp_min(torch.finfo(h_on.dtype).tiny)
+    return torch.where(h_on > 1e-12, score, 0.0).clamp(0, 1)
+
+
+def factor_tracking(features, factors, min_score=0.1):
+    """Which ground-truth factor each dim tracks: ``{name: K bool mask}``.
+
+    features: N x K, factors: ``{name: N long}``. A dim tracks the factor with the largest
+    :func:`factor_information` if that score is at least ``min_score``; each dim is in at most one
+    mask (ties go to the factor listed first).
+    """
+    names = list(factors)
+    scores = torch.stack([factor_information(features, factors[n]) for n in names])  # factors x K
+    best, which = scores.max(dim=0)
+    return {n: (which == i) & (best >= min_score) for i, n in enumerate(names)}
+
+
 def interpretability_metrics(features, labels):
     """All label-aware and label-free interpretability metrics of N x K features, as one dict."""
     return {

@@ -166,7 +166,8 @@ class Trainer:
             self._claim_folder(overwrite)
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images)
+        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
+                                 train_subset=cfg.train_subset)
         for split in (self.data.train, self.data.test):
             if hasattr(split, "bad_log"):  # image files: every loader worker appends what it skips here
                 split.bad_log = self.out / BAD_IMAGES

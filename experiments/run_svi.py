@@ -30,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-dir", help="dataset folder (cifar10/100: pickled batches or {train,test}/<class>/; "
                    "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
     g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
+    g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
     g.add_argument("--skip-bad-images", action="store_true", help="train past unreadable image files instead "
                    "of stopping; they are listed in <out>/bad_images.txt and counted at the end")

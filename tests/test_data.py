@@ -54,6 +54,46 @@ def test_digits_split_is_determined_by_seed():
     assert not torch.equal(a.test.images, c.test.images)
 
 
+def test_train_subset_is_random_seeded_and_checked():
+    full = load_dataset("digits")
+    a, b = load_dataset("digits", train_subset=100), load_dataset("digits", train_subset=100)
+    assert len(a.train) == 100 and len(a.test) == len(full.test)
+    assert a.train.indices == b.train.indices and sorted(a.train.indices) != list(range(100))
+    assert torch.equal(a.train[0][0], full.train[a.train.indices[0]][0])
+    assert load_dataset("digits", seed=1, train_subset=100).train.indices != a.train.indices
+    with pytest.raises(UserError, match="--train-subset must lie in"):
+        load_dataset("digits", train_subset=len(full.train) + 1)
+
+
+# --------------------------------------------------------------------------------------- compositional
+
+
+def test_compositional_factors_are_as_declared():
+    from bayesncl_pyro.data import BACKGROUNDS, COMPOSITIONAL_SIZES, SHAPES
+
+    spec = load_dataset("compositional")
+    assert spec.classes == list(SHAPES) and spec.channels == 3 and spec.image_size == 32
+    for split, per_cell in ((spec.train, COMPOSITIONAL_SIZES["train"]), (spec.test, COMPOSITIONAL_SIZES["test"])):
+        n = per_cell * len(SHAPES) * len(BACKGROUNDS)
+        assert split.images.shape == (n, 3, 32, 32) and split.images.dtype == torch.uint8
+        assert set(split.factors) == {"class", "background"}
+        assert split.factors["class"].tolist() == split.labels
+        cells = Counter(zip(split.factors["class"].tolist(), split.factors["background"].tolist()))
+        assert len(cells) == len(SHAPES) * len(BACKGROUNDS) and set(cells.values()) == {per_cell}
+
+
+def test_compositional_background_is_visible_and_generation_is_seeded():
+    a, b, c = (load_dataset("compositional", seed=s) for s in (0, 0, 1))
+    assert torch.equal(a.train.images, b.train.images) and torch.equal(a.test.factors["background"],
+                                                                         b.test.factors["background"])
+    assert not torch.equal(a.train.images, c.train.images)
+    # the corners are background: their mean colour separates the backgrounds
+    corner = a.test.images[:, :, :3, :3].float().mean(dim=(2, 3))  # N x 3
+    bg = a.test.factors["background"]
+    means = torch.stack([corner[bg == v].mean(0) for v in range(4)])
+    assert torch.cdist(means, means).add(torch.eye(4) * 1e3).min() > 15
+
+
 # --------------------------------------------------------------------------------------- image folders
 
 

@@ -145,3 +145,26 @@ def test_all_zero_features_do_not_crash():
     }
     precision = retrieval_precision(features, labels)
     assert all(0.0 <= p <= 1.0 for p in precision.values())
+
+
+def test_factor_information_on_hand_built_features():
+    from bayesncl_pyro.metrics import factor_information, factor_tracking
+
+    # 8 samples: class = i % 4, background = i // 4 (two backgrounds, crossed with four classes)
+    cls, bg = torch.arange(8) % 4, torch.arange(8) // 4
+    feats = torch.zeros(8, 5)
+    feats[cls == 1, 0] = 1.0  # fires for class 1 only
+    feats[bg == 1, 1] = 2.0  # fires for background 1 only
+    feats[:, 2] = 1.0  # always on: carries no information
+    feats[[0, 3, 5, 6], 3] = 1.0  # independent of both: on in half of each class pair and each background
+    feats[(cls == 1) & (bg == 1), 4] = 1.0  # a conjunction
+    info_cls, info_bg = factor_information(feats, cls), factor_information(feats, bg)
+    assert info_cls[:3].tolist() == pytest.approx([1, 0, 0]) and info_bg[:3].tolist() == pytest.approx([0, 1, 0])
+    # dim 4 is on for 1 of 8: H = h(1/8); given the class, only class 1 is uncertain (h(1/2), weight 1/4)
+    h = lambda p: -p * math.log(p) - (1 - p) * math.log(1 - p)
+    assert info_cls[4].item() == pytest.approx(1 - 0.25 * h(0.5) / h(1 / 8))
+    assert info_bg[4].item() == pytest.approx(1 - 0.5 * h(0.25) / h(1 / 8))
+    assert info_cls[3].item() == pytest.approx(0) and info_bg[3].item() == pytest.approx(0)
+    tracks = factor_tracking(feats, {"class": cls, "background": bg})
+    assert tracks["class"].tolist() == [True, False, False, False, True]
+    assert tracks["background"].tolist() == [False, True, False, False, False]

@@ -11,11 +11,15 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 TINY_RUN = ["--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
             "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0", "--log-every", "1"]
 
+TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
+                "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
+
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
     "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
                                   "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
                                   "--workers", "0"],
+    "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
 }
 
 
@@ -69,3 +73,29 @@ def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
                "--image-size", "32", *TINY_RUN, "--batch-size", "50", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"
+
+
+def test_compare_trains_every_method_and_writes_the_table(tmp_path):
+    out = tmp_path / "cmp"
+    proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    methods = ["cl", "ncl", "ncl+topk", "bayesncl-relaxed", "bayesncl-ste", "bayesncl-gs"]
+    assert {f"{m}-seed0" for m in methods} <= {p.name for p in out.iterdir()}
+    assert {"comparison.md", "comparison.json", "consistency_vs_probe.png"} <= {p.name for p in out.iterdir()}
+    md = (out / "comparison.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Method"))
+    for column in ("Cons.", "H_s", "Act.", "LP@1", "LP@5", "kNN", "P@1", "P@3", "P@5", "P@10", "Sparsity",
+                   "Eff. rank", "Train s"):
+        assert f"| {column} |" in header
+    assert all(f"| {m} |" in md for m in methods)
+    assert "smoke run" in md
+    report = json.loads((out / "comparison.json").read_text())
+    assert [r["name"] for r in report["runs"]] == methods
+    assert report["runs"][1]["method"] == "ncl" and report["runs"][2]["folder"] == "ncl+topk-seed0"
+    assert all(0 <= r["retrieval_p@10"] <= 1 and r["train_time_s"] > 0 for r in report["runs"])
+    assert set(report["summary"]) == set(methods)
+    # rerunning reuses the finished runs; other settings in the same folder are refused, not mixed in
+    again = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
+    assert again.returncode == 0 and again.stdout.count("already holds a finished run") == len(methods)
+    other = run("compare.py", *TINY_COMPARE, "--methods", "ncl", "--lr", "0.5", "--out", str(out))
+    assert other.returncode == 2 and "different configuration" in other.stderr
