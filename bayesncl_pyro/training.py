@@ -6,6 +6,7 @@ One ``Trainer`` owns a run folder::
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
     log.jsonl       one JSON object every ``log_every`` steps
     eval.json       the evaluation of the final model
+    gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
 
 Running the same command again in the same folder resumes from ``checkpoint.pt``; a finished run is
 not retrained (its results are printed again).
@@ -179,6 +180,10 @@ class Trainer:
         self.save()
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / "eval.json")
+        if self.learner.gated:
+            from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+
+            export_gates(self.out, self.learner, self.data)
         print(format_table(results))
         return results
 

@@ -36,7 +36,7 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "semantic_consistency" in proc.stdout and "linear_probe_top1" in proc.stdout
     run_dir = tmp_path / "run"
-    assert {"config.json", "checkpoint.pt", "log.jsonl", "eval.json"} <= {p.name for p in run_dir.iterdir()}
+    assert {"config.json", "checkpoint.pt", "log.jsonl", "eval.json", "gates.nc"} <= {p.name for p in run_dir.iterdir()}
     assert json.loads((run_dir / "config.json").read_text())["method"] == "bayesncl"
 
 
