@@ -4,7 +4,8 @@ One ``Trainer`` owns a run folder::
 
     config.json     the resolved Config (what was actually run)
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
-    log.jsonl       one JSON object every ``log_every`` steps
+    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
+    conflict.jsonl  the per-dimension InfoNCE gradient conflict every ``conflict_every`` steps (diagnostics.py)
     eval.json       the evaluation of the final model
     gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
 
@@ -27,6 +28,7 @@ from bayesncl_pyro import __version__
 from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
@@ -110,6 +112,7 @@ class Trainer:
                                          self.total_steps)
         self.step = 0
         self.finished = False
+        self._degenerate = False
         self._load_checkpoint()
 
     # -- run folder ---------------------------------------------------------------------------
@@ -196,7 +199,8 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        with open(self.out / "log.jsonl", "a") as log, pyro.validation_enabled(False):
+        with open(self.out / "log.jsonl", "a") as log, open(self.out / CONFLICT_FILE, "a") as conflict, \
+                pyro.validation_enabled(False):
             tic, seen = time.perf_counter(), 0
             while self.step < last_step:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
@@ -220,6 +224,9 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                    if cfg.conflict_every and self.step % cfg.conflict_every == 0:
+                        conflict.write(self._conflict_line() + "\n")
+                        conflict.flush()
                     if self.step % cfg.ckpt_every == 0:
                         self.save()
                     if self.step >= last_step:
@@ -241,7 +248,21 @@ class Trainer:
             per_dim = probs.mean(0)
             rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
                        incl_max=per_dim.max().item())
+            warnings = degeneracy_warnings(rec, cfg.proj_dim)
+            if warnings:
+                rec["warnings"] = warnings
+                if not self._degenerate:  # every record carries them; the terminal hears once per episode
+                    print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
+            self._degenerate = bool(warnings)
         return rec
+
+    def _conflict_line(self) -> str:
+        """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
+        BayesNCL each dimension's mean inclusion probability (``incl``)."""
+        rec = dict(step=self.step, **conflict_record(self.learner.model.last_u, self.cfg.temperature))
+        if self.learner.gated:
+            rec["incl"] = self.learner.guide.last_probs.mean(0)
+        return to_json(rec)
 
 
 def load_checkpoint(path: Path) -> dict:
