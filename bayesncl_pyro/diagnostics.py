@@ -98,10 +98,14 @@ def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
 
 
 def degeneracy_warnings(rec: dict, num_features: int) -> list[str]:
-    """Warnings for a training-log record of a gated run whose gates have degenerated: (nearly) all
-    closed or all open, or a KL so small that q(g | x) is the prior for every item (the gates then carry
-    no information about the image)."""
+    """Warnings for a training-log record of a degenerate run: no feature left to contrast (every row
+    is zero); for gated runs (nearly) all gates closed or all open, or a KL so small that q(g | x) is the
+    prior for every item (the gates then carry no information about the image)."""
     out = []
+    if rec["active"] == 0:
+        out.append("every feature of every row is zero: InfoNCE is stuck at log(rows - 1) and no gradient flows")
+    if "gate_rate" not in rec:
+        return out
     if rec["gate_rate"] < 0.05:
         out.append(f"nearly all gates are closed (mean inclusion {rec['gate_rate']:.3f})")
     elif rec["gate_rate"] > 0.95:

@@ -41,7 +41,7 @@ class GatePosterior:
 
 @torch.no_grad()
 def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
-                   num_draws: int = 0, device: str | torch.device = "cpu") -> GatePosterior:
+                   num_draws: int = 0, device: str | torch.device | None = None) -> GatePosterior:
     """The gate posterior of a run folder (or a trained learner) on the test split.
 
     Args:
@@ -50,11 +50,13 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         num_draws: gate samples per item from the guide; 0 = only the exact probabilities. With the
             ``ste`` estimator draws are the posterior mode (that gate is deterministic), with ``gs``
             they follow its Gumbel noise, so their mean is not exactly ``probs``.
+        device: where to compute; by default the learner's own device (cpu for a run folder).
     """
     if isinstance(source, ContrastiveLearner):
-        learner = source.to(device)
+        learner = source if device is None else source.to(device)
     else:
-        learner, _ = load_learner(source, device)
+        learner, _ = load_learner(source, device or "cpu")
+    device = next(learner.parameters()).device
     cfg = learner.cfg
     if not learner.gated:
         raise UserError(f"a {cfg.method} run has no gates; the gate posterior needs a bayesncl run")

@@ -32,6 +32,7 @@ from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 
 CHECKPOINT = "checkpoint.pt"
@@ -236,24 +237,26 @@ class Trainer:
         learner.eval()
 
     def _record(self, loss: torch.Tensor, epoch: int, images_per_s: float) -> dict:
-        """One log line: the -ELBO per row split into its InfoNCE and KL terms, and the gates' state."""
+        """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
+        that take part in the loss (``active``), and the gates' state."""
         learner, cfg = self.learner, self.cfg
         loss, nce = loss.item(), learner.model.last_nce.item()
         grads = [p.grad for p in learner.parameters() if p.grad is not None]
         rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss, nce=nce,
                    kl=(loss - nce) / cfg.kl_weight if learner.gated else 0.0,
-                   grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s)
+                   grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
+                   active=(learner.model.last_u.abs() > ACTIVE_EPS).float().mean().item())
         if learner.gated:
             probs = learner.guide.last_probs
             per_dim = probs.mean(0)
             rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
                        incl_max=per_dim.max().item())
-            warnings = degeneracy_warnings(rec, cfg.proj_dim)
-            if warnings:
-                rec["warnings"] = warnings
-                if not self._degenerate:  # every record carries them; the terminal hears once per episode
-                    print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
-            self._degenerate = bool(warnings)
+        warnings = degeneracy_warnings(rec, cfg.proj_dim)
+        if warnings:
+            rec["warnings"] = warnings
+            if not self._degenerate:  # every record carries them; the terminal hears once per episode
+                print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
+        self._degenerate = bool(warnings)
         return rec
 
     def _conflict_line(self) -> str:

@@ -75,12 +75,15 @@ def test_unused_dimensions_are_nan_and_survive_the_json_round_trip(tmp_path):
     assert read_conflict(tmp_path / "elsewhere") is None
 
 
-@pytest.mark.parametrize("rate, kl, expected", [
-    (0.6, 5.0, []),
-    (0.01, 5.0, ["closed"]),
-    (0.99, 5.0, ["open"]),
-    (0.8, 1e-4, ["KL collapse"]),
+@pytest.mark.parametrize("rec, expected", [
+    (dict(active=0.3, gate_rate=0.6, kl=5.0), []),
+    (dict(active=0.3, gate_rate=0.01, kl=5.0), ["closed"]),
+    (dict(active=0.3, gate_rate=0.99, kl=5.0), ["open"]),
+    (dict(active=0.3, gate_rate=0.8, kl=1e-4), ["KL collapse"]),
+    (dict(active=0.0, gate_rate=0.6, kl=5.0), ["every feature"]),
+    (dict(active=0.0, kl=0.0), ["every feature"]),  # NCL: no gates, no KL
+    (dict(active=0.2, kl=0.0), []),
 ])
-def test_degeneracy_warnings(rate, kl, expected):
-    found = degeneracy_warnings(dict(gate_rate=rate, kl=kl), num_features=64)
+def test_degeneracy_warnings(rec, expected):
+    found = degeneracy_warnings(rec, num_features=64)
     assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found))

@@ -27,7 +27,7 @@ def test_digits_training_lowers_the_loss_and_keeps_gates_alive(tmp_path):
     log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
     assert log[-1]["loss"] < log[0]["loss"] - 0.1
     for key in ("step", "epoch", "lr", "loss", "nce", "kl", "gate_rate", "incl_min", "incl_max", "grad_norm",
-                "images_per_s"):
+                "images_per_s", "active"):
         assert key in log[-1]
     assert 0.05 < log[-1]["gate_rate"] < 0.995  # neither all dead nor all open
     assert results["linear_probe_top1"] > 0.5  # chance is 0.1
