@@ -18,14 +18,14 @@ ON_NAN = ("stop", "skip")
 # The reference recipes (METHOD.md section 3) for CIFAR and ImageNet-100; digits is our CPU demo.
 DATASET_DEFAULTS = {
     "digits": dict(image_size=8, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=50,
-                   batch_size=256, optimizer="sgd", lr=0.1, warmup_epochs=2),
+                   batch_size=256, optimizer="sgd", lr=0.1, warmup_epochs=2, conflict_every=5),
     # the generated benchmark: the CPU recipe of METHOD.md section 5
     "compositional": dict(image_size=32, encoder="cnn", proj_hidden=512, proj_dim=64, nonneg="rep_relu", epochs=15,
-                          batch_size=256, optimizer="sgd", lr=0.06, warmup_epochs=1),
+                          batch_size=256, optimizer="sgd", lr=0.06, warmup_epochs=1, conflict_every=15),
     "cifar10": dict(image_size=32, encoder="resnet18", proj_hidden=2048, proj_dim=256, nonneg="rep_relu", epochs=200,
-                    batch_size=256, optimizer="lars", lr=0.4, warmup_epochs=10),
+                    batch_size=256, optimizer="lars", lr=0.4, warmup_epochs=10, conflict_every=200),
     "in100": dict(image_size=224, encoder="resnet18", proj_hidden=16384, proj_dim=2048, nonneg="relu", epochs=100,
-                  batch_size=128, optimizer="lars", lr=0.3, warmup_epochs=10),
+                  batch_size=128, optimizer="lars", lr=0.3, warmup_epochs=10, conflict_every=1000),
 }
 DATASET_DEFAULTS["cifar100"] = DATASET_DEFAULTS["cifar10"]
 DATASET_DEFAULTS["imagefolder"] = dict(DATASET_DEFAULTS["in100"], proj_hidden=2048, proj_dim=256)
@@ -76,6 +76,7 @@ class Config:
     log_every: int = 10
     ckpt_every: int = 500
     on_nan: str = "stop"
+    conflict_every: int | None = None  # steps between conflict.jsonl records (about one per epoch), 0 = off
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,8 +94,8 @@ class Config:
     # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "log_every", "ckpt_every", "data_dir", "max_steps", "compile",
-                  "skip_bad_images", "on_nan"):
+        for k in ("out", "device", "workers", "log_every", "ckpt_every", "conflict_every", "data_dir", "max_steps",
+                  "compile", "skip_bad_images", "on_nan"):
             d.pop(k)
         return d
 
@@ -130,8 +131,8 @@ def resolve(cfg: Config) -> Config:
         raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
     if not 0 <= cfg.topk <= cfg.proj_dim:
         raise UserError(f"--topk must lie in [0, --proj-dim={cfg.proj_dim}], got {cfg.topk}")
-    if cfg.weight_decay < 0 or cfg.warmup_epochs < 0 or cfg.workers < 0:
-        raise UserError("--weight-decay, --warmup-epochs and --workers must not be negative")
+    if cfg.weight_decay < 0 or cfg.warmup_epochs < 0 or cfg.workers < 0 or cfg.conflict_every < 0:
+        raise UserError("--weight-decay, --warmup-epochs, --workers and --conflict-every must not be negative")
     if cfg.warmup_epochs >= cfg.epochs:
         raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
     if cfg.max_steps is not None and cfg.max_steps < 1:

@@ -45,10 +45,16 @@ def semantic_consistency(features, labels):
     threshold is scale-free. Dense features give exactly the largest class share, i.e. 1/C for
     balanced labels; one dimension per class gives 1.0. Dims active in no sample are skipped.
     """
+    share, counts = dim_consistency(features, labels)
+    return _mean_over_used_dims(counts, share)
+
+
+def dim_consistency(features, labels):
+    """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
+    (0 where none is), and the C x K counts of active samples per class. features: N x K, labels: N."""
     active = (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
     counts = _class_mass(active, labels)
-    share = counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
-    return _mean_over_used_dims(counts, share)
+    return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1), counts
 
 
 def semantic_entropy(features, labels, weighting="magnitude"):

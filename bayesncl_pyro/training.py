@@ -4,8 +4,10 @@ One ``Trainer`` owns a run folder::
 
     config.json     the resolved Config (what was actually run)
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
-    log.jsonl       one JSON object every ``log_every`` steps
+    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
+    conflict.jsonl  the per-dimension InfoNCE gradient conflict every ``conflict_every`` steps (diagnostics.py)
     eval.json       the evaluation of the final model
+    gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
     bad_images.txt  with --skip-bad-images: the unreadable files that were skipped, one per line
 
 Running the same command again in the same folder resumes from ``checkpoint.pt``; a finished run is
@@ -34,9 +36,11 @@ from bayesncl_pyro import __version__, distributed
 from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 
 CHECKPOINT = "checkpoint.pt"
@@ -190,6 +194,7 @@ class Trainer:
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
+        self._degenerate = False
         self._load_checkpoint()
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
         if self.world > 1:
@@ -306,6 +311,10 @@ class Trainer:
             return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / "eval.json")
+        if self.learner.gated:
+            from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+
+            export_gates(self.out, self.learner, self.data)
         print(format_table(results))
         self._report_skipped()
         return results
@@ -347,6 +356,8 @@ class Trainer:
                             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                     if bar is not None:
                         bar.update(1)
+                    if self.rank == 0 and cfg.conflict_every and self.step % cfg.conflict_every == 0:
+                        append_line(self._conflict_line(), self.out / CONFLICT_FILE)
                     # a signal reaches one rank or all; they must stop, and save, at the same step
                     stopping = distributed.any_rank(stop.signum is not None, self.device)
                     if self.step % cfg.ckpt_every == 0 or stopping:
@@ -397,19 +408,35 @@ class Trainer:
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
     def _record(self, loss: torch.Tensor, epoch: int, images_per_s: float) -> dict:
-        """One log line: the -ELBO per row split into its InfoNCE and KL terms, and the gates' state."""
+        """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
+        that take part in the loss (``active``), and the gates' state."""
         learner, cfg = self.learner, self.cfg
         loss, nce = loss.item(), learner.model.last_nce.item()
         grads = [p.grad for p in learner.parameters() if p.grad is not None]
         rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss, nce=nce,
                    kl=(loss - nce) / cfg.kl_weight if learner.gated else 0.0,
-                   grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s)
+                   grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
+                   active=(learner.model.last_u.abs() > ACTIVE_EPS).float().mean().item())
         if learner.gated:
             probs = learner.guide.last_probs
             per_dim = probs.mean(0)
             rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
                        incl_max=per_dim.max().item())
+        warnings = degeneracy_warnings(rec, cfg.proj_dim)
+        if warnings:
+            rec["warnings"] = warnings
+            if not self._degenerate:  # every record carries them; the terminal hears once per episode
+                print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
+        self._degenerate = bool(warnings)
         return rec
+
+    def _conflict_line(self) -> str:
+        """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
+        BayesNCL each dimension's mean inclusion probability (``incl``)."""
+        rec = dict(step=self.step, **conflict_record(self.learner.model.last_u, self.cfg.temperature))
+        if self.learner.gated:
+            rec["incl"] = self.learner.guide.last_probs.mean(0)
+        return to_json(rec)
 
 
 def load_checkpoint(path: Path) -> dict:

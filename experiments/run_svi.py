@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
     g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
                    help="steps between checkpoints (default: %(default)s)")
+    g.add_argument("--conflict-every", type=int, help="steps between records of the per-dimension InfoNCE "
+                   "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
     return p
 
 

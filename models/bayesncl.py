@@ -80,4 +80,5 @@ class ContrastiveModel(PyroModule):
                 nce = info_nce_rows(u, self.temperature, columns, offset)
             pyro.factor("nce", -nce)
         self.last_nce = nce.detach().mean()  # for monitoring only: read by the trainer's log
+        self.last_u = u.detach()  # the rows InfoNCE saw, for the conflict diagnostic
         return nce

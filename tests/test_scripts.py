@@ -14,12 +14,22 @@ TINY_RUN = ["--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batc
 TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
                 "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
 
+
+def tiny_run(tmp, *args: str) -> str:
+    """A finished two-step run folder (for scripts that read one)."""
+    out = str(tmp / "_".join(["run", *args]).replace("-", ""))
+    proc = run("run_svi.py", *TINY_RUN, "--conflict-every", "1", "--out", out, *args)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
     "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
                                   "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
                                   "--workers", "0"],
     "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
+    "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
 }
 
 
@@ -43,7 +53,7 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "semantic_consistency" in proc.stdout and "linear_probe_top1" in proc.stdout
     run_dir = tmp_path / "run"
-    assert {"config.json", "checkpoint.pt", "log.jsonl", "eval.json"} <= {p.name for p in run_dir.iterdir()}
+    assert {"config.json", "checkpoint.pt", "log.jsonl", "eval.json", "gates.nc"} <= {p.name for p in run_dir.iterdir()}
     assert json.loads((run_dir / "config.json").read_text())["method"] == "bayesncl"
 
 
@@ -99,3 +109,19 @@ def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     assert again.returncode == 0 and again.stdout.count("already holds a finished run") == len(methods)
     other = run("compare.py", *TINY_COMPARE, "--methods", "ncl", "--lr", "0.5", "--out", str(out))
     assert other.returncode == 2 and "different configuration" in other.stderr
+
+
+def test_inspect_gates_draws_every_figure_and_compares_with_a_baseline(tmp_path):
+    bayes, ncl = tiny_run(tmp_path), tiny_run(tmp_path, "--method", "ncl")
+    proc = run("inspect_gates.py", bayes, "--baseline", ncl)
+    assert proc.returncode == 0, proc.stderr
+    figures = {p.name for p in (Path(bayes) / "inspect").iterdir()}
+    assert figures == {"elbo.png", "kl_per_dim.png", "inclusion.png", "class_heatmap.png", "top_images.png",
+                       "conflict.png", "summary.txt"}
+    assert "conflict (bayesncl)" in proc.stdout and "conflict (ncl)" in proc.stdout
+    proc = run("inspect_gates.py", ncl)  # a run without gates gets the figures that need none
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in (Path(ncl) / "inspect").iterdir()} == {"elbo.png", "top_images.png", "conflict.png",
+                                                                     "summary.txt"}
+    proc = run("inspect_gates.py", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no checkpoint.pt" in proc.stderr

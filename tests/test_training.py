@@ -27,7 +27,7 @@ def test_digits_training_lowers_the_loss_and_keeps_gates_alive(tmp_path):
     log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
     assert log[-1]["loss"] < log[0]["loss"] - 0.1
     for key in ("step", "epoch", "lr", "loss", "nce", "kl", "gate_rate", "incl_min", "incl_max", "grad_norm",
-                "images_per_s"):
+                "images_per_s", "active"):
         assert key in log[-1]
     assert 0.05 < log[-1]["gate_rate"] < 0.995  # neither all dead nor all open
     assert results["linear_probe_top1"] > 0.5  # chance is 0.1
@@ -120,3 +120,21 @@ def test_lars_trust_ratio_and_excluded_biases():
     # weight: step = lr * eta * ||w|| / ||g|| * g = 0.02 * 2 / 20 * 10 = 0.02; bias: plain SGD
     torch.testing.assert_close(w.detach(), torch.full((2, 2), 0.98))
     torch.testing.assert_close(b.detach(), torch.full((2,), -9.0))
+
+
+def test_training_writes_the_conflict_diagnostic(tmp_path):
+    trainer = Trainer(tiny(tmp_path, epochs=1, warmup_epochs=0, conflict_every=2), progress=False)
+    trainer.train(5)
+    conflict = [json.loads(line) for line in open(tmp_path / "run" / "conflict.jsonl")]
+    assert [r["step"] for r in conflict] == [2, 4]
+    assert all(len(r[k]) == 32 for r in conflict for k in ("pos", "neg", "freq", "incl"))
+
+
+def test_degenerate_gates_are_warned_about_in_the_log(tmp_path, capsys):
+    # a prior rate of 0.001 and a heavy KL weight shut every gate in one step
+    cfg = tiny(tmp_path, epochs=1, warmup_epochs=0, prior_prob=0.001, kl_weight=1.0, gate_lr=1.0)
+    Trainer(cfg, progress=False).train(2)
+    first, second = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert "warnings" not in first
+    assert any("closed" in w for w in second["warnings"]) and any("KL collapse" in w for w in second["warnings"])
+    assert "warning: step 2: nearly all gates are closed" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""The gate posterior of a trained BayesNCL run, on the test split, as plain tensors.
+
+``gate_posterior(run_dir_or_learner)`` answers "which dimensions does each test image use, and how
+sure is the model?": exact inclusion probabilities q(g_k = 1 | x) read from the guide's logits,
+optionally posterior draws of the gates through ``pyro.infer.Predictive``, the labels, and the
+class x dimension mean inclusion. ``bayesncl_pyro/arviz_export.py`` turns the result into ArviZ data.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pyro.infer import Predictive
+
+from bayesncl_pyro.data import DataSpec, load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluation import extract
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.training import load_learner
+
+
+@dataclass
+class GatePosterior:
+    """N test items, K dimensions, C classes, S draws."""
+
+    probs: torch.Tensor  # N x K, q(g_k = 1 | x_i), exact
+    features: torch.Tensor  # N x K, the representation F the metrics judge (gated by the posterior mode)
+    labels: torch.Tensor  # N, class index
+    classes: list[str]  # C names, index = label
+    draws: torch.Tensor | None = None  # S x N x K, 0/1 gates sampled from the guide
+    rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate (beta-bernoulli prior only)
+    rate_beta: tuple[torch.Tensor, torch.Tensor] | None = None  # (a, b), K each: q(rate_k) = Beta(a_k, b_k)
+
+    @property
+    def class_means(self) -> torch.Tensor:
+        """C x K mean inclusion probability of each dimension over the items of each class."""
+        one_hot = F.one_hot(self.labels, len(self.classes)).to(self.probs)
+        return (one_hot.T @ self.probs) / one_hot.sum(0).clamp_min(1)[:, None]
+
+
+@torch.no_grad()
+def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
+                   num_draws: int = 0, device: str | torch.device | None = None) -> GatePosterior:
+    """The gate posterior of a run folder (or a trained learner) on the test split.
+
+    Args:
+        source: a run folder holding ``checkpoint.pt``, or a :class:`ContrastiveLearner`.
+        data: the dataset; by default the run's own (``cfg.dataset``, ``cfg.data_dir``, ``cfg.seed``).
+        num_draws: gate samples per item from the guide; 0 = only the exact probabilities. With the
+            ``ste`` estimator draws are the posterior mode (that gate is deterministic), with ``gs``
+            they follow its Gumbel noise, so their mean is not exactly ``probs``.
+        device: where to compute; by default the learner's own device (cpu for a run folder).
+    """
+    if isinstance(source, ContrastiveLearner):
+        learner = source if device is None else source.to(device)
+    else:
+        learner, _ = load_learner(source, device or "cpu")
+    device = next(learner.parameters()).device
+    cfg = learner.cfg
+    if not learner.gated:
+        raise UserError(f"a {cfg.method} run has no gates; the gate posterior needs a bayesncl run")
+    if num_draws < 0:
+        raise UserError(f"the number of gate draws must not be negative, got {num_draws}")
+    data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    h, features, labels = extract(learner, data.test, cfg, data.channels, device)
+    h = h.to(device)
+    post = GatePosterior(probs=learner.gate_probs(h).cpu(), features=features, labels=labels,
+                         classes=list(data.classes))
+    guide = learner.guide
+    if guide.rate_guide is not None:
+        post.rate_beta = (guide.rate_guide.a.detach().cpu(), guide.rate_guide.b.detach().cpu())
+    if num_draws:
+        sites = ["g"] + (["rate"] if guide.rate_guide is not None else [])
+        # the guide alone is the posterior: run it forward, vectorised over draws; its z argument is unused
+        samples = Predictive(guide, num_samples=num_draws, return_sites=sites, parallel=True)(None, h)
+        post.draws = samples["g"].reshape(num_draws, *post.probs.shape).cpu()
+        if "rate" in samples:
+            post.rate_draws = samples["rate"].reshape(num_draws, -1).cpu()
+    return post

@@ -1,0 +1,92 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bayesncl_pyro.arviz_export import export_gates, read_gates
+from bayesncl_pyro.augment import eval_transform
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.posterior import gate_posterior
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", None, seed=0)
+
+
+def learner_for(data, **kw):
+    cfg = resolve(Config(dataset="digits", proj_hidden=32, proj_dim=16, workers=0, **kw))
+    return ContrastiveLearner(cfg, data.channels, len(data.train)).eval()
+
+
+def test_probabilities_are_the_sigmoid_of_the_guide_logits(digits):
+    learner = learner_for(digits)
+    post = gate_posterior(learner, digits)
+    transform = eval_transform(8, digits.channels)
+    x = torch.stack([transform(digits.test[i][0]) for i in range(len(digits.test))])
+    with torch.no_grad():
+        h, _ = learner.encoder(x)
+        expected = learner.guide.logits(h).sigmoid()
+    assert post.probs.shape == (len(digits.test), 16) and post.draws is None
+    torch.testing.assert_close(post.probs, expected)
+    assert post.labels.tolist() == [digits.test[i][1] for i in range(len(digits.test))]
+    three = post.labels == 3
+    torch.testing.assert_close(post.class_means[3], expected[three].mean(0))
+    assert post.class_means.shape == (10, 16)
+
+
+def test_draws_are_gates_with_the_posterior_probabilities(digits):
+    post = gate_posterior(learner_for(digits), digits, num_draws=400)
+    assert post.draws.shape == (400, len(digits.test), 16)
+    assert set(post.draws.unique().tolist()) <= {0.0, 1.0}
+    # 400 Bernoulli draws: the per-entry standard error is at most 0.025, its mean over entries ~0.016
+    assert (post.draws.mean(0) - post.probs).abs().mean() < 0.025
+    assert post.rate_draws is None and post.rate_beta is None
+
+
+def test_beta_bernoulli_exposes_the_rate_posterior(digits):
+    learner = learner_for(digits, prior="beta-bernoulli")
+    post = gate_posterior(learner, digits, num_draws=5)
+    torch.testing.assert_close(post.rate_beta[0], learner.guide.rate_guide.a.detach())
+    assert post.rate_draws.shape == (5, 16) and ((post.rate_draws > 0) & (post.rate_draws < 1)).all()
+
+
+def test_ungated_runs_are_refused(digits):
+    with pytest.raises(UserError, match="no gates"):
+        gate_posterior(learner_for(digits, method="ncl"), digits)
+
+
+@pytest.mark.parametrize("prior", ["bernoulli", "beta-bernoulli"])
+def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
+    learner = learner_for(digits, prior=prior)
+    (tmp_path / "config.json").write_text(json.dumps(learner.cfg.to_dict()))
+    log = [dict(step=10, loss=6.5, nce=6.4, kl=3.0), dict(step=20, loss=6.1, nce=6.0, kl=2.5, gate_rate=0.7)]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    torch.manual_seed(1)
+    path = export_gates(tmp_path, learner, digits, num_draws=3)
+    assert path == tmp_path / "gates.nc"
+    torch.manual_seed(1)
+    post = gate_posterior(learner, digits, num_draws=3)
+
+    idata = read_gates(tmp_path)
+    np.testing.assert_array_equal(idata.posterior["g"].values[0], post.draws.numpy())
+    np.testing.assert_array_equal(idata.gates["inclusion_prob"].values, post.probs.numpy())
+    np.testing.assert_allclose(idata.gates["class_inclusion"].values, post.class_means.numpy())
+    np.testing.assert_array_equal(idata.observed_data["label"].values, post.labels.numpy())
+    assert list(idata.gates["class"].values) == digits.classes
+    assert idata.posterior["class_label"].values[0] == digits.classes[post.labels[0]]
+    assert idata.posterior["g"].dims == ("chain", "draw", "item", "feature")
+    np.testing.assert_array_equal(idata.training_log["loss"].values, [6.5, 6.1])
+    np.testing.assert_array_equal(idata.training_log["step"].values, [10, 20])
+    assert np.isnan(idata.training_log["gate_rate"].values[0])  # absent from the first record
+    assert json.loads(idata.posterior.attrs["config"]) == learner.cfg.to_dict()
+    assert idata.posterior.attrs["prior"] == prior
+    if prior == "beta-bernoulli":
+        np.testing.assert_array_equal(idata.gates["rate_b"].values, post.rate_beta[1].numpy())
+        np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.rate_draws.numpy())
+    else:
+        assert "rate" not in idata.posterior
