@@ -38,7 +38,6 @@ class DataSpec:
     train: Dataset  # items (image, label: int)
     test: Dataset  # the held-out split (test or val)
     classes: list[str]  # class names, index = label
-    image_size: int  # default training resolution
     channels: int  # 1 for digits, else 3
 
     @property
@@ -146,7 +145,7 @@ def _load(name: str, data_dir: str | os.PathLike | None, seed: int, skip_bad: bo
         return _load_cifar(name, root, skip_bad)
     if name == "in100":
         return _load_in100(root, skip_bad)
-    return _load_image_folder(root, image_size=224, skip_bad=skip_bad)
+    return _load_image_folder(root, skip_bad=skip_bad)
 
 
 _EXPECTED_LAYOUT = {
@@ -185,7 +184,7 @@ def _load_digits(seed: int) -> DataSpec:
         return TensorImages(images[idx], [labels[i] for i in idx])
 
     classes = [str(c) for c in digits.target_names]
-    return DataSpec(split(train_idx), split(test_idx), classes, image_size=8, channels=1)
+    return DataSpec(split(train_idx), split(test_idx), classes, channels=1)
 
 
 # --------------------------------------------------------------------------------------- compositional
@@ -212,7 +211,7 @@ def load_compositional(seed: int, size: int = 32) -> DataSpec:
     """
     splits = [_compositional_split(np.random.default_rng([seed, i]), n, size)
               for i, n in enumerate(COMPOSITIONAL_SIZES.values())]
-    return DataSpec(*splits, classes=list(SHAPES), image_size=size, channels=3)
+    return DataSpec(*splits, classes=list(SHAPES), channels=3)
 
 
 def _compositional_split(rng: np.random.Generator, per_cell: int, size: int) -> TensorImages:
@@ -274,9 +273,9 @@ def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
             classes = [c.decode() for c in _unpickle(candidate / meta_file)[names_key]]
             train = _cifar_pickles([candidate / f for f in train_files], label_key)
             test = _cifar_pickles([candidate / f for f in test_files], label_key)
-            return DataSpec(train, test, classes, image_size=32, channels=3)
+            return DataSpec(train, test, classes, channels=3)
     if (root / "train").is_dir():
-        spec = _load_image_folder(root, image_size=32, skip_bad=skip_bad)
+        spec = _load_image_folder(root, skip_bad=skip_bad)
         if spec.num_classes != num_classes:
             raise UserError(f"{root} holds {spec.num_classes} class folders but {name} has {num_classes}; "
                             f"point data_dir at a {name} folder")
@@ -303,7 +302,7 @@ def _cifar_pickles(paths: list[Path], label_key: str) -> TensorImages:
 # ------------------------------------------------------------------------------------- image folders
 
 
-def _load_image_folder(root: Path, image_size: int, skip_bad: bool) -> DataSpec:
+def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
     present = [s for s in _HELD_OUT_SPLITS if (root / s).is_dir()]
     if not (root / "train").is_dir() or len(present) != 1:
         found = sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -316,7 +315,7 @@ def _load_image_folder(root: Path, image_size: int, skip_bad: bool) -> DataSpec:
                         f"only in {present[0]} {_few(only_test)}; both splits need the same classes")
     classes = sorted(train)
     return DataSpec(_files_dataset(train, classes, skip_bad), _files_dataset(test, classes, skip_bad),
-                    classes, image_size=image_size, channels=3)
+                    classes, channels=3)
 
 
 def _class_dirs(split_dir: Path) -> list[Path]:
@@ -384,4 +383,4 @@ def _load_in100(root: Path, skip_bad: bool) -> DataSpec:
             raise UserError(f"{split_dir} lacks {len(missing)} of the 100 ImageNet-100 class folders "
                             f"({_few(missing)}); point data_dir at a full ImageNet or ImageNet-100 folder")
         splits.append(_files_dataset(_scan_split(split_dir, classes), classes, skip_bad))
-    return DataSpec(splits[0], splits[1], classes, image_size=224, channels=3)
+    return DataSpec(splits[0], splits[1], classes, channels=3)

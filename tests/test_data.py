@@ -38,7 +38,7 @@ def make_tree(root: Path, splits: dict[str, list[str]], ext: str = ".png") -> Pa
 def test_digits_sizes_shapes_and_stratified_split():
     spec = load_dataset("digits")
     assert (len(spec.train), len(spec.test)) == (1437, 360)
-    assert spec.num_classes == 10 and spec.channels == 1 and spec.image_size == 8
+    assert spec.num_classes == 10 and spec.channels == 1
     image, label = spec.train[0]
     assert image.shape == (1, 8, 8) and image.dtype == torch.uint8 and isinstance(label, int)
     assert int(spec.train.images.max()) == 255
@@ -72,7 +72,7 @@ def test_compositional_factors_are_as_declared():
     from bayesncl_pyro.data import BACKGROUNDS, COMPOSITIONAL_SIZES, SHAPES
 
     spec = load_dataset("compositional")
-    assert spec.classes == list(SHAPES) and spec.channels == 3 and spec.image_size == 32
+    assert spec.classes == list(SHAPES) and spec.channels == 3
     for split, per_cell in ((spec.train, COMPOSITIONAL_SIZES["train"]), (spec.test, COMPOSITIONAL_SIZES["test"])):
         n = per_cell * len(SHAPES) * len(BACKGROUNDS)
         assert split.images.shape == (n, 3, 32, 32) and split.images.dtype == torch.uint8
@@ -104,7 +104,7 @@ def test_imagefolder_converts_every_mode_to_rgb(tmp_path):
     write_image(tmp_path / "train" / "dog" / "cmyk.JPEG", "CMYK", fmt="JPEG")
     (tmp_path / "train" / "dog" / "notes.txt").write_text("not an image")
     spec = load_dataset("imagefolder", tmp_path)
-    assert spec.classes == ["cat", "dog"] and spec.image_size == 224 and spec.channels == 3
+    assert spec.classes == ["cat", "dog"] and spec.channels == 3
     assert (len(spec.train), len(spec.test)) == (5, 2)
     assert sorted(label for _, label in spec.train) == [0, 0, 0, 1, 1]
     for image, _ in spec.train:
@@ -193,7 +193,7 @@ def write_cifar_pickles(root: Path, name: str, rows: int = 4) -> Path:
 def test_cifar_pickles(tmp_path, name, train_rows, classes, point_at_folder):
     folder = write_cifar_pickles(tmp_path, name)
     spec = load_dataset(name, folder if point_at_folder else tmp_path)
-    assert (len(spec.train), len(spec.test), spec.num_classes, spec.image_size) == (train_rows, 4, classes, 32)
+    assert (len(spec.train), len(spec.test), spec.num_classes) == (train_rows, 4, classes)
     image, label = spec.test[1]
     assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and 0 <= label < classes
     # Channel-planar rows: the first 1024 bytes are the red plane.
@@ -205,7 +205,7 @@ def test_cifar_image_folder_variant_and_errors(tmp_path):
     names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
     make_tree(tmp_path, {"train": names, "test": names}, ext=".jpg")
     spec = load_dataset("cifar10", tmp_path)
-    assert spec.classes == names and spec.image_size == 32
+    assert spec.classes == names
     with pytest.raises(UserError, match="cifar100 has 100"):
         load_dataset("cifar100", tmp_path)
     with pytest.raises(UserError, match="cifar-10-batches-py"):
@@ -250,7 +250,7 @@ def test_in100_selects_the_listed_classes_from_full_imagenet(tmp_path, in100_wni
     extra = ["n00000001", "n99999999"]
     make_tree(tmp_path, {s: in100_wnids + extra for s in ("train", "val")}, ext=".JPEG")
     spec = load_dataset("in100", tmp_path)
-    assert spec.classes == sorted(in100_wnids) and spec.image_size == 224
+    assert spec.classes == sorted(in100_wnids)
     assert (len(spec.train), len(spec.test)) == (100, 100)
 
 
