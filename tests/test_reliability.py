@@ -147,16 +147,22 @@ def test_sigkill_at_random_times_always_resumes_to_the_same_params(tmp_path):
     assert_same_params(state["learner"], reference(tmp_path / "ref", 30))
 
 
-def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
-    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+def signals_during_step(trainer: Trainer, step: int, *signums: int):
+    """Send ``signums`` to this process from inside the forward pass of training step ``step``."""
     calls = []
 
-    def term_during_step_3(module, args):
+    def send(module, args):
         calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
+        if len(calls) == step:
+            for signum in signums:
+                os.kill(os.getpid(), signum)
 
-    trainer.learner.encoder.register_forward_pre_hook(term_during_step_3)
+    trainer.learner.encoder.register_forward_pre_hook(send)
+
+
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    signals_during_step(trainer, 3, signal.SIGTERM)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Stopped, match="SIGTERM received: checkpoint saved at step 3 of 10") as stop:
         trainer.train(10)
@@ -167,15 +173,7 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
 
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    calls = []
-
-    def two_sigints_in_step_3(module, args):
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    trainer.learner.encoder.register_forward_pre_hook(two_sigints_in_step_3)
+    signals_during_step(trainer, 3, signal.SIGINT, signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         trainer.train(10)
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2  # the last periodic one
