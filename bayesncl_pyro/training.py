@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
 from bayesncl_pyro import __version__, distributed
-from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
+from bayesncl_pyro.augment import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json

@@ -11,7 +11,6 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.nn import PyroModule
-from torch import nn
 
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.losses import bernoulli_kl
