@@ -27,6 +27,7 @@ import pyro
 import torch
 import torch.nn.functional as F
 from pyro.infer import TraceMeanField_ELBO
+from torch.utils.flop_counter import FlopCounterMode
 
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.learner import ContrastiveLearner
@@ -125,6 +126,13 @@ def time_steps(fn, opt, x: torch.Tensor, steps: int) -> float:
     return (time.perf_counter() - tic) / max(steps, 1)
 
 
+def step_flops(fn, x: torch.Tensor) -> int:
+    """Floating-point operations of one forward and backward (matmuls and convolutions, as PyTorch counts)."""
+    with FlopCounterMode(display=False) as counter:
+        fn(x).backward()
+    return counter.get_total_flops()
+
+
 def peak_memory(fn, opt, x: torch.Tensor) -> float:
     """GiB of GPU memory at the peak of one step."""
     torch.cuda.reset_peak_memory_stats()
@@ -190,6 +198,9 @@ def main(argv=None) -> int:
             for name, (fn, _) in fns.items():
                 times[name].append(time_steps(fn, opts[name], x, args.steps))
         report(times, cfg.batch_size)
+        flops = {name: step_flops(fns[name][0], x) for name in ("ncl", "bayesncl")}
+        # the time ratio cannot go below this: the gating head's own matmuls
+        print(f"BayesNCL/NCL FLOPs per step:                     {flops['bayesncl'] / flops['ncl']:.3f}")
         if device.type == "cuda":
             print("\npeak GPU memory of one step (GiB):",
                   ", ".join(f"{n} {peak_memory(fn, opts[n], x):.2f}" for n, (fn, _) in fns.items()))
