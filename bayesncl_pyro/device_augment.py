@@ -13,7 +13,8 @@ views of every image with batched kernels: the recipe of ``simclr_transform`` fo
 
 Each op is a pure function of ``B x 3 x H x W`` float images and per-image parameter tensors of length B
 (on the images' device), equal to torchvision's ``transforms.v2.functional`` op applied image by image
-(``tests/test_device_augment.py``).
+(``tests/test_device_augment.py``). Nothing here waits for the GPU: parameters cross to it with
+``non_blocking`` copies (a blocking one would wait for the previous training step to finish).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def simclr_views(images: list[torch.Tensor], size: int, generator: torch.Generat
     if kernel is not None:
         x = _where(coin(P_BLUR), x, lambda v, sigma: gaussian_blur(v, sigma, kernel), uniform(*BLUR_SIGMA))
     x = _where(coin(P_FLIP), x, lambda v: v.flip(-1))
-    mean, std = (torch.tensor(m, device=device).view(3, 1, 1) for m in (IMAGENET_MEAN, IMAGENET_STD))
+    mean, std = (torch.tensor(m).view(3, 1, 1).to(device, non_blocking=True) for m in (IMAGENET_MEAN, IMAGENET_STD))
     return x.sub_(mean).div_(std)
 
 
@@ -157,7 +158,7 @@ def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     hue = torch.where(value == r, (g - b) / safe, torch.where(value == g, 2 + (b - r) / safe, 4 + (r - g) / safe))
     hue = (hue / 6 + f.view(-1, 1, 1)) % 1 * 6
     # back to RGB: channel n (r, g, b = 5, 3, 1) is value - chroma * clamp(min(k, 4 - k), 0, 1), k = (n + hue) % 6
-    k = (torch.tensor([5, 3, 1], device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + hue.unsqueeze(1)) % 6
+    k = (torch.arange(5, 0, -2, device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + hue.unsqueeze(1)) % 6
     return value.unsqueeze(1) - chroma.unsqueeze(1) * torch.minimum(k, 4 - k).clamp(0, 1)
 
 
