@@ -53,17 +53,17 @@ def simclr_views(images: list[torch.Tensor], size: int, generator: torch.Generat
             v = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)[k](v, f[k])
         return v
 
-    x = _where(coin(P_JITTER), x, jitter, *factors)
-    x = _where(coin(P_GRAY), x, lambda v: grayscale(v).expand_as(v))
+    x = _apply_where(coin(P_JITTER), x, jitter, *factors)
+    x = _apply_where(coin(P_GRAY), x, lambda v: grayscale(v).expand_as(v))
     kernel = blur_kernel(size)
     if kernel is not None:
-        x = _where(coin(P_BLUR), x, lambda v, sigma: gaussian_blur(v, sigma, kernel), uniform(*BLUR_SIGMA))
-    x = _where(coin(P_FLIP), x, lambda v: v.flip(-1))
+        x = _apply_where(coin(P_BLUR), x, lambda v, sigma: gaussian_blur(v, sigma, kernel), uniform(*BLUR_SIGMA))
+    x = _apply_where(coin(P_FLIP), x, lambda v: v.flip(-1))
     mean, std = (torch.tensor(m).view(3, 1, 1).to(device, non_blocking=True) for m in (IMAGENET_MEAN, IMAGENET_STD))
     return x.sub_(mean).div_(std)
 
 
-def _where(mask: torch.Tensor, x: torch.Tensor, op, *params: torch.Tensor) -> torch.Tensor:
+def _apply_where(mask: torch.Tensor, x: torch.Tensor, op, *params: torch.Tensor) -> torch.Tensor:
     """``x`` with ``op(rows, *their params)`` in the rows that the CPU bool ``mask`` selects (``params``: CPU
     tensors of length B). Indexing by CPU-computed indices keeps the GPU from syncing and computes only
     the selected rows."""
