@@ -19,6 +19,12 @@ from bayesncl_pyro.errors import UserError
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+# SimCLR's recipe for colour images (Chen et al. 2020), shared with device_augment.simclr_views
+CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+JITTER, P_JITTER = (0.8, 0.8, 0.8, 0.2), 0.8  # brightness, contrast, saturation, hue
+P_GRAY, P_BLUR, P_FLIP = 0.2, 0.5, 0.5
+BLUR_SIGMA = (0.1, 2.0)
+
 
 def simclr_transform(
     image_size: int, channels: int = 3, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
@@ -35,18 +41,18 @@ def simclr_transform(
         color = [v2.RandomApply([v2.ColorJitter(brightness=0.8, contrast=0.8)], p=0.8)]
         flip = []
     else:
-        crop_scale = (0.08, 1.0)
+        crop_scale = CROP_SCALE
         color = [
-            v2.RandomApply([v2.ColorJitter(0.8, 0.8, 0.8, 0.2)], p=0.8),
-            v2.RandomGrayscale(p=0.2),
+            v2.RandomApply([v2.ColorJitter(*JITTER)], p=P_JITTER),
+            v2.RandomGrayscale(p=P_GRAY),
         ]
-        flip = [v2.RandomHorizontalFlip(p=0.5)]
-    # The reference recipe blurs at every size, but at 32 px and below a blur with sigma up to 2
-    # wipes out most of the image's detail, so only larger images are blurred.
-    blur = [] if image_size <= 32 else [v2.RandomApply([v2.GaussianBlur(_blur_kernel(image_size), sigma=(0.1, 2.0))], p=0.5)]
+        flip = [v2.RandomHorizontalFlip(p=P_FLIP)]
+    kernel = blur_kernel(image_size)
+    blur = [] if kernel is None else [v2.RandomApply([v2.GaussianBlur(kernel, sigma=BLUR_SIGMA)], p=P_BLUR)]
     return v2.Compose([
         v2.ToImage(),
-        v2.RandomResizedCrop(image_size, scale=crop_scale, interpolation=InterpolationMode.BICUBIC, antialias=True),
+        v2.RandomResizedCrop(image_size, scale=crop_scale, ratio=CROP_RATIO, interpolation=InterpolationMode.BICUBIC,
+                             antialias=True),
         *color,
         *blur,
         *flip,
@@ -70,9 +76,13 @@ def eval_transform(
     return v2.Compose([v2.ToImage(), *resize, *_to_normalized_float(channels, mean, std)])
 
 
-def _blur_kernel(image_size: int) -> int:
-    """Odd kernel about 10% of the image side, at least 3 (SimCLR's choice)."""
-    return max(3, image_size // 10 // 2 * 2 + 1)
+def blur_kernel(image_size: int) -> int | None:
+    """The Gaussian blur's kernel size: odd, about 10% of the image side, at least 3 (SimCLR's choice).
+
+    None (no blur) at 32 px and below: the reference recipe blurs at every size, but there a blur with
+    sigma up to 2 wipes out most of the image's detail.
+    """
+    return None if image_size <= 32 else max(3, image_size // 10 // 2 * 2 + 1)
 
 
 def _to_normalized_float(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None) -> list:

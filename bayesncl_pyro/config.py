@@ -14,6 +14,7 @@ GATES = ("relaxed", "ste", "gs")
 NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
+AUGMENT = ("auto", "workers", "device")
 
 # The reference recipes (METHOD.md section 3) for CIFAR and ImageNet-100; digits is our CPU demo.
 DATASET_DEFAULTS = {
@@ -39,6 +40,7 @@ class Config:
     image_size: int | None = None
     train_subset: int | None = None  # train on this many random training images (small-budget runs)
     workers: int = 2
+    augment: str = "auto"  # where views are drawn: "workers" (CPU, per image), "device" (batched), auto: see Trainer
     skip_bad_images: bool = False
     # method
     method: str = "bayesncl"
@@ -90,12 +92,12 @@ class Config:
                             "of bayesncl-pyro; start a new --out folder")
         return cls(**d)
 
-    # fields that change the numbers of a run; the rest (out, device, workers, logging, and the answers
+    # fields that change the numbers of a run; the rest (out, device, workers, augment, logging, and the answers
     # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "log_every", "ckpt_every", "conflict_every", "data_dir", "max_steps",
-                  "compile", "skip_bad_images", "on_nan"):
+        for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "conflict_every", "data_dir",
+                  "max_steps", "compile", "skip_bad_images", "on_nan"):
             d.pop(k)
         return d
 
@@ -123,6 +125,7 @@ def resolve(cfg: Config) -> Config:
     _choice("prior", cfg.prior, tuple(PRIORS))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _choice("on_nan", cfg.on_nan, ON_NAN)
+    _choice("augment", cfg.augment, AUGMENT)
     _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
               "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
     if not 0 < cfg.prior_prob < 1:

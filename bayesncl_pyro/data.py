@@ -11,15 +11,20 @@ tensor ``C x H x W`` (digits, CIFAR pickles); ``bayesncl_pyro.augment`` accepts 
 from __future__ import annotations
 
 import importlib.resources
+import io
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.errors import UserError
 
@@ -85,13 +90,19 @@ class ImageFiles(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> tuple[Image.Image, int]:
+        image, label, _ = self.read(i, _open_rgb)
+        return image, label
+
+    def read(self, i: int, opener: Callable[[Path], Any]) -> tuple[Any, int, int]:
+        """``(opener(path), label, j)`` of file ``j = i``, or with ``skip_bad`` of the first file from i on
+        (cyclically) that ``opener`` reads without a ``UserError``, the ones before it recorded as bad."""
         n = len(self.samples)
         if not -n <= i < n:
             raise IndexError(i)  # also ends plain `for item in dataset` iteration
         for j in range(i, i + n):
             path, label = self.samples[j % n]
             try:
-                return _open_rgb(path), label
+                return opener(path), label, j % n
             except UserError:
                 if not self.skip_bad:
                     raise
@@ -110,6 +121,68 @@ def _open_rgb(path: Path) -> Image.Image:
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise UserError(f"cannot read image {path} ({err}); delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)") from None
+
+
+def image_files(dataset: Dataset) -> ImageFiles | None:
+    """The ``ImageFiles`` a split reads (through a ``train_subset``), or None for in-memory images."""
+    files = dataset.dataset if isinstance(dataset, Subset) else dataset
+    return files if isinstance(files, ImageFiles) else None
+
+
+class EncodedImages(Dataset):
+    """The files of an image-file split (``ImageFiles``, or a ``Subset`` of one) for batched decoding on the
+    training device (``--augment device``).
+
+    DataLoader workers only read: item i is ``(data, j)``, ``j`` the index in ``files`` of the file read (i's,
+    or the next readable one when ``skip_bad`` skips it) and ``data`` the file's bytes (1-D uint8) when it is
+    a colour JPEG; any other image (PNG, grayscale or CMYK JPEG: rare in photo datasets, and decoded
+    differently by nvjpeg) is decoded by the worker as on the worker path, uint8 ``3 x H x W``. The training
+    process turns a batch into images with ``decode``. Indices past the length wrap (``EpochSampler``).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.files = image_files(dataset)
+        self.indices = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        data, _, j = self.files.read(self.indices[i % len(self)], _read_encoded)
+        return data, j
+
+    def decode(self, batch: list[tuple[torch.Tensor, int]], device: torch.device) -> list[torch.Tensor]:
+        """Items -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvjpeg on
+        CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
+        path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
+        it, or with ``skip_bad`` is skipped and logged alike."""
+        images = [data.to(device, non_blocking=True) if data.ndim == 3 else None for data, _ in batch]
+        jpegs = [k for k, image in enumerate(images) if image is None]
+        for k, image in zip(jpegs, _decode_jpegs([batch[k][0] for k in jpegs], device), strict=True):
+            if image is None:
+                image = pil_to_tensor(self.files.read(batch[k][1], _open_rgb)[0]).to(device)
+            images[k] = image
+        return images
+
+
+def _read_encoded(path: Path) -> torch.Tensor:
+    """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG, else the image."""
+    try:
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            if image.format == "JPEG" and image.mode == "RGB":
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        pass  # _open_rgb raises the error that names the file
+    return pil_to_tensor(_open_rgb(path))
+
+
+def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """``decode_jpeg`` of a list on ``device``; if that fails, one by one, with None for each that fails."""
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else []
+    except RuntimeError:
+        return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]
 
 
 def load_dataset(

@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader, Sampler
 from bayesncl_pyro import __version__, distributed
 from bayesncl_pyro.augment import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data import EncodedImages, image_files, load_dataset
+from bayesncl_pyro.device_augment import simclr_views
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
@@ -172,9 +173,17 @@ class Trainer:
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
                                  train_subset=cfg.train_subset)
-        for split in (self.data.train, self.data.test):
-            if hasattr(split, "bad_log"):  # image files: every loader worker appends what it skips here
+        files = image_files(self.data.train)
+        for split in (files, image_files(self.data.test)):
+            if split is not None:  # image files: every loader worker appends what it skips here
                 split.bad_log = self.out / BAD_IMAGES
+        augment = cfg.augment
+        if augment == "auto":  # a GPU outpaces CPU workers that decode and augment image by image
+            augment = "device" if self.device.type == "cuda" and files is not None else "workers"
+        if augment == "device" and files is None:
+            raise UserError(f"--augment device needs image files (imagefolder, in100, cifar as an image folder); "
+                            f"{cfg.dataset} is held in memory: use --augment workers or auto")
+        self.encoded = EncodedImages(self.data.train) if augment == "device" else None
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
@@ -287,13 +296,25 @@ class Trainer:
     # -- training -----------------------------------------------------------------------------
     def _loader(self, sampler: EpochSampler) -> DataLoader:
         cfg = self.cfg
-        views = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
+        if self.encoded is not None:  # workers only read files; _input decodes and augments
+            dataset, collate = self.encoded, list
+        else:
+            dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
+            collate = _collate
         # its own generator: creating an epoch's iterator must not draw from the global RNG, which
         # the gate samples use and the checkpoint restores
-        return DataLoader(views, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
-                          num_workers=cfg.workers, collate_fn=_collate, pin_memory=self.device.type == "cuda",
+        return DataLoader(dataset, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
+                          num_workers=cfg.workers, collate_fn=collate, pin_memory=self.device.type == "cuda",
                           persistent_workers=cfg.workers > 0, generator=torch.Generator(),
                           worker_init_fn=_ignore_sigint)
+
+    def _input(self, batch) -> torch.Tensor:
+        """A loader batch -> a step's input on the device, the 2B rows [view 1; view 2]."""
+        if self.encoded is not None:
+            # the views depend on (seed, step, rank) alone: a resumed run draws the same ones
+            g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank)
+            batch = simclr_views(self.encoded.decode(batch, self.device), self.cfg.image_size, g)
+        return batch.to(self.device, non_blocking=True, memory_format=self.memory_format)
 
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():
@@ -334,8 +355,9 @@ class Trainer:
             while self.step < last_step and not stopping:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
-                for x in loader:
-                    loss = self.net(x.to(self.device, non_blocking=True, memory_format=self.memory_format))
+                for batch in loader:
+                    x = self._input(batch)
+                    loss = self.net(x)
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     if self._check_finite(loss):

@@ -3,7 +3,7 @@
     python experiments/bench_step.py                                  # CPU, digits recipe (small CNN)
     python experiments/bench_step.py --device cuda --dataset in100 --batch-size 512 --memory-batches 128,256,512
     python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \\
-        --pipeline-batches 50                                         # + data pipeline and end to end
+        --pipeline-batches 50                     # + data pipeline and end to end, views drawn in workers and on the GPU
 
 Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
   cl, ncl, bayesncl   the learner as training runs it (Pyro program, MeanFieldELBO)
@@ -161,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-batches", type=int, default=0, help="batches for the data-pipeline-only and the "
                    "end-to-end figures, 0 = skip (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="data-loading processes (default: %(default)s)")
+    p.add_argument("--augment", choices=("workers", "device", "both"), default="both", help="where the pipeline "
+                   "figures draw the views: loader workers, batched on the device (image files), or both and "
+                   "their ratio (default: %(default)s)")
     return p
 
 
@@ -236,37 +239,49 @@ def report(times: dict, batch: int):
 
 
 def pipeline(cfg: Config, args, device: torch.device):
-    """Images/s of the training data pipeline alone (decode, two augmented views, collate, to the device),
-    then end to end: the same loader feeding BayesNCL training steps."""
+    """Images/s of the training data pipeline alone (read, decode, two augmented views, to the device), then
+    end to end: the same loader feeding BayesNCL training steps. For image files, once per place the views
+    are drawn (``--augment``): in the loader workers, and batched on the training device."""
+    from bayesncl_pyro.data import image_files
     from bayesncl_pyro.training import EpochSampler, Trainer
 
+    n = args.pipeline_batches
+
+    def run(trainer: Trainer, step: bool) -> float:
+        sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
+        loader = iter(trainer._loader(sampler))
+        for i in range(n + 2):  # the first batches wait for the workers to start
+            if i == 2:
+                sync(device)
+                tic = time.perf_counter()
+            x = trainer._input(next(loader))
+            if step:
+                loss = trainer.net(x)
+                trainer.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                trainer.optimizer.step()
+        sync(device)
+        return n * cfg.batch_size / (time.perf_counter() - tic)
+
+    paths = ("workers", "device") if args.augment == "both" else (args.augment,)
+    figures = {}
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(Config(**{**cfg.to_dict(), "method": "bayesncl", "data_dir": args.data_dir, "out": out,
-                                    "log_every": 10**9, "ckpt_every": 10**9}), progress=False)
-        n = args.pipeline_batches
-
-        def run(step: bool) -> float:
-            sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
-            loader = iter(trainer._loader(sampler))
-            for i in range(n + 2):  # the first batches wait for the workers to start
-                if i == 2:
-                    sync(device)
-                    tic = time.perf_counter()
-                x = next(loader).to(device, non_blocking=True, memory_format=trainer.memory_format)
-                if step:
-                    loss = trainer.net(x)
-                    trainer.optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    trainer.optimizer.step()
-            sync(device)
-            return n * cfg.batch_size / (time.perf_counter() - tic)
-
-        if len(trainer.data.train) < (n + 2) * cfg.batch_size:
-            print(f"\n(the pipeline figures need {(n + 2) * cfg.batch_size} training images; "
-                  f"{args.dataset} has {len(trainer.data.train)})")
-            return
-        print(f"\ndata pipeline only ({args.workers} workers): {run(False):.1f} images/s")
-        print(f"end to end, BayesNCL:                {run(True):.1f} images/s")
+        for path in paths:
+            trainer = Trainer(Config(**{**cfg.to_dict(), "method": "bayesncl", "data_dir": args.data_dir,
+                                        "out": f"{out}/{path}", "augment": path, "log_every": 10**9,
+                                        "ckpt_every": 10**9}), progress=False)
+            if len(trainer.data.train) < (n + 2) * cfg.batch_size:
+                print(f"\n(the pipeline figures need {(n + 2) * cfg.batch_size} training images; "
+                      f"{args.dataset} has {len(trainer.data.train)})")
+                return
+            figures[path] = run(trainer, False), run(trainer, True)
+            print(f"\n{path} augmentation ({args.workers} workers): data pipeline only {figures[path][0]:.1f} "
+                  f"images/s, end to end (BayesNCL) {figures[path][1]:.1f} images/s")
+            if image_files(trainer.data.train) is None:  # images in memory: the device path needs files
+                break
+    if len(figures) == 2:
+        (pipe_w, end_w), (pipe_d, end_d) = figures["workers"], figures["device"]
+        print(f"device/workers images/s: data pipeline only {pipe_d / pipe_w:.2f}, end to end {end_d / end_w:.2f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@
 #    memory per batch size (128, 256, 512).
 # 2. the same with torch.compile of the encoder (time-limited: compilation takes a while).
 # 3. end to end with real JPEG decoding: synthetic JPEGs (500x375, smooth content + noise, about
-#    the size of ImageNet files) in an ImageFolder tree; the data pipeline alone and feeding BayesNCL steps.
+#    the size of ImageNet files) in an ImageFolder tree. First the GPU data path against the CPU one
+#    (nvjpeg vs libjpeg decoding; the same views from the same images), then the data pipeline alone and
+#    feeding BayesNCL steps with the views drawn in the loader workers (--augment workers) and on the GPU
+#    (--augment device: nvjpeg batch decoding, batched augmentation), and their ratio; then a short
+#    run_svi training with --augment device.
 # 4. with two or more GPUs, a short torchrun DDP run.
 # Everything printed is also written to <out-folder>/gpu_check.txt.
 set -uo pipefail
@@ -59,10 +63,33 @@ if not (root / "val").exists():
         list(pool.map(write, range(12_200), chunksize=200))
 print(f"{root}: {sum(1 for _ in root.rglob('*.jpg'))} JPEGs")
 EOF
+timeout 120 "$PY" - "$DATA" <<'EOF' || status=1
+import sys
+
+import torch
+
+from bayesncl_pyro.data import EncodedImages, load_dataset
+from bayesncl_pyro.device_augment import simclr_views
+
+encoded = EncodedImages(load_dataset("imagefolder", sys.argv[1]).train)
+batch = [encoded[i] for i in range(64)]
+cpu, gpu = encoded.decode(batch, torch.device("cpu")), encoded.decode(batch, torch.device("cuda"))
+diff = torch.cat([(c.float() - g.cpu().float()).abs().flatten() for c, g in zip(cpu, gpu)])
+print(f"nvjpeg vs CPU decoding of 64 JPEGs: mean |difference| {diff.mean():.3f}, max {diff.max():.0f} (of 255)")
+a = simclr_views(cpu, 224, torch.Generator().manual_seed(0))
+b = simclr_views([c.cuda() for c in cpu], 224, torch.Generator().manual_seed(0)).cpu()
+worst = (a - b).abs().max().item()
+print(f"views of the same images, GPU vs CPU: max |difference| {worst:.1e} (normalised units; TF32 convolutions)")
+if diff.mean() > 2 or not worst < 5e-2:
+    sys.exit("error: the GPU data path is off the CPU one")
+EOF
 W=$(( $(nproc) - 2 ))
 timeout 420 "$PY" experiments/bench_step.py --device cuda --dataset imagefolder --data-dir "$DATA" \
     --image-size 224 --encoder resnet18 --proj-hidden 16384 --proj-dim 2048 --batch-size 256 \
-    --repeats 1 --steps 3 --warmup 1 --pipeline-batches 40 --workers "$W" || status=1
+    --repeats 1 --steps 3 --warmup 1 --pipeline-batches 40 --workers "$W" --augment both || status=1
+timeout 300 "$PY" experiments/run_svi.py --dataset imagefolder --data-dir "$DATA" --train-subset 5120 \
+    --image-size 224 --batch-size 256 --epochs 2 --warmup-epochs 0 --max-steps 30 --log-every 10 \
+    --workers "$W" --augment device --out "$OUT/device_run" --overwrite || status=1
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then

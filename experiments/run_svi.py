@@ -14,7 +14,7 @@ Exit status: 0 done; 2 bad input, a full or read-only --out, or a diverged run (
 import argparse
 import sys
 
-from bayesncl_pyro.config import GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import Stopped, UserError
 from models.priors import PRIORS
@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
     g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+    g.add_argument("--augment", default=d.augment, choices=AUGMENT, help="where the two views are drawn: workers "
+                   "(CPU, one image at a time), device (image files only: the loader workers just read files, the "
+                   "training device decodes JPEGs and augments whole batches), auto = device when training on CUDA "
+                   "on image files (default: %(default)s)")
     g.add_argument("--skip-bad-images", action="store_true", help="train past unreadable image files instead "
                    "of stopping; they are listed in <out>/bad_images.txt and counted at the end")
 

@@ -85,6 +85,19 @@ def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"
 
 
+def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
+    from test_device_augment import write_photo
+
+    for i in range(54):
+        write_photo(tmp_path / "data" / ("val" if i % 9 == 8 else "train") / f"c{i % 2}" / f"{i}.jpg", seed=i)
+    proc = run("bench_step.py", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--encoder", "cnn",
+               "--image-size", "40", "--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "16",
+               "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1", "--workers", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "workers augmentation" in proc.stdout and "device augmentation" in proc.stdout
+    assert "device/workers images/s" in proc.stdout
+
+
 def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     out = tmp_path / "cmp"
     proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))

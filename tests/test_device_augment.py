@@ -1,0 +1,197 @@
+"""The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import InterpolationMode, RandomResizedCrop
+from torchvision.transforms.v2 import functional as TF
+
+from bayesncl_pyro import device_augment as D
+from bayesncl_pyro.augment import IMAGENET_MEAN, IMAGENET_STD
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import EncodedImages, load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.training import EpochSampler, Trainer
+
+TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
+
+
+def write_photo(path, size=(50, 40), seed=0, mode="RGB", fmt=None):
+    """A smooth random image with noise (like a photo, unlike write_image's flat colour), ``size`` = (w, h)."""
+    rng = np.random.default_rng(seed)
+    low = Image.fromarray(rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
+    pixels = np.clip(np.asarray(low, dtype=np.float32) + rng.normal(0, 12, (size[1], size[0], 3)), 0, 255)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels.astype(np.uint8)).convert(mode).save(path, format=fmt, quality=90)
+    return path
+
+
+def photo_tree(root, per_class=6):
+    """train/{a,b}/ with colour JPEGs of several sizes, plus a PNG, a grayscale and a CMYK JPEG; val/{a,b}/."""
+    for c, name in enumerate("ab"):
+        for i in range(per_class):
+            write_photo(root / "train" / name / f"{i}.jpg", size=(40 + 7 * i, 60 - 3 * i), seed=10 * c + i)
+        write_photo(root / "val" / name / "0.jpg", seed=99 + c)
+    write_photo(root / "train" / "a" / "png.png")
+    write_photo(root / "train" / "b" / "gray.jpg", mode="L")
+    write_photo(root / "train" / "b" / "cmyk.jpg", mode="CMYK", fmt="JPEG")
+    return root
+
+
+def per_image(op, x, *params):
+    """torchvision's op applied image by image, each with its own parameters."""
+    return torch.stack([op(x[i], *(p[i].item() for p in params)) for i in range(len(x))])
+
+
+@pytest.mark.parametrize("name", ["brightness", "contrast", "saturation", "hue", "grayscale", "blur"])
+def test_each_op_equals_torchvision_image_by_image(name):
+    torch.manual_seed(0)
+    x = torch.rand(6, 3, 20, 25)
+    x[0, :, :5] = 0.5  # flat gray: no hue
+    x[1, :, :, :5] = torch.tensor([0.9, 0.9, 0.1]).view(3, 1, 1)  # ties of the largest channel
+    factor, hue, sigma = torch.rand(6) * 1.6 + 0.2, torch.rand(6) - 0.5, torch.rand(6) * 1.9 + 0.1
+    got, expected = {
+        "brightness": (D.adjust_brightness(x, factor), per_image(TF.adjust_brightness, x, factor)),
+        "contrast": (D.adjust_contrast(x, factor), per_image(TF.adjust_contrast, x, factor)),
+        "saturation": (D.adjust_saturation(x, factor), per_image(TF.adjust_saturation, x, factor)),
+        "hue": (D.adjust_hue(x, hue), per_image(TF.adjust_hue, x, hue)),
+        "grayscale": (D.grayscale(x), per_image(TF.rgb_to_grayscale, x)),
+        "blur": (D.gaussian_blur(x, sigma, 7), per_image(lambda v, s: TF.gaussian_blur(v, [7, 7], [s, s]), x, sigma)),
+    }[name]
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_resized_crop_equals_torchvision_on_images_of_different_sizes():
+    torch.manual_seed(0)
+    images = [torch.rand(3, 30 + 9 * i, 50 - 4 * i) * 255 for i in range(5)]
+    boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]), torch.Generator().manual_seed(0))
+    expected = torch.stack([TF.resized_crop(im, *box, [16, 16], interpolation=InterpolationMode.BICUBIC,
+                                            antialias=True) for im, box in zip(images, boxes.tolist())])
+    torch.testing.assert_close(D.resized_crop(images, boxes, 16), expected, rtol=0, atol=1e-3)  # pixel values up to 255
+    as_uint8 = [im.round().to(torch.uint8) for im in images]  # what decoding gives
+    torch.testing.assert_close(D.resized_crop(as_uint8, boxes, 16),
+                               D.resized_crop([im.float() for im in as_uint8], boxes, 16), rtol=0, atol=0)
+
+
+def test_crop_boxes_are_drawn_like_torchvision():
+    g = torch.Generator().manual_seed(0)
+    boxes = D.crop_boxes(torch.tensor([[375, 500]]).repeat(4000, 1), g)
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 375).all() and (left + w <= 500).all()
+    area = (h * w).double() / (375 * 500)
+    assert area.min() >= 0.07 and (w / h).min() > 0.74 and (w / h).max() < 1.35
+    # the distribution of torchvision's draws (v1's get_params: the algorithm of v2's RandomResizedCrop, faster)
+    torch.manual_seed(0)
+    draw = partial(RandomResizedCrop.get_params, scale=[0.08, 1.0], ratio=[3 / 4, 4 / 3])
+    image = torch.zeros(3, 375, 500)
+    ref = torch.tensor([draw(image) for _ in range(4000)]).double()
+    ref_area = ref[:, 2] * ref[:, 3] / (375 * 500)
+    assert abs(area.mean() - ref_area.mean()) < 0.02 and abs(area.std() - ref_area.std()) < 0.02
+    assert abs((w / h).double().log().mean() - (ref[:, 3] / ref[:, 2]).log().mean()) < 0.02
+    # images no try fits: torchvision's central crop at the nearest allowed aspect ratio
+    for shape in ((1, 100), (100, 1), (1, 1)):
+        assert D.crop_boxes(torch.tensor([shape]), g)[0].tolist() == list(draw(torch.zeros(3, *shape)))
+
+
+def test_encoded_items_decode_to_the_images_pil_reads(tmp_path):
+    spec = load_dataset("imagefolder", photo_tree(tmp_path))
+    encoded = EncodedImages(spec.train)
+    batch = [encoded[i] for i in range(len(encoded))]
+    names = [path.name for path, _ in spec.train.samples]
+    # colour JPEGs travel as bytes; the others were decoded by the worker
+    assert [data.ndim for data, _ in batch] == [3 if n in ("png.png", "gray.jpg", "cmyk.jpg") else 1 for n in names]
+    images = encoded.decode(batch, torch.device("cpu"))
+    for (pil, _), image in zip(spec.train, images, strict=True):
+        assert image.dtype == torch.uint8 and image.shape == (3, pil.height, pil.width)
+        assert (image.int() - TF.pil_to_tensor(pil).int()).abs().max() <= 1
+    subset = load_dataset("imagefolder", tmp_path, train_subset=4).train  # items keep their file's index
+    assert [EncodedImages(subset)[i][1] for i in range(4)] == subset.indices
+
+
+def test_simclr_views_shapes_range_and_seeding(tmp_path):
+    spec = load_dataset("imagefolder", photo_tree(tmp_path))
+    encoded = EncodedImages(spec.train)
+    images = encoded.decode([encoded[i] for i in range(len(encoded))], torch.device("cpu"))
+    n = len(images)
+
+    def views(seed):
+        return D.simclr_views(images, 40, torch.Generator().manual_seed(seed))
+
+    x = views(0)
+    assert x.shape == (2 * n, 3, 40, 40) and x.dtype == torch.float32 and x.isfinite().all()
+    pixels = x * torch.tensor(IMAGENET_STD).view(3, 1, 1) + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5 and 0.2 < pixels.mean() < 0.8
+    assert not torch.allclose(x[:n], x[n:])  # two different views of each image
+    torch.testing.assert_close(views(0), x, rtol=0, atol=0)
+    assert (views(1) - x).abs().amax((1, 2, 3)).min() > 0  # another seed changes every view
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) * 2 // 3])  # the header survives: the worker passes it on as a JPEG
+    return path
+
+
+def test_corrupt_jpeg_is_the_worker_paths_error_or_skipped_and_logged(tmp_path):
+    root = photo_tree(tmp_path)
+    bad = _truncate(root / "train" / "a" / "3.jpg")
+    garbage = root / "train" / "b" / "5.jpg"
+    garbage.write_bytes(b"not an image")
+    spec = load_dataset("imagefolder", root)
+    encoded = EncodedImages(spec.train)
+    index = {path: i for i, (path, _) in enumerate(spec.train.samples)}
+    assert encoded[index[bad]][0].ndim == 1
+    with pytest.raises(UserError) as decoding:
+        encoded.decode([encoded[0], encoded[index[bad]]], torch.device("cpu"))
+    with pytest.raises(UserError) as worker:
+        spec.train[index[bad]]
+    assert str(decoding.value) == str(worker.value) and str(bad) in str(worker.value)
+    with pytest.raises(UserError, match=str(garbage)):  # not even a header: the worker names it
+        encoded[index[garbage]]
+
+    skipping = load_dataset("imagefolder", root, skip_bad=True).train
+    skipping.bad_log = tmp_path / "bad_images.txt"
+    encoded = EncodedImages(skipping)
+    images = encoded.decode([encoded[0], encoded[index[bad]], encoded[index[garbage]]], torch.device("cpu"))
+    assert len(images) == 3 and all(image.shape[0] == 3 for image in images)
+    assert torch.equal(images[1], TF.pil_to_tensor(spec.train[index[bad] + 1][0]))  # the next file instead
+    assert sorted(skipping.bad_files) == sorted([str(bad), str(garbage)])
+    assert set(skipping.bad_log.read_text().splitlines()) == {str(bad), str(garbage)}
+
+
+def _run(tmp_path, name, **kw):
+    return Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=40,
+                  proj_hidden=16, proj_dim=8, batch_size=4, epochs=2, warmup_epochs=0, workers=0, log_every=1,
+                  out=str(tmp_path / name), **{"augment": "device", **kw})
+
+
+def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path):
+    photo_tree(tmp_path / "data")
+    straight = Trainer(_run(tmp_path, "a"), progress=False)
+    assert straight.encoded is not None and straight.total_steps == 6
+    batch = next(iter(straight._loader(EpochSampler(len(straight.data.train), 4, seed=0))))
+    x = straight._input(batch)
+    assert x.shape == (8, 3, 40, 40)
+    torch.testing.assert_close(straight._input(batch), x, rtol=0, atol=0)
+    straight.step = 1
+    assert not torch.allclose(straight._input(batch), x)
+    straight.step = 0
+    straight.train(6)
+    first = Trainer(_run(tmp_path, "b", max_steps=4), progress=False)  # stops mid-epoch 2
+    first.train(4)
+    first.save()
+    resumed = Trainer(_run(tmp_path, "b"), progress=False)
+    resumed.train(6)
+    for k, v in straight.learner.state_dict().items():
+        torch.testing.assert_close(resumed.learner.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_augment_is_chosen_by_device_and_dataset(tmp_path):
+    photo_tree(tmp_path / "data")
+    assert Trainer(_run(tmp_path, "auto", augment="auto"), progress=False).encoded is None  # CPU: workers
+    digits = Config(dataset="digits", augment="device", out=str(tmp_path / "digits"))
+    with pytest.raises(UserError, match="--augment device needs image files"):
+        Trainer(digits, progress=False)
