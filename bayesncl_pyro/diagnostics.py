@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bayesncl_pyro.losses import bernoulli_kl
 from bayesncl_pyro.metrics import ACTIVE_EPS
 
 CONFLICT_FILE = "conflict.jsonl"
@@ -77,6 +78,23 @@ def conflict_scores(pos: np.ndarray, neg: np.ndarray) -> dict[str, np.ndarray]:
             flips[k] = np.mean(signs[1:] != signs[:-1])
     out["sign_flips"] = flips
     return out
+
+
+def gate_pulls(gate_grad: torch.Tensor, probs: torch.Tensor, rate: torch.Tensor,
+               kl_weight: float) -> tuple[float, float]:
+    """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
+    the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
+    unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
+
+    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
+    w.r.t. the gate values; probs: R x K inclusion probabilities; rate: K prior rates. A prior pull far
+    below the InfoNCE pull means the prior hardly shapes the posterior (the published lambda = 3e-5 gives
+    a ratio near 1e-3, docs/RESULTS.md).
+    """
+    alpha = probs.detach().float().requires_grad_()
+    kl_grad, = torch.autograd.grad(bernoulli_kl(alpha, rate.detach().float()).sum(), alpha)
+    return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
+            (kl_weight * kl_grad).abs().mean().item())
 
 
 def to_json(rec: dict) -> str:

@@ -37,7 +37,7 @@ from bayesncl_pyro.augment import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import EncodedImages, image_files, load_dataset
 from bayesncl_pyro.device_augment import simclr_views
-from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
+from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
@@ -444,6 +444,10 @@ class Trainer:
             per_dim = probs.mean(0)
             rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
                        incl_max=per_dim.max().item())
+            g = learner.model.last_g
+            if g.grad is not None:
+                rec["gate_nce_pull"], rec["gate_prior_pull"] = gate_pulls(
+                    g.grad, probs, learner.model.prior.mean_rate(), cfg.kl_weight)
         warnings = degeneracy_warnings(rec, cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings

@@ -72,6 +72,9 @@ class ContrastiveModel(PyroModule):
             if self.prior is not None:
                 with poutine.scale(scale=self.kl_weight):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
+                if g.requires_grad:
+                    g.retain_grad()  # the trainer's log reports how hard InfoNCE pulls on the gates
+                self.last_g = g
                 u = normalize(u * g)
             if self.gather is None:
                 nce = info_nce_rows(u, self.temperature)

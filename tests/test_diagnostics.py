@@ -87,3 +87,27 @@ def test_unused_dimensions_are_nan_and_survive_the_json_round_trip(tmp_path):
 def test_degeneracy_warnings(rec, expected):
     found = degeneracy_warnings(rec, num_features=64)
     assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found))
+
+
+@pytest.mark.parametrize("kl_weight", [3e-5, 0.5])
+def test_gate_pulls_split_the_gate_gradient_into_likelihood_and_prior(kl_weight):
+    from bayesncl_pyro.config import Config, resolve
+    from bayesncl_pyro.diagnostics import gate_pulls
+    from bayesncl_pyro.learner import ContrastiveLearner
+    from bayesncl_pyro.losses import bernoulli_kl, normalize
+
+    cfg = resolve(Config(gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight, prior_prob=0.75))
+    learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
+    x = torch.randn(24, 1, 8, 8)
+    learner(x).backward()
+    nce, prior = gate_pulls(learner.model.last_g.grad, learner.guide.last_probs, learner.model.prior.rate(),
+                            kl_weight)
+    # expected, from the plain formula: InfoNCE's gradient w.r.t. the 0/1 gates, and lambda * dKL/dalpha
+    h, z = learner.encoder(x)
+    alpha = learner.gate_probs(h).detach().requires_grad_()
+    m = (alpha > 0.5).float().requires_grad_()
+    nce_grad, = torch.autograd.grad(info_nce_rows(normalize(learner.model.features(z) * m), 0.2).sum(), m)
+    kl_grad, = torch.autograd.grad(bernoulli_kl(alpha, 0.75).sum(), alpha)
+    assert nce == pytest.approx(nce_grad.abs().mean().item(), rel=1e-4)
+    assert prior == pytest.approx(kl_weight * kl_grad.abs().mean().item(), rel=1e-4)
+    assert (prior < nce / 100) == (kl_weight == 3e-5)
