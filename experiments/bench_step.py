@@ -25,17 +25,17 @@ import time
 
 import pyro
 import torch
-import torch.nn.functional as F
 from pyro.infer import TraceMeanField_ELBO
 from torch.utils.flop_counter import FlopCounterMode
 
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
 
 
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
-    """``learner(x)`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row."""
+    """``learner(x)`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row (the
+    zero-safe ``normalize``: an all-zero gated row gets no gradient, where ``F.normalize`` would give it 1e12)."""
     model, guide = learner.model, learner.guide
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h, z = learner.encoder(x)
@@ -43,7 +43,7 @@ def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     u, kl = model.features(z), 0.0
     if guide is not None:
         logits = guide.logits(h)
-        u = F.normalize(u * guide.gate(guide.temperature, logits=logits).rsample(), dim=1)
+        u = normalize(u * guide.gate(guide.temperature, logits=logits).rsample())
         kl = bernoulli_kl(logits.sigmoid(), model.prior.rate()).sum(1).mean()
     return info_nce_rows(u, model.temperature).mean() + model.kl_weight * kl
 
