@@ -27,6 +27,7 @@ import torch
 import xarray as xr
 
 from bayesncl_pyro.posterior import GatePosterior, gate_posterior
+from bayesncl_pyro.training import read_log
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces its 1.x refactor on import
@@ -35,12 +36,6 @@ with warnings.catch_warnings():
 GATES_FILE = "gates.nc"
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
-
-
-def read_log(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of a run's ``log.jsonl`` (empty if there is none)."""
-    path = Path(run_dir) / "log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def to_inference_data(post: GatePosterior, log: list[dict] = (), config: dict | None = None) -> az.InferenceData:

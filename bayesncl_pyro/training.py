@@ -45,6 +45,7 @@ from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 
 CHECKPOINT = "checkpoint.pt"
+LOG = "log.jsonl"
 BAD_IMAGES = "bad_images.txt"
 PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
 
@@ -113,6 +114,12 @@ def append_line(line: str, path: Path):
             f.write(line + "\n")
     except OSError as e:  # also from the close, which flushes
         raise UserError(_cannot_write(path, e)) from None
+
+
+def read_log(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of a run's ``log.jsonl`` (empty if there is none)."""
+    path = Path(run_dir) / LOG
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def _cannot_write(path: Path, e: OSError) -> str:
@@ -370,7 +377,7 @@ class Trainer:
                     if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
                         rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
-                        append_line(json.dumps(rec), self.out / "log.jsonl")
+                        append_line(json.dumps(rec), self.out / LOG)
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)

@@ -111,10 +111,9 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
 def train_time(run_dir: Path, batch_size: int) -> float:
     """Seconds spent in training steps, summed from log.jsonl (each line's images / images_per_s); steps
     replayed after a resume are counted once."""
-    by_step = {}
-    for line in (run_dir / "log.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        by_step[rec["step"]] = rec["images_per_s"]
+    from bayesncl_pyro.training import read_log
+
+    by_step = {rec["step"]: rec["images_per_s"] for rec in read_log(run_dir)}
     total, last = 0.0, 0
     for step in sorted(by_step):
         total += (step - last) * batch_size / by_step[step]

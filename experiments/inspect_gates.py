@@ -26,7 +26,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bayesncl_pyro.arviz_export import read_log  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
@@ -34,7 +33,7 @@ from bayesncl_pyro.evaluation import extract  # noqa: E402
 from bayesncl_pyro.losses import bernoulli_kl  # noqa: E402
 from bayesncl_pyro.metrics import dim_consistency  # noqa: E402
 from bayesncl_pyro.posterior import gate_posterior  # noqa: E402
-from bayesncl_pyro.training import CHECKPOINT, load_learner  # noqa: E402
+from bayesncl_pyro.training import CHECKPOINT, load_learner, read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3})
