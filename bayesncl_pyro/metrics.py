@@ -26,6 +26,11 @@ def _alive(features):
     return features.abs().sum(dim=0) > 0
 
 
+def _active_after_normalising(features):
+    """N x K 0/1 (double): entry active once rows are L2-normalised, which makes ACTIVE_EPS scale-free."""
+    return (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
+
+
 def _class_mass(weights, labels):
     """C x K per-class column sums of ``weights`` (N x K), C = labels.max() + 1."""
     one_hot = F.one_hot(labels, int(labels.max()) + 1).to(weights.dtype)
@@ -52,7 +57,7 @@ def semantic_consistency(features, labels):
 def dim_consistency(features, labels):
     """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
     (0 where none is), and the C x K counts of active samples per class. features: N x K, labels: N."""
-    active = (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
+    active = _active_after_normalising(features)
     counts = _class_mass(active, labels)
     return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1), counts
 
@@ -165,7 +170,7 @@ def factor_information(features, factor):
     for some set of factor values, 0 when it is independent of the factor. Scores of factors with
     different numbers of values are comparable. Dims that are always or never on score 0.
     """
-    active = (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
+    active = _active_after_normalising(features)
     one_hot = F.one_hot(factor).double()  # N x V
     p_value = one_hot.mean(dim=0)  # V
     p_on_given = (one_hot.T @ active) / (one_hot.sum(dim=0)[:, None]).clamp_min(1)  # V x K
