@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, nce_grad_parts,
-                                       read_conflict, to_json)
-from bayesncl_pyro.losses import info_nce_rows
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, gate_pulls,
+                                       nce_grad_parts, read_conflict, to_json)
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
 
 
 def test_grad_parts_sum_to_the_autograd_gradient():
@@ -91,11 +93,6 @@ def test_degeneracy_warnings(rec, expected):
 
 @pytest.mark.parametrize("kl_weight", [3e-5, 0.5])
 def test_gate_pulls_split_the_gate_gradient_into_likelihood_and_prior(kl_weight):
-    from bayesncl_pyro.config import Config, resolve
-    from bayesncl_pyro.diagnostics import gate_pulls
-    from bayesncl_pyro.learner import ContrastiveLearner
-    from bayesncl_pyro.losses import bernoulli_kl, normalize
-
     cfg = resolve(Config(gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight, prior_prob=0.75))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     x = torch.randn(24, 1, 8, 8)
