@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2.functional import pil_to_tensor
 
@@ -156,7 +156,8 @@ class EncodedImages(Dataset):
         CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
         path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
         it, or with ``skip_bad`` is skipped and logged alike."""
-        images = [data.to(device, non_blocking=True) if data.ndim == 3 else None for data, _ in batch]
+        # a blocking copy: it waits for the current stream only, which on CUDA is the input pipeline's own
+        images = [data.to(device) if data.ndim == 3 else None for data, _ in batch]
         jpegs = [k for k, image in enumerate(images) if image is None]
         for k, image in zip(jpegs, _decode_jpegs([batch[k][0] for k in jpegs], device), strict=True):
             if image is None:
@@ -178,12 +179,85 @@ def _read_encoded(path: Path) -> torch.Tensor:
 
 
 def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """``decode_jpeg`` of a list on ``device``; if that fails, one by one, with None for each that fails."""
+    """``decode_jpeg`` of a list on ``device``; if that fails, one by one, with None for each that fails.
+
+    On CUDA this first waits until the current stream has run all its queued work. torchvision allocates the
+    decoded images on the current stream, and nvJPEG's hardware decoder writes them from its own stream
+    without waiting for that one (pytorch/vision#9606, meta-pytorch/torchcodec#1634); the caching allocator
+    hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG can
+    overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks
+    of the current stream are at risk (other streams' blocks are not handed to it, and a block used on
+    another stream via ``record_stream`` comes back only after that use has run), so the wait is on this
+    stream alone: the input pipeline's, in its own thread, never the training step's (``pipeline.py``).
+    decode_jpeg waits for its own stream before returning anyway, so this moves a wait, and adds none."""
+    if encoded and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     try:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else []
     except RuntimeError:
         return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]
 
+
+
+RESIDENT_MEMORY_SHARE = 0.25
+"""The most of the training device's free memory a training set may take to be held there (``resident_images``)."""
+
+
+def resident_images(dataset: Dataset, device: torch.device, workers: int = 0) -> torch.Tensor | None:
+    """The training split as one uint8 ``N x C x H x W`` tensor on ``device`` (row i = item i), or None when it
+    should be read per batch instead: its images differ in size, or they would take more than
+    ``RESIDENT_MEMORY_SHARE`` of the device's free memory (``free_memory``).
+
+    In-memory splits (digits, CIFAR pickles, compositional) are copied over. Image files are decoded once,
+    here, with PIL in ``workers`` DataLoader processes (the worker path's reader: the same pixels, and
+    ``skip_bad`` replaces an unreadable file by the next readable one alike); the size of the first image
+    decides whether that is tried at all, so an ImageNet folder costs one file read. CIFAR as 32 px JPEGs
+    is 150 MB and decodes in seconds; nothing is decoded per step, nvJPEG included."""
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    indices = dataset.indices if isinstance(dataset, Subset) else None
+    budget = RESIDENT_MEMORY_SHARE * free_memory(device)
+    if isinstance(base, TensorImages):
+        images = base.images if indices is None else base.images[indices]
+        return images.to(device) if images.numel() <= budget else None
+    files = image_files(dataset)
+    if files is None or not len(dataset):
+        return None
+    first = _PixelTensors(dataset)[0]
+    if first.numel() * len(dataset) > budget:
+        return None
+    loader = DataLoader(_PixelTensors(dataset), batch_size=256, num_workers=workers, collate_fn=_StackIfEqual(first.shape))
+    batches = list(loader)
+    return None if any(b is None for b in batches) else torch.cat(batches).to(device)
+
+
+class _StackIfEqual:
+    """Collate images of ``shape`` into one tensor (one shared-memory block per batch), or None if any differs."""
+
+    def __init__(self, shape: torch.Size):
+        self.shape = shape
+
+    def __call__(self, images: list[torch.Tensor]) -> torch.Tensor | None:
+        return torch.stack(images) if all(image.shape == self.shape for image in images) else None
+
+
+class _PixelTensors(Dataset):
+    """Item i of an image-file split as uint8 ``3 x H x W``, read as the worker path reads it."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return pil_to_tensor(self.dataset[i][0])
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: the GPU's free memory, or the host's available memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 def load_dataset(
     name: str, data_dir: str | os.PathLike | None = None, *, seed: int = 0, skip_bad: bool = False,

@@ -13,8 +13,9 @@ views of every image with batched kernels: the recipe of ``simclr_transform`` fo
 
 Each op is a pure function of ``B x 3 x H x W`` float images and per-image parameter tensors of length B
 (on the images' device), equal to torchvision's ``transforms.v2.functional`` op applied image by image
-(``tests/test_device_augment.py``). Nothing here waits for the GPU: parameters cross to it with
-``non_blocking`` copies (a blocking one would wait for the previous training step to finish).
+(``tests/test_device_augment.py``). Nothing here waits for the GPU: a batch's parameters cross to it in one
+``non_blocking`` copy from pinned memory. ``pipeline.py`` runs this on its own CUDA stream, a batch ahead
+of the training step.
 """
 
 from __future__ import annotations
@@ -30,47 +31,74 @@ from bayesncl_pyro.augment import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_
 _GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601-2 luma)
 
 
-def simclr_views(images: list[torch.Tensor], size: int, generator: torch.Generator) -> torch.Tensor:
-    """Two SimCLR views of each of N uint8 ``3 x H_i x W_i`` images -> float ``2N x 3 x size x size``, the rows
-    ``[view 1 of every image; view 2 of every image]``, normalised with the ImageNet mean and std."""
-    n, device = 2 * len(images), images[0].device
-    sizes = torch.tensor([image.shape[-2:] for image in images]).repeat(2, 1)
-    x = resized_crop(images + images, crop_boxes(sizes, generator), size).div_(255).clamp_(0, 1)
+def simclr_views(images: torch.Tensor | list[torch.Tensor], size: int, generator: torch.Generator | None,
+                 channels: int = 3) -> torch.Tensor:
+    """Two SimCLR views of each of N uint8 images -> float ``2N x C x size x size``, the rows
+    ``[view 1 of every image; view 2 of every image]``, normalised like ``augment.simclr_transform``.
+
+    ``images``: one ``N x C x H x W`` tensor (images of one size: the crops are resized in one batched product)
+    or a list of ``C x H_i x W_i`` tensors. ``channels`` 1 is the gentle recipe of one-channel images (digits):
+    crop scale 0.5-1, brightness and contrast jitter only, no grayscale, no flip, mean and std 0.5.
+
+    Every random parameter is drawn on the CPU first, then all of them cross to the device in one copy
+    (``_to_device``): nothing here waits for the GPU, and no CPU tensor can be freed under an async copy."""
+    n = 2 * len(images)
+    device = images.device if isinstance(images, torch.Tensor) else images[0].device
+    sizes = (torch.tensor([images.shape[-2:]]).expand(n // 2, 2) if isinstance(images, torch.Tensor)
+             else torch.tensor([image.shape[-2:] for image in images])).repeat(2, 1)
+    boxes = crop_boxes(sizes, generator, scale=CROP_SCALE if channels == 3 else (0.5, 1.0))
 
     def uniform(low: float, high: float) -> torch.Tensor:
         return torch.empty(n).uniform_(low, high, generator=generator)
 
-    def coin(p: float) -> torch.Tensor:
-        return torch.rand(n, generator=generator) < p
+    def rows(p: float) -> torch.Tensor:  # the views an op applies to
+        return (torch.rand(n, generator=generator) < p).nonzero().squeeze(1)
 
     b, c, s, h = JITTER
-    factors = (uniform(max(0, 1 - b), 1 + b), uniform(max(0, 1 - c), 1 + c), uniform(max(0, 1 - s), 1 + s),
-               uniform(-h, h))
-    order = torch.randperm(4, generator=generator).tolist()
+    ops = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)[:4 if channels == 3 else 2]
+    factors = torch.stack([uniform(max(0, 1 - b), 1 + b), uniform(max(0, 1 - c), 1 + c),
+                           uniform(max(0, 1 - s), 1 + s), uniform(-h, h)][:len(ops)], 1)  # n x ops
+    order = torch.randperm(len(ops), generator=generator).tolist()  # one op order per batch
+    jitter = rows(P_JITTER)
+    gray = rows(P_GRAY) if channels == 3 else torch.zeros(0, dtype=torch.long)
+    kernel = blur_kernel(size)
+    blur, sigma = (rows(P_BLUR), uniform(*BLUR_SIGMA)) if kernel is not None else (torch.zeros(0, dtype=torch.long),) * 2
+    flip = rows(P_FLIP) if channels == 3 else torch.zeros(0, dtype=torch.long)
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
+    (boxes_d, jitter, factors, gray, blur, sigma, flip, mean, std) = _to_device(
+        [boxes, jitter, factors[jitter], gray, blur, sigma[blur], flip, torch.tensor(mean), torch.tensor(std)], device)
 
-    def jitter(v, *f):
+    x = resized_crop(images, boxes, size, boxes_d).div_(255).clamp_(0, 1)
+
+    def colour(v, f):
         for k in order:
-            v = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)[k](v, f[k])
+            v = ops[k](v, f[:, k])
         return v
 
-    x = _apply_where(coin(P_JITTER), x, jitter, *factors)
-    x = _apply_where(coin(P_GRAY), x, lambda v: grayscale(v).expand_as(v))
-    kernel = blur_kernel(size)
+    x = _apply_at(jitter, x, colour, factors)
+    x = _apply_at(gray, x, lambda v: grayscale(v).expand_as(v))
     if kernel is not None:
-        x = _apply_where(coin(P_BLUR), x, lambda v, sigma: gaussian_blur(v, sigma, kernel), uniform(*BLUR_SIGMA))
-    x = _apply_where(coin(P_FLIP), x, lambda v: v.flip(-1))
-    mean, std = (torch.tensor(m).view(3, 1, 1).to(device, non_blocking=True) for m in (IMAGENET_MEAN, IMAGENET_STD))
-    return x.sub_(mean).div_(std)
+        x = _apply_at(blur, x, lambda v, sg: gaussian_blur(v, sg, kernel), sigma)
+    x = _apply_at(flip, x, lambda v: v.flip(-1))
+    return x.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
 
 
-def _apply_where(mask: torch.Tensor, x: torch.Tensor, op, *params: torch.Tensor) -> torch.Tensor:
-    """``x`` with ``op(rows, *their params)`` in the rows that the CPU bool ``mask`` selects (``params``: CPU
-    tensors of length B). Indexing by CPU-computed indices keeps the GPU from syncing and computes only
-    the selected rows."""
-    rows = mask.nonzero().squeeze(1)
+def _to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU tensors -> the same tensors on ``device``, in one copy: packed into one pinned buffer (the caching
+    host allocator does not reuse it before the copy has run, so nothing freed here is read in flight)
+    and moved with one ``non_blocking`` transfer that waits for nothing (a pageable source would make
+    CUDA stage it synchronously). Integer parts come back exactly (float64 holds them)."""
+    if device.type == "cpu":
+        return parts
+    flat = torch.cat([p.reshape(-1).double() for p in parts]).pin_memory().to(device, non_blocking=True)
+    return [chunk.view(p.shape).to(p.dtype) for chunk, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+
+def _apply_at(rows: torch.Tensor, x: torch.Tensor, op, *params: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``op(x[rows], *params)`` in ``rows`` (indices already on ``x``'s device, ``params`` one entry per
+    row): only the selected rows are computed, and the length of ``rows`` is known without asking the GPU."""
     if len(rows):
-        on = rows.to(x.device, non_blocking=True)
-        x[on] = op(x[on], *(p[rows].to(x.device, non_blocking=True) for p in params))
+        x[rows] = op(x[rows], *params)
     return x
 
 
@@ -103,18 +131,55 @@ def crop_boxes(sizes: torch.Tensor, generator: torch.Generator, scale=CROP_SCALE
     return torch.cat([top, left, h, w], 1).long()
 
 
-def resized_crop(images: list[torch.Tensor], boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """Crop ``boxes[i]`` (top, left, height, width) of ``images[i]`` (``C x H_i x W_i``, any sizes) and resize
-    it to ``size x size`` (bicubic, antialiased, like RandomResizedCrop) -> float ``N x C x size x size``.
+def resized_crop(images: torch.Tensor | list[torch.Tensor], boxes: torch.Tensor, size: int,
+                 device_boxes: torch.Tensor | None = None) -> torch.Tensor:
+    """Crop ``boxes[v]`` (top, left, height, width) of image ``v % N`` and resize it to ``size x size`` (bicubic,
+    antialiased, like RandomResizedCrop) -> float ``V x C x size x size``; ``V`` is a multiple of the number of
+    images N (SimCLR: two boxes per image). ``boxes`` is on the CPU; ``device_boxes``, the same on the images'
+    device if the caller has already moved it there.
 
-    One interpolation per image: the images differ in size, and padding them to one tensor (for
-    ``roi_align`` or a batched matrix product) would cost memory for the largest image in the batch
-    (ImageNet has multi-megapixel outliers), and roi_align's bilinear sampling is not the recipe's
-    antialiased bicubic resize. The per-image kernels queue behind the GPU's previous step.
+    ``images`` as one ``N x C x H x W`` tensor (images of one size: CIFAR, any training set held on the device):
+    all crops in two batched matrix products, ``resize_matrix`` rows x image x columns: a few kernels per
+    batch whatever its size. As a list of ``C x H_i x W_i`` images of any sizes: one interpolation per view.
+    Padding those to one tensor would cost memory for the largest image in the batch (ImageNet has
+    multi-megapixel outliers); per image, the crop's antialiased resize is also 2x faster on a CPU than the
+    dense products (a DataLoader worker resizes one image at a time).
     """
-    return torch.cat([
-        F.interpolate(image[None, :, t:t + h, l:l + w].float(), size=(size, size), mode="bicubic", antialias=True)
-        for image, (t, l, h, w) in zip(images, boxes.tolist(), strict=True)])
+    if isinstance(images, list):
+        return torch.cat([
+            F.interpolate(images[v % len(images)][None, :, t:t + h, l:l + w].float(), size=(size, size),
+                          mode="bicubic", antialias=True)
+            for v, (t, l, h, w) in enumerate(boxes.tolist())])
+    n, c, height, width = images.shape
+    views = len(boxes)
+    top, left, h, w = (boxes if device_boxes is None else device_boxes).to(images.device).unbind(1)
+    rows, cols = resize_matrix(top, h, size, height), resize_matrix(left, w, size, width)  # V x S x H, V x S x W
+    # columns first, both views of an image in one product: N x CH x W @ N x W x (V/N)S
+    cols = cols.view(views // n, n, size, width).permute(1, 3, 0, 2).reshape(n, width, views // n * size)
+    x = images.float().view(n, c * height, width) @ cols
+    x = x.view(n, c, height, views // n, size).permute(3, 0, 1, 2, 4).reshape(views, c, height, size)
+    return rows.unsqueeze(1) @ x  # V x 1 x S x H @ V x C x H x S
+
+
+def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: int) -> torch.Tensor:
+    """``V x size x extent``: row s of matrix v holds the weights that PyTorch's antialiased bicubic resize
+    (``F.interpolate(..., mode="bicubic", antialias=True)``, as torchvision's resize calls it) gives pixels
+    ``start[v] ... start[v] + length[v] - 1`` of an axis of ``extent`` pixels for output pixel s of ``size``:
+    Keys' cubic (a = -0.5) stretched by the scale when shrinking, cut at its support and normalised to sum
+    1 (aten's ``_compute_weights_aa``). Zero outside the crop, so a product with the whole image crops too."""
+    length = length.to(torch.float32).view(-1, 1, 1)
+    scale = length / size
+    shrink = scale >= 1
+    support = torch.where(shrink, 2 * scale, 2.0)
+    center = scale * (torch.arange(size, device=start.device, dtype=torch.float32).view(1, -1, 1) + 0.5)
+    low = (center - support + 0.5).trunc().clamp(min=0)  # aten truncates toward zero, like a C cast
+    high = torch.minimum((center + support + 0.5).trunc(), length)
+    j = torch.arange(extent, device=start.device, dtype=torch.float32).view(1, 1, -1) - start.view(-1, 1, 1)
+    t = ((j - center + 0.5) * torch.where(shrink, 1 / scale, 1.0)).abs()
+    a = -0.5
+    weight = torch.where(t < 1, ((a + 2) * t - (a + 3)) * t * t + 1, (((t - 5) * t + 8) * t - 4) * a)
+    weight = weight * ((t < 2) & (j >= low) & (j < high))
+    return weight / weight.sum(-1, keepdim=True)
 
 
 # --------------------------------------------------------------------------------------------- colour
@@ -129,7 +194,9 @@ def _blend(x: torch.Tensor, other: torch.Tensor, f: torch.Tensor) -> torch.Tenso
 
 
 def grayscale(x: torch.Tensor) -> torch.Tensor:
-    """``B x 3 x H x W`` -> luma ``B x 1 x H x W``."""
+    """``B x 3 x H x W`` -> luma ``B x 1 x H x W`` (a one-channel image is its own luma)."""
+    if x.shape[1] == 1:
+        return x
     r, g, b = x.unbind(1)
     return (_GRAY_WEIGHTS[0] * r + _GRAY_WEIGHTS[1] * g + _GRAY_WEIGHTS[2] * b).unsqueeze(1)
 

@@ -14,6 +14,7 @@ from bayesncl_pyro.augment import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import EncodedImages, load_dataset
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.pipeline import FileViews, ResidentViews
 from bayesncl_pyro.training import EpochSampler, Trainer
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
@@ -64,16 +65,51 @@ def test_each_op_equals_torchvision_image_by_image(name):
     torch.testing.assert_close(got, expected, **TOL)
 
 
+def _torchvision_crops(images, boxes, size):
+    """torchvision's RandomResizedCrop resize of each box of image ``v % N``, computed in float64."""
+    return torch.stack([TF.resized_crop(images[v % len(images)].double(), *box, [size, size],
+                                        interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+                        for v, box in enumerate(boxes.tolist())])
+
+
 def test_resized_crop_equals_torchvision_on_images_of_different_sizes():
     torch.manual_seed(0)
     images = [torch.rand(3, 30 + 9 * i, 50 - 4 * i) * 255 for i in range(5)]
-    boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]), torch.Generator().manual_seed(0))
-    expected = torch.stack([TF.resized_crop(im, *box, [16, 16], interpolation=InterpolationMode.BICUBIC,
-                                            antialias=True) for im, box in zip(images, boxes.tolist())])
-    torch.testing.assert_close(D.resized_crop(images, boxes, 16), expected, rtol=0, atol=1e-3)  # pixel values up to 255
+    boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]).repeat(2, 1), torch.Generator().manual_seed(0))
+    # float32 rounding: aten's own float32 resize is 4e-3 off the float64 one on pixel values up to 255
+    torch.testing.assert_close(D.resized_crop(images, boxes, 16), _torchvision_crops(images, boxes, 16), rtol=0, atol=2e-2)
     as_uint8 = [im.round().to(torch.uint8) for im in images]  # what decoding gives
     torch.testing.assert_close(D.resized_crop(as_uint8, boxes, 16),
                                D.resized_crop([im.float() for im in as_uint8], boxes, 16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size", [32, 24, 50])  # same size, shrinking, enlarging: both branches of the filter
+def test_batched_resized_crop_of_equal_size_images_equals_torchvision(size):
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (6, 3, 32, 40), dtype=torch.uint8)
+    boxes = D.crop_boxes(torch.tensor([[32, 40]]).repeat(12, 1), torch.Generator().manual_seed(1))  # two per image
+    boxes[0] = torch.tensor([0, 0, 32, 40])  # the whole image
+    boxes[1] = torch.tensor([31, 39, 1, 1])  # one pixel, in the corner
+    got = D.resized_crop(images, boxes, size)
+    assert got.shape == (12, 3, size, size)
+    torch.testing.assert_close(got, _torchvision_crops(images, boxes, size), rtol=0, atol=1e-3)
+
+
+def test_views_of_an_image_tensor_and_of_its_list_agree():
+    images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
+    batched = D.simclr_views(images, 32, torch.Generator().manual_seed(0))
+    listed = D.simclr_views(list(images), 32, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(batched, listed, rtol=0, atol=1e-4)  # the same draws, float32 rounding apart
+
+
+def test_one_channel_views_follow_the_gentle_recipe():
+    images = torch.randint(0, 256, (64, 1, 8, 8), dtype=torch.uint8)
+    x = D.simclr_views(images, 8, torch.Generator().manual_seed(0), channels=1)
+    assert x.shape == (128, 1, 8, 8) and x.isfinite().all()
+    assert x.min() >= -1 - 1e-5 and x.max() <= 1 + 1e-5  # mean and std 0.5
+    steady = torch.full((1, 1, 8, 8), 77, dtype=torch.uint8)  # flat: crops, blur-free jitter keep it flat
+    v = D.simclr_views(steady, 8, torch.Generator().manual_seed(0), channels=1)
+    assert (v - v.mean((2, 3), keepdim=True)).abs().max() < 1e-5
 
 
 def test_crop_boxes_are_drawn_like_torchvision():
@@ -171,13 +207,16 @@ def _run(tmp_path, name, **kw):
 def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path):
     photo_tree(tmp_path / "data")
     straight = Trainer(_run(tmp_path, "a"), progress=False)
-    assert straight.encoded is not None and straight.total_steps == 6
-    batch = next(iter(straight._loader(EpochSampler(len(straight.data.train), 4, seed=0))))
-    x = straight._input(batch)
+    assert isinstance(straight.views, FileViews) and straight.total_steps == 6  # images of several sizes
+
+    def first_input(trainer):
+        return next(iter(trainer._input(trainer._loader(EpochSampler(len(trainer.data.train), 4, seed=0)))))
+
+    x = first_input(straight)
     assert x.shape == (8, 3, 40, 40)
-    torch.testing.assert_close(straight._input(batch), x, rtol=0, atol=0)
+    torch.testing.assert_close(first_input(straight), x, rtol=0, atol=0)
     straight.step = 1
-    assert not torch.allclose(straight._input(batch), x)
+    assert not torch.allclose(first_input(straight), x)
     straight.step = 0
     straight.train(6)
     first = Trainer(_run(tmp_path, "b", max_steps=4), progress=False)  # stops mid-epoch 2
@@ -191,7 +230,6 @@ def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path)
 
 def test_augment_is_chosen_by_device_and_dataset(tmp_path):
     photo_tree(tmp_path / "data")
-    assert Trainer(_run(tmp_path, "auto", augment="auto"), progress=False).encoded is None  # CPU: workers
-    digits = Config(dataset="digits", augment="device", out=str(tmp_path / "digits"))
-    with pytest.raises(UserError, match="--augment device needs image files"):
-        Trainer(digits, progress=False)
+    assert Trainer(_run(tmp_path, "auto", augment="auto"), progress=False).views is None  # CPU: workers
+    digits = Trainer(Config(dataset="digits", augment="device", out=str(tmp_path / "digits")), progress=False)
+    assert isinstance(digits.views, ResidentViews) and digits.views.images.shape == (1437, 1, 8, 8)
