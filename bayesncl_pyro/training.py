@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyro
@@ -32,11 +33,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro import __version__, distributed
+from bayesncl_pyro import __version__, distributed, pipeline
 from bayesncl_pyro.augment import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.data import EncodedImages, image_files, load_dataset
-from bayesncl_pyro.device_augment import simclr_views
+from bayesncl_pyro.data import EncodedImages, image_files, load_dataset, resident_images
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
@@ -184,13 +184,20 @@ class Trainer:
         for split in (files, image_files(self.data.test)):
             if split is not None:  # image files: every loader worker appends what it skips here
                 split.bad_log = self.out / BAD_IMAGES
-        augment = cfg.augment
-        if augment == "auto":  # a GPU outpaces CPU workers that decode and augment image by image
-            augment = "device" if self.device.type == "cuda" and files is not None else "workers"
-        if augment == "device" and files is None:
-            raise UserError(f"--augment device needs image files (imagefolder, in100, cifar as an image folder); "
-                            f"{cfg.dataset} is held in memory: use --augment workers or auto")
-        self.encoded = EncodedImages(self.data.train) if augment == "device" else None
+        # where the views are drawn: None, in the loader workers (per image, on the CPU); else on the device,
+        # in batches (pipeline.py), of the training set held there when it fits (one size, small enough),
+        # else of the batch's files. auto: on the device when training on CUDA, whose GPU outpaces CPU workers
+        self.views = None
+        if cfg.augment == "device" or (cfg.augment == "auto" and self.device.type == "cuda"):
+            resident = resident_images(self.data.train, self.device, cfg.workers)
+            if resident is not None:
+                self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)
+            elif files is not None:
+                self.views = pipeline.FileViews(EncodedImages(self.data.train), cfg.image_size, cfg.seed, self.rank,
+                                                self.device)
+            elif cfg.augment == "device":
+                raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
+                                f"{self.device.type} memory free; use --augment workers")
         if len(self.data.train) < cfg.batch_size:
             raise UserError(f"--batch-size {cfg.batch_size} is larger than the training set "
                             f"({len(self.data.train)} images); lower it")
@@ -301,27 +308,37 @@ class Trainer:
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
     # -- training -----------------------------------------------------------------------------
-    def _loader(self, sampler: EpochSampler) -> DataLoader:
+    def _loader(self, sampler: EpochSampler):
+        """What ``_input`` draws an epoch's steps from: the loader of the views or files, or index rows."""
         cfg = self.cfg
-        if self.encoded is not None:  # workers only read files; _input decodes and augments
-            dataset, collate = self.encoded, list
+        if isinstance(self.views, pipeline.ResidentViews):  # the images are on the device already
+            return self.views.batches(sampler, cfg.batch_size // self.world)
+        if self.views is not None:  # workers only read files; _input decodes and augments
+            dataset, collate = self.views.encoded, list
         else:
             dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
             collate = _collate
         # its own generator: creating an epoch's iterator must not draw from the global RNG, which
-        # the gate samples use and the checkpoint restores
+        # the gate samples use and the checkpoint restores. Pinned memory only for views: file bytes go to
+        # the decoder from wherever they are
         return DataLoader(dataset, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
-                          num_workers=cfg.workers, collate_fn=collate, pin_memory=self.device.type == "cuda",
+                          num_workers=cfg.workers, collate_fn=collate,
+                          pin_memory=self.device.type == "cuda" and self.views is None,
                           persistent_workers=cfg.workers > 0, generator=torch.Generator(),
                           worker_init_fn=_ignore_sigint)
 
-    def _input(self, batch) -> torch.Tensor:
-        """A loader batch -> a step's input on the device, the 2B rows [view 1; view 2]."""
-        if self.encoded is not None:
-            # the views depend on (seed, step, rank) alone: a resumed run draws the same ones
-            g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank)
-            batch = simclr_views(self.encoded.decode(batch, self.device), self.cfg.image_size, g)
-        return batch.to(self.device, non_blocking=True, memory_format=self.memory_format)
+    def _input(self, loader) -> Iterator[torch.Tensor]:
+        """The inputs of the steps from ``self.step`` on, one per batch of ``loader`` (``_loader``), on the device:
+        2B rows [view 1; view 2]. Views drawn on the device depend on (seed, step, rank) alone, so a resumed run
+        draws the same ones; on CUDA they are drawn a batch ahead, in the input pipeline's thread."""
+        if self.views is None:
+            return (batch.to(self.device, non_blocking=True, memory_format=self.memory_format) for batch in loader)
+        first = self.step
+
+        def views(batch, k: int) -> torch.Tensor:
+            return self.views(batch, first + k).contiguous(memory_format=self.memory_format)
+
+        return pipeline.prefetch(loader, views, self.device, pipeline.AHEAD if self.device.type == "cuda" else 0)
 
     def fit(self) -> dict:
         if self.finished and (self.out / "eval.json").exists():
@@ -362,8 +379,7 @@ class Trainer:
             while self.step < last_step and not stopping:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
-                for batch in loader:
-                    x = self._input(batch)
+                for x in self._input(loader):
                     loss = self.net(x)
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
