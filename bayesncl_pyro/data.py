@@ -117,8 +117,10 @@ class ImageFiles(Dataset):
 def _open_rgb(path: Path) -> Image.Image:
     try:
         with Image.open(path) as image:
-            # convert() forces the full decode here, so truncation surfaces now, with the path.
-            return image.convert("RGB")
+            # load() decodes in full here, so truncation surfaces now, with the path; an RGB image is
+            # returned as decoded (convert() would copy it)
+            image.load()
+            return image if image.mode == "RGB" else image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise UserError(f"cannot read image {path} ({err}); delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)") from None
 

@@ -306,3 +306,77 @@ def test_two_views_differ_and_are_seeded_by_epoch_and_item():
     e1, _, _, index = pairs[n + 7]  # the same item in the next epoch: new views
     assert index == 7 and not torch.equal(e1, v1)
     assert not torch.equal(TwoViews(spec.train, simclr_transform(8, 1), seed=4)[7][0], v1)
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.4, 0.7, 1.3, 2.0])
+def test_gaussian_blur_equals_torchvisions(sigma):
+    from torchvision.transforms.v2.functional import gaussian_blur as tv_blur
+
+    from bayesncl_pyro.augment import blur_taps, gaussian_blur
+
+    x = torch.rand(2, 3, 40, 52, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(gaussian_blur(x, sigma, 23), tv_blur(x, [23, 23], [sigma, sigma]), rtol=0, atol=1e-5)
+    taps = blur_taps(sigma, 23)  # no subnormal taps (10x slower arithmetic)
+    assert bool(((taps == 0) | (taps >= torch.finfo(taps.dtype).tiny)).all())
+
+
+def _photo(h=90, w=120) -> Image.Image:
+    """A smooth colourful image with every pixel coloured (gray views are then exactly the grayscale ones)."""
+    y, x = np.mgrid[0:h, 0:w] / max(h, w)
+    rgb = np.stack([0.2 + 0.7 * x, 0.9 - 0.6 * y, 0.3 + 0.5 * (x * y)], -1)
+    return Image.fromarray(np.round(rgb * 255).astype(np.uint8))
+
+
+def test_colour_view_with_the_random_ops_off_is_torchvisions_crop(monkeypatch):
+    from torchvision.transforms import v2
+
+    from bayesncl_pyro import augment
+
+    for p in ("P_JITTER", "P_GRAY", "P_BLUR", "P_FLIP"):
+        monkeypatch.setattr(augment, p, 0.0)
+    image = _photo()
+    torch.manual_seed(5)
+    view = simclr_transform(48)(image)
+    torch.manual_seed(5)
+    crop = v2.RandomResizedCrop(48, scale=augment.CROP_SCALE, ratio=augment.CROP_RATIO,
+                                interpolation=v2.InterpolationMode.BICUBIC, antialias=True)(v2.functional.pil_to_tensor(image))
+    expected = v2.functional.normalize(crop.float() / 255, augment.IMAGENET_MEAN, augment.IMAGENET_STD)
+    torch.testing.assert_close(view, expected, rtol=0, atol=1e-5)
+
+
+def test_colour_views_apply_each_op_at_the_recipes_rate():
+    from bayesncl_pyro import augment
+
+    image, transform = _photo(), simclr_transform(40)
+    mean, std = torch.tensor(augment.IMAGENET_MEAN).view(3, 1, 1), torch.tensor(augment.IMAGENET_STD).view(3, 1, 1)
+    torch.manual_seed(0)
+    views = torch.stack([transform(image) for _ in range(400)]) * std + mean
+    assert views.shape == (400, 3, 40, 40) and views.dtype == torch.float32
+    assert float(views.min()) >= -1e-5 and float(views.max()) <= 1 + 1e-5
+    gray = (views.amax(1) - views.amin(1)).amax((1, 2)) < 1e-5
+    assert 50 <= int(gray.sum()) <= 110  # p = 0.2: 80 +- 8
+    # the photo gets lighter to the right: a flipped view gets darker, whatever the crop and colours
+    flipped = views[:, :, :, :20].mean((1, 2, 3)) > views[:, :, :, 20:].mean((1, 2, 3))
+    assert 160 <= int(flipped.sum()) <= 240  # p = 0.5: 200 +- 10
+
+
+def test_colour_views_are_seeded_and_the_same_from_pil_or_tensor():
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    image = _photo()
+    pairs = TwoViews([(image, 0), (pil_to_tensor(image), 0)], simclr_transform(40), seed=1)
+    v1, v2, _, _ = pairs[0]
+    assert not torch.equal(v1, v2)
+    w1, w2, _, _ = pairs[2]  # item 0 again in epoch 1 (of 2 items): other views
+    assert not torch.equal(v1, w1)
+    u1, u2, _, _ = TwoViews([(image, 0)], simclr_transform(40), seed=1)[0]
+    assert torch.equal(u1, v1) and torch.equal(u2, v2)
+    # index 1 holds the same image as a tensor: item index seeds the views, so compare it with itself
+    t1, t2, _, _ = pairs[1]
+    p1, p2, _, _ = TwoViews([(image, 0), (image, 0)], simclr_transform(40), seed=1)[1]
+    assert torch.equal(t1, p1) and torch.equal(t2, p2)
+
+
+def test_colour_views_name_a_non_rgb_image():
+    with pytest.raises(UserError, match="needs an RGB image"):
+        simclr_transform(40)(torch.zeros(1, 50, 50, dtype=torch.uint8))
