@@ -162,8 +162,8 @@ def parser() -> argparse.ArgumentParser:
                    "end-to-end figures, 0 = skip (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="data-loading processes (default: %(default)s)")
     p.add_argument("--augment", choices=("workers", "device", "both"), default="both", help="where the pipeline "
-                   "figures draw the views: loader workers, batched on the device (image files), or both and "
-                   "their ratio (default: %(default)s)")
+                   "figures draw the views: loader workers, batched on the device, or both and their ratio "
+                   "(default: %(default)s)")
     return p
 
 
@@ -239,28 +239,32 @@ def report(times: dict, batch: int):
 
 
 def pipeline(cfg: Config, args, device: torch.device):
-    """Images/s of the training data pipeline alone (read, decode, two augmented views, to the device), then
-    end to end: the same loader feeding BayesNCL training steps. For image files, once per place the views
-    are drawn (``--augment``): in the loader workers, and batched on the training device."""
-    from bayesncl_pyro.data import image_files
+    """Images/s of the training data pipeline alone (read, decode, two augmented views, on the device), then
+    end to end: the same pipeline feeding BayesNCL training steps (on CUDA the device path draws the next
+    batch while a step runs). Once per place the views are drawn (``--augment``): in the loader workers, and
+    batched on the device, of the training set held there (``resident``: in-memory sets, folders of small
+    images of one size) or of each batch's files."""
+    from bayesncl_pyro import pipeline as P
     from bayesncl_pyro.training import EpochSampler, Trainer
 
     n = args.pipeline_batches
 
     def run(trainer: Trainer, step: bool) -> float:
         sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
-        loader = iter(trainer._loader(sampler))
-        for i in range(n + 2):  # the first batches wait for the workers to start
+        inputs = trainer._input(trainer._loader(sampler))
+        for i, x in enumerate(inputs):  # the first batches wait for the workers (or the thread) to start
             if i == 2:
                 sync(device)
                 tic = time.perf_counter()
-            x = trainer._input(next(loader))
             if step:
                 loss = trainer.net(x)
                 trainer.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 trainer.optimizer.step()
+            if i == n + 1:
+                break
         sync(device)
+        inputs.close()  # ends the prefetcher's thread now
         return n * cfg.batch_size / (time.perf_counter() - tic)
 
     paths = ("workers", "device") if args.augment == "both" else (args.augment,)
@@ -269,16 +273,17 @@ def pipeline(cfg: Config, args, device: torch.device):
         for path in paths:
             trainer = Trainer(Config(**{**cfg.to_dict(), "method": "bayesncl", "data_dir": args.data_dir,
                                         "out": f"{out}/{path}", "augment": path, "log_every": 10**9,
-                                        "ckpt_every": 10**9}), progress=False)
+                                        "ckpt_every": 10**9, "compile": args.compile}), progress=False)
             if len(trainer.data.train) < (n + 2) * cfg.batch_size:
                 print(f"\n(the pipeline figures need {(n + 2) * cfg.batch_size} training images; "
                       f"{args.dataset} has {len(trainer.data.train)})")
                 return
+            where = {type(None): "workers", P.ResidentViews: "device, training set held there",
+                     P.FileViews: "device, files decoded per batch"}[type(trainer.views)]
             figures[path] = run(trainer, False), run(trainer, True)
-            print(f"\n{path} augmentation ({args.workers} workers): data pipeline only {figures[path][0]:.1f} "
-                  f"images/s, end to end (BayesNCL) {figures[path][1]:.1f} images/s")
-            if image_files(trainer.data.train) is None:  # images in memory: the device path needs files
-                break
+            print(f"\n{path} augmentation ({where}; {args.workers} workers): data pipeline only "
+                  f"{figures[path][0]:.1f} images/s, end to end (BayesNCL) {figures[path][1]:.1f} images/s, "
+                  f"end to end / pipeline {figures[path][1] / figures[path][0]:.2f}")
     if len(figures) == 2:
         (pipe_w, end_w), (pipe_d, end_d) = figures["workers"], figures["device"]
         print(f"device/workers images/s: data pipeline only {pipe_d / pipe_w:.2f}, end to end {end_d / end_w:.2f}")
