@@ -36,14 +36,24 @@ def extract(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch
     return torch.cat(hs), torch.cat(fs), torch.cat(ys)
 
 
+UNGATED = "_ungated"  # suffix of the metrics of a gated learner's features with its gates left open
+
+
 def evaluate(learner, data, cfg: Config, device) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
     and retrieval precision on the test split's representation F; on generated data whose test split
-    records its factors, which factor each dimension tracks. Fractions in [0, 1]."""
+    records its factors, which factor each dimension tracks. Fractions in [0, 1].
+
+    For BayesNCL the interpretability metrics are also reported for the same model's features before
+    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device)
     h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, seed=cfg.seed)
     results = interpretability_metrics(f_te, y_te)
+    ungated = None
+    if learner.gated:
+        ungated = learner.ungated_features(h_te.to(device)).cpu()
+        results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
     ks = tuple(k for k in (1, 3, 5, 10) if k < len(f_te))  # a tiny test split has fewer neighbours
@@ -52,35 +62,41 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
         results["gate_rate"] = (learner.gate_probs(h_te.to(device)) > 0.5).float().mean().item()
     factors = getattr(data.test, "factors", None)
     if factors is not None:
-        results.update(factor_report(learner, h_te, f_te, factors, device))
+        results.update(factor_report(learner, h_te, f_te, ungated, factors, device))
     return dict(method=cfg.method, dataset=cfg.dataset, **results)
 
 
 @torch.no_grad()
-def factor_report(learner, h, features, factors: dict, device) -> dict:
+def factor_report(learner, h, features, ungated, factors: dict, device) -> dict:
     """How many dims of the representation F (N x K) track each ground-truth factor, and for a gated
-    learner, which share of the dims that each factor drives *before* gating the gates switch off.
+    learner (``ungated``: its N x K features before gating), how many dims of the ungated features track
+    each factor and which share of those the gates switch off.
 
     A dim counts as switched off when its gate is closed in more than half of the samples where its
     ungated feature is active. h: N x D backbone features of the same samples.
     """
     results = {f"dims_tracking_{name}": int(mask.sum()) for name, mask in factor_tracking(features, factors).items()}
-    if learner.gated:
-        h = h.to(device)
-        ungated = learner.model.features(learner.encoder.projector(h)).cpu()
-        closed = (learner.gate_probs(h) <= 0.5).cpu().double()
+    if ungated is not None:
+        closed = (learner.gate_probs(h.to(device)) <= 0.5).cpu().double()
         active = (ungated.abs() > ACTIVE_EPS).double()
         closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
         for name, mask in factor_tracking(ungated, factors).items():
-            results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
             switched_off = (closed_share[mask] > 0.5).double()
+            results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
+            results[f"gated_off_dims_{name}"] = int(switched_off.sum())
             results[f"gated_off_share_{name}"] = float(switched_off.mean()) if mask.any() else 0.0
     return results
 
 
 def format_table(results: dict) -> str:
-    """A two-column text table of an eval dict."""
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in results.items()]
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 12)
-    return "\n".join([line] + [f"{k:<{width}}  {v:>10}" for k, v in rows] + [line])
+    """An eval dict as a text table; a gated run's ``*_ungated`` metrics go in a second column beside the
+    gated ones."""
+    ungated = {k.removesuffix(UNGATED): v for k, v in results.items() if k.endswith(UNGATED)}
+    cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    rows = [(k, cell(v), cell(ungated.get(k))) for k, v in results.items() if not k.endswith(UNGATED)]
+    width = max(len(k) for k, _, _ in rows)
+    if ungated:
+        rows.insert(0, ("", "gated", "ungated"))
+    line = "-" * (width + (24 if ungated else 12))
+    return "\n".join([line] + [f"{k:<{width}}  {a:>10}" + (f"  {b:>10}" if ungated else "") for k, a, b in rows]
+                     + [line])

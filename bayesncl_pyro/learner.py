@@ -65,6 +65,11 @@ class ContrastiveLearner(nn.Module):
             feats = normalize(feats * (self.gate_probs(h) > 0.5).to(feats))
         return h, feats
 
+    @torch.no_grad()
+    def ungated_features(self, h: torch.Tensor) -> torch.Tensor:
+        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
+        return self.model.features(self.encoder.projector(h))
+
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
         """Exact posterior inclusion probabilities q(g_k = 1 | x), R x K."""
         return self.guide.logits(h).sigmoid()

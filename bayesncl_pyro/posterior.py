@@ -17,7 +17,7 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluation import extract
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.training import load_learner
+from bayesncl_pyro.rundir import load_learner
 
 
 @dataclass

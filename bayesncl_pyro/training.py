@@ -1,15 +1,6 @@
 """The training loop: dataset -> augment -> encoder -> (model, guide) -> -ELBO -> optimizer, then evaluation.
 
-One ``Trainer`` owns a run folder::
-
-    config.json     the resolved Config (what was actually run)
-    checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
-    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
-    conflict.jsonl  the per-dimension InfoNCE gradient conflict every ``conflict_every`` steps (diagnostics.py)
-    eval.json       the evaluation of the final model
-    gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
-    bad_images.txt  with --skip-bad-images: the unreadable files that were skipped, one per line
-
+One ``Trainer`` owns a run folder (``rundir.py`` lists its files and does the writing and reading).
 Running the same command again in the same folder resumes from ``checkpoint.pt``; a finished run is
 not retrained (its results are printed again). SIGINT/SIGTERM stop it at the next step boundary with
 a checkpoint; a SIGKILL loses at most the steps since the last one. ``docs/RELIABILITY.md`` lists every
@@ -17,11 +8,9 @@ fault handled and what the user sees.
 """
 
 import json
-import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro import __version__, distributed, pipeline
+from bayesncl_pyro import __version__, distributed, pipeline, rundir
 from bayesncl_pyro.augment import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import EncodedImages, image_files, load_dataset, resident_images
@@ -43,11 +32,8 @@ from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
+from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
 
-CHECKPOINT = "checkpoint.pt"
-LOG = "log.jsonl"
-BAD_IMAGES = "bad_images.txt"
-PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
 
 
 class EpochSampler(Sampler):
@@ -82,48 +68,6 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but PyTorch sees no CUDA GPU; use --device cpu or auto")
     return torch.device(name)
-
-
-def atomic_save(obj, path: Path):
-    """``torch.save(obj)``, or ``obj`` itself if it is bytes, to a temporary file in the same folder,
-    fsync, then rename: a crash mid-write leaves the previous file intact. A failed write (disk full,
-    read-only) raises ``UserError`` and leaves no temporary file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            if isinstance(obj, bytes):
-                f.write(obj)
-            else:
-                torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{_cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
-
-
-def write_json(obj, path: Path):
-    atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
-
-
-def append_line(line: str, path: Path):
-    """Append one line (opened and closed each time: nothing lost to a buffer on a crash)."""
-    try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    except OSError as e:  # also from the close, which flushes
-        raise UserError(_cannot_write(path, e)) from None
-
-
-def read_log(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of a run's ``log.jsonl`` (empty if there is none)."""
-    path = Path(run_dir) / LOG
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-
-
-def _cannot_write(path: Path, e: OSError) -> str:
-    return f"cannot write {path}: {e.strerror or e}; free some space or choose another --out"
 
 
 # the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
@@ -175,7 +119,7 @@ class Trainer:
                             f"{self.world} processes; pick a multiple of {self.world}")
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         if self.rank == 0:
-            self._claim_folder(overwrite)
+            rundir.claim(self.out, cfg, overwrite)
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -227,44 +171,6 @@ class Trainer:
         if cfg.compile:
             self.learner.encoder.compile()
 
-    # -- run folder ---------------------------------------------------------------------------
-    def _claim_folder(self, overwrite: bool):
-        """Create the run folder, or check that the one there holds this very run."""
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the output folder {self.out}: {e.strerror}; choose another --out")
-        saved = self.out / "config.json"
-        if overwrite:
-            self._move_aside()
-        elif saved.exists():
-            try:
-                old = Config.from_dict(json.loads(saved.read_text()))
-            except (ValueError, TypeError):
-                raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
-                                "folder's files aside and start afresh, or pass another --out") from None
-            what = old.differences(self.cfg)
-            if what:
-                raise UserError(f"{self.out} holds a run with a different configuration ({what}); "
-                                "rerun with the same flags to resume it, pass --overwrite to move it aside "
-                                "and start afresh, or pass another --out")
-        write_json(self.cfg.to_dict(), saved)
-
-    def _move_aside(self):
-        """Move every file of the run folder (but earlier ``previous-*`` folders) into a new
-        ``previous-<time>`` subfolder: restarting never deletes results."""
-        old = [p for p in self.out.iterdir() if not p.name.startswith(PREVIOUS)]
-        if not old:
-            return
-        try:
-            aside = Path(tempfile.mkdtemp(prefix=f"{PREVIOUS}{time.strftime('%Y%m%d-%H%M%S')}-", dir=self.out))
-            for p in old:
-                p.rename(aside / p.name)
-        except OSError as e:
-            raise UserError(f"cannot move the previous run aside in {self.out}: {e.strerror}; "
-                            "choose another --out") from None
-        print(f"moved the previous run's files in {self.out} to {aside}", file=sys.stderr)
-
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
                     num_train=len(self.data.train), channels=self.data.channels,
@@ -285,7 +191,7 @@ class Trainer:
         path = self.out / CHECKPOINT
         if not path.exists():
             return
-        state = load_checkpoint(path)
+        state = rundir.load_checkpoint(path)
         what = Config.from_dict(state["config"]).differences(self.cfg)
         if what:
             raise UserError(f"{path} was written by a run with another configuration ({what}); "
@@ -293,7 +199,7 @@ class Trainer:
         if state["num_train"] != len(self.data.train):
             raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
-        _load_weights(self.learner, state, path)
+        rundir.load_weights(self.learner, state, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if len(state["rng"]) != self.world:
@@ -341,8 +247,8 @@ class Trainer:
         return pipeline.prefetch(loader, views, self.device, pipeline.AHEAD if self.device.type == "cuda" else 0)
 
     def fit(self) -> dict:
-        if self.finished and (self.out / "eval.json").exists():
-            results = json.loads((self.out / "eval.json").read_text())
+        if self.finished and (self.out / EVAL).exists():
+            results = json.loads((self.out / EVAL).read_text())
             if self.rank == 0:
                 print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
                 print(format_table(results))
@@ -355,11 +261,7 @@ class Trainer:
         if self.rank:
             return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
-        write_json(results, self.out / "eval.json")
-        if self.learner.gated:
-            from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
-
-            export_gates(self.out, self.learner, self.data)
+        write_json(results, self.out / EVAL)
         print(format_table(results))
         self._report_skipped()
         return results
@@ -486,40 +388,3 @@ class Trainer:
         if self.learner.gated:
             rec["incl"] = self.learner.guide.last_probs.mean(0)
         return to_json(rec)
-
-
-def load_checkpoint(path: Path) -> dict:
-    """Load a checkpoint without executing code from it (weights-only unpickling)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
-        raise UserError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}; "
-                        "it is corrupt or not a bayesncl-pyro checkpoint (move it away to start afresh)")
-    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
-        raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
-    return state
-
-
-def _load_weights(learner: ContrastiveLearner, state: dict, path: Path):
-    """Load a checkpoint's weights, explaining a mismatch (another version's model) in one line instead
-    of torch's state_dict error."""
-    mine, theirs = learner.state_dict(), state["learner"]
-    problems = [f"{k} is {tuple(theirs[k].shape)} there but {tuple(v.shape)} here"
-                for k, v in mine.items() if k in theirs and theirs[k].shape != v.shape]
-    problems += [f"{k} missing" for k in mine if k not in theirs]
-    problems += [f"{k} unexpected" for k in theirs if k not in mine]
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise UserError(f"{path} (bayesncl-pyro {state['version']}) does not fit the model of bayesncl-pyro "
-                        f"{__version__}: {'; '.join(problems[:3])}{more}; load it with the version that wrote it")
-    learner.load_state_dict(theirs)
-
-
-def load_learner(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[ContrastiveLearner, Config]:
-    """The trained learner of a run folder (for notebooks and evaluation), in eval mode."""
-    state = load_checkpoint(Path(run_dir) / CHECKPOINT)
-    cfg = Config.from_dict(state["config"])
-    learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
-    _load_weights(learner, state, Path(run_dir) / CHECKPOINT)
-    return learner.to(device).eval(), cfg
-

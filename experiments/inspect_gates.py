@@ -2,6 +2,7 @@
 
     python experiments/inspect_gates.py runs/default                          # a BayesNCL run
     python experiments/inspect_gates.py runs/default --baseline runs/ncl      # conflict next to NCL
+    python experiments/inspect_gates.py runs/default --export                 # rewrite gates.nc first
 
 Writes into RUN_DIR/inspect/ (or --out) PNG figures and summary.txt (also printed):
 
@@ -33,7 +34,7 @@ from bayesncl_pyro.evaluation import extract  # noqa: E402
 from bayesncl_pyro.losses import bernoulli_kl  # noqa: E402
 from bayesncl_pyro.metrics import dim_consistency  # noqa: E402
 from bayesncl_pyro.posterior import gate_posterior  # noqa: E402
-from bayesncl_pyro.training import CHECKPOINT, load_learner, read_log  # noqa: E402
+from bayesncl_pyro.rundir import load_learner, read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3})
@@ -229,13 +230,18 @@ def conflict_lines(name: str, t: dict) -> list[str]:
     return lines
 
 
-def inspect(run_dir: Path, out: Path, baseline: Path | None = None) -> list[str]:
-    """Write the figures of a run into ``out`` and return the summary lines."""
-    if not (run_dir / CHECKPOINT).exists():
-        raise UserError(f"{run_dir} holds no {CHECKPOINT}; pass a run folder written by run_svi.py")
-    out.mkdir(parents=True, exist_ok=True)
+def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool = False) -> list[str]:
+    """Write the figures of a run into ``out`` and return the summary lines; with ``export``, first (re)write
+    the run's ``gates.nc`` from its checkpoint."""
     learner, cfg = load_learner(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    if export:
+        if not learner.gated:
+            raise UserError(f"{run_dir} is a {cfg.method} run: it has no gates to export")
+        from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+
+        print(f"wrote {export_gates(run_dir, learner, data)}")
     log = read_log(run_dir)
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
     if log:
@@ -282,9 +288,11 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
     p.add_argument("--baseline", type=Path, help="another run folder (e.g. NCL) drawn next to it in conflict.png")
     p.add_argument("--out", type=Path, help="where the figures go (default: RUN_DIR/inspect)")
+    p.add_argument("--export", action="store_true", help="first (re)write RUN_DIR/gates.nc, the gate posterior as "
+                   "ArviZ data, from the checkpoint (after a run whose export failed)")
     args = p.parse_args(argv)
     try:
-        summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline)
+        summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

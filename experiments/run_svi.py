@@ -7,16 +7,18 @@
 Rerunning a command with the same --out resumes it. Defaults marked "dataset" come from the
 dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS).
 
-Exit status: 0 done; 2 bad input, a full or read-only --out, or a diverged run (one "error:" line);
+Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad input, a full or read-only --out, or a diverged run (one "error:" line);
 130 or 143 stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint (rerun to resume).
 """
 
 import argparse
+import shlex
 import sys
 
 from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import Stopped, UserError
+from bayesncl_pyro.rundir import GATES_FILE
 from models.priors import PRIORS
 
 
@@ -100,12 +102,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = vars(parser().parse_args(argv))
     overwrite = args.pop("overwrite")
     from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
 
     try:
-        Trainer(Config(**args), overwrite=overwrite).fit()
+        trainer = Trainer(Config(**args), overwrite=overwrite)
+        if trainer.rank == 0:
+            print(announce(trainer), flush=True)
+        results = trainer.fit()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,7 +121,80 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print("stopped: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    if trainer.rank:
+        return 0
+    status = 0
+    if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
+        status = export(trainer)
+    print(outcome(results), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+    return status
+
+
+def announce(trainer) -> str:
+    """What is trained, on what, for how long, and where it is written."""
+    cfg = trainer.cfg
+    what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
+            f"rho={cfg.prior_prob}, KL weight {cfg.kl_weight})"}[cfg.method]
+    last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
+    steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
+    return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
+            f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "
+            f"writing to {trainer.out}/")
+
+
+def export(trainer) -> int:
+    """Write gates.nc; a failure (a missing package, a full disk) is one line, and eval.json stays."""
+    try:
+        from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+
+        export_gates(trainer.out, trainer.learner, trainer.data)
+    except Exception as e:  # training and evaluation are done and saved: explain, never lose them
+        cause = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: the gate export failed ({e.__class__.__name__}: {cause}); eval.json and the checkpoint are "
+              f"kept in {trainer.out}; redo the export with: python experiments/inspect_gates.py {trainer.out} "
+              "--export", file=sys.stderr)
+        return 1
     return 0
+
+
+def outcome(results: dict) -> str:
+    """What the gates did, in words, from an eval dict (empty for CL and NCL)."""
+    if "gate_rate" not in results:
+        return ""
+    gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
+    lines = [f"the gates keep {results['gate_rate']:.0%} of the (image, feature) pairs open; semantic consistency "
+             f"{gated:.3f} with the gates, {ungated:.3f} with every gate open ({gated / max(ungated, 1e-12):.2f}x), "
+             f"active dims {results['active_dims']} of {results['active_dims_ungated']}"]
+    for key, n in results.items():
+        if key.startswith("ungated_dims_tracking_"):
+            factor = key.removeprefix("ungated_dims_tracking_")
+            lines.append(f"of the {n} dims that track the {factor}, the gates close {results[f'gated_off_dims_{factor}']}")
+    return "\n".join(lines)
+
+
+def next_steps(cfg: Config, argv: list[str]) -> str:
+    """The commands that look at the gates and train the NCL baseline on the same budget."""
+    out, base = shlex.quote(cfg.out), shlex.quote(cfg.out + "-ncl")
+    flags = " ".join(shlex.quote(a) for a in _without(argv, "--method", "--out", "--overwrite"))
+    steps = [f"python experiments/inspect_gates.py {out}" + (f" --baseline {base}" if cfg.method == "bayesncl" else ""),
+             f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in {out}/inspect/)"]
+    if cfg.method == "bayesncl":
+        steps[:0] = [f"python experiments/run_svi.py {flags} --method ncl --out {base}".replace("  ", " "),
+                     "    NCL on the same data and budget: the baseline the gates are judged against"]
+    return "next:\n" + "\n".join("  " + line for line in steps)
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.split("=")[0] in flags:
+            skip = "=" not in a and a != "--overwrite"
+        else:
+            kept.append(a)
+    return kept
 
 
 if __name__ == "__main__":

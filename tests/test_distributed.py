@@ -47,7 +47,7 @@ def _learner_and_batch():
     batch of 2B rows [view 1; view 2]. BatchNorm uses running statistics: on CPU there is no
     SyncBatchNorm, so per-rank batch statistics would differ from the global batch's."""
     torch.manual_seed(0)
-    cfg = resolve(Config(method="bayesncl", prior="learned", gate="ste", proj_hidden=32, proj_dim=16,
+    cfg = resolve(Config(dataset="digits", method="bayesncl", prior="learned", gate="ste", proj_hidden=32, proj_dim=16,
                          kl_weight=0.05))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     learner.encoder.backbone.eval()

@@ -26,7 +26,7 @@ def _loss_and_grads(learner, elbo, x):
 
 @pytest.mark.parametrize("method, prior, gate", CASES)
 def test_fast_elbo_matches_trace_mean_field(method, prior, gate):
-    cfg = resolve(Config(method=method, prior=prior, gate=gate, proj_hidden=32, proj_dim=16, kl_weight=0.05))
+    cfg = resolve(Config(dataset="digits", method=method, prior=prior, gate=gate, proj_hidden=32, proj_dim=16, kl_weight=0.05))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     x = torch.randn(12, 1, 8, 8)
     with pyro.validation_enabled(False):  # with validation on the fast ELBO defers to its parent

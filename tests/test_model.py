@@ -176,7 +176,7 @@ def test_bad_beta_concentration_and_unknown_prior():
 
 @pytest.mark.parametrize("method", ["cl", "ncl", "bayesncl"])
 def test_all_methods_train_through_one_svi_path(method):
-    cfg = resolve(Config(method=method, proj_hidden=32, proj_dim=16))
+    cfg = resolve(Config(dataset="digits", method=method, proj_hidden=32, proj_dim=16))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     x = torch.randn(8, 1, 8, 8)
     loss = learner(x)

@@ -20,7 +20,8 @@ import bayesncl_pyro.training as training
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import ImageFiles
 from bayesncl_pyro.errors import Stopped, UserError
-from bayesncl_pyro.training import Trainer, load_checkpoint, load_learner, pick_device
+from bayesncl_pyro.rundir import load_checkpoint, load_learner
+from bayesncl_pyro.training import Trainer, pick_device
 from test_data import make_tree, write_image
 
 RUN_SVI = Path(__file__).resolve().parents[1] / "experiments" / "run_svi.py"

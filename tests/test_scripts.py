@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-TINY_RUN = ["--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
+TINY_RUN = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
             "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0", "--log-every", "1"]
 
 TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
@@ -49,12 +49,27 @@ def test_script_runs(script, tmp_path):
 
 
 def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
-    proc = run("run_svi.py", *TINY_RUN, "--out", str(tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr
-    assert "semantic_consistency" in proc.stdout and "linear_probe_top1" in proc.stdout
     run_dir = tmp_path / "run"
+    proc = run("run_svi.py", *TINY_RUN, "--out", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
     assert {"config.json", "checkpoint.pt", "log.jsonl", "eval.json", "gates.nc"} <= {p.name for p in run_dir.iterdir()}
     assert json.loads((run_dir / "config.json").read_text())["method"] == "bayesncl"
+    # it says first what it trains and where it writes, last what to run next
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("training BayesNCL (relaxed gates, bernoulli prior rho=0.8") and "on digits" in first
+    assert f"writing to {run_dir}/" in first
+    # the gated metrics beside the same model's ungated ones
+    table = proc.stdout.splitlines()
+    assert next(line for line in table if "gated" in line).split() == ["gated", "ungated"]
+    consistency = next(line for line in table if line.startswith("semantic_consistency ")).split()
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert consistency[1:] == [f"{results['semantic_consistency']:.4f}", f"{results['semantic_consistency_ungated']:.4f}"]
+    assert results["active_dims"] <= results["active_dims_ungated"] <= 16
+    assert "with every gate open" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"(figures in {run_dir}/inspect/)")
+    next_ncl = next(line for line in table if "--method ncl" in line).split()
+    assert next_ncl[-2:] == ["--out", f"{run_dir}-ncl"] and "--proj-dim" in next_ncl
+    assert f"python experiments/inspect_gates.py {run_dir} --baseline {run_dir}-ncl" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -79,8 +94,8 @@ def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
 
     classes = imagenet100_classes() + ["n00000001"]
     make_tree(tmp_path / "imagenet", {"train": classes, "val": classes}, ext=".JPEG")
-    proc = run("run_svi.py", "--dataset", "in100", "--data-dir", str(tmp_path / "imagenet"), "--encoder", "cnn",
-               "--image-size", "32", *TINY_RUN, "--batch-size", "50", "--out", str(tmp_path / "run"))
+    proc = run("run_svi.py", *TINY_RUN, "--dataset", "in100", "--data-dir", str(tmp_path / "imagenet"), "--encoder",
+               "cnn", "--image-size", "32", "--batch-size", "50", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"
 

@@ -1,0 +1,72 @@
+"""run_svi.py's end of a run: a failed gate export keeps the results, says why in one line, and can be redone."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import inspect_gates  # noqa: E402
+import run_svi  # noqa: E402
+from test_scripts import TINY_RUN  # noqa: E402
+
+from bayesncl_pyro import arviz_export  # noqa: E402
+
+
+@pytest.mark.parametrize("failure, cause", [
+    (OSError(28, "No space left on device"), "No space left on device"),
+    (ImportError("No module named 'h5netcdf'"), "No module named 'h5netcdf'"),
+])
+def test_a_failed_export_keeps_the_results_and_names_the_cause_and_the_redo(tmp_path, monkeypatch, capsys, failure,
+                                                                             cause):
+    def fail(*args, **kwargs):
+        raise failure
+
+    run_dir = tmp_path / "run"
+    args = [*TINY_RUN, "--out", str(run_dir)]
+    with monkeypatch.context() as m:
+        m.setattr(arviz_export, "export_gates", fail)
+        assert run_svi.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and cause in err and type(failure).__name__ in err
+    redo = f"python experiments/inspect_gates.py {run_dir} --export"
+    assert err.endswith(redo)
+    assert {"eval.json", "checkpoint.pt"} <= {p.name for p in run_dir.iterdir()}
+    assert not (run_dir / "gates.nc").exists()
+    assert json.loads((run_dir / "eval.json").read_text())["method"] == "bayesncl"
+
+    # the command it names writes gates.nc from the checkpoint
+    assert inspect_gates.main([str(run_dir), "--export", "--out", str(tmp_path / "figures")]) == 0
+    assert (run_dir / "gates.nc").exists()
+    # and the run's own command, rerun, now finds nothing left to do
+    assert run_svi.main(args) == 0
+    assert "already holds a finished run" in capsys.readouterr().out
+
+
+def test_rerunning_a_finished_run_redoes_a_missing_export(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    args = [*TINY_RUN, "--out", str(run_dir)]
+    with monkeypatch.context() as m:
+        m.setattr(arviz_export, "export_gates", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+        assert run_svi.main(args) == 1
+    assert run_svi.main(args) == 0
+    assert (run_dir / "gates.nc").exists()
+
+
+def test_export_of_a_run_without_gates_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "ncl"
+    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "--method ncl" not in out.split("next:")[1]  # an NCL run is not told to train NCL
+    assert inspect_gates.main([str(run_dir), "--export"]) == 2
+    assert "has no gates to export" in capsys.readouterr().err
+
+
+def test_the_training_loop_does_not_import_the_arviz_code():
+    """training -> rundir; the export (arviz_export -> posterior -> rundir) belongs to the caller: no circle."""
+    code = ("import sys, bayesncl_pyro.training; "
+            "print(sorted(m for m in sys.modules if m.startswith('bayesncl_pyro.') or m == 'arviz'))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "arviz" not in loaded and "posterior" not in loaded and "bayesncl_pyro.rundir" in loaded
