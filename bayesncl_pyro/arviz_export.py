@@ -1,8 +1,14 @@
-"""The gate posterior as ArviZ ``InferenceData``, saved as ``gates.nc`` next to the checkpoint.
+"""The gate posterior as ArviZ data, saved as ``gates.nc`` next to the checkpoint.
 
-All ArviZ code of the project lives here, so that moving to arviz 1.x (DataTree, Python >= 3.12)
-touches this file only. Layout of the data (dims ``item``, ``feature``, ``class``, ``step``; every
-``item`` coordinate also carries its ``class_label``):
+All ArviZ code of the project lives here. ArviZ 1.x (Python >= 3.12, split into arviz-base, arviz-stats
+and arviz-plots) is the main path: its data is an ``xarray.DataTree`` with one child node per group, built
+with ``arviz_base.from_dict``. On Python 3.11 pip can only install arviz 0.2x, whose ``InferenceData`` holds
+the same groups; the ``*_arviz0`` helpers at the end are the only code that knows about it. Both
+versions write and read the file with xarray's own DataTree netCDF code (one netCDF4 group per ArviZ group,
+through h5netcdf), so a ``gates.nc`` written under either version reads under the other.
+
+Layout of the data (dims ``item``, ``feature``, ``class``, ``step``; every ``item`` coordinate also carries
+its ``class_label``):
 
     posterior       g (chain, draw, item, feature)   0/1 gate draws from the guide q(g | x)
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on
@@ -14,85 +20,128 @@ touches this file only. Layout of the data (dims ``item``, ``feature``, ``class`
                     rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)
     training_log    every numeric field of log.jsonl (step): -ELBO per row (loss), nce, kl, ...
 
-The run configuration is in the attributes: ``config`` (JSON) and one attribute per scalar field.
+The run configuration is in the attributes of the root and of every group: ``config`` (JSON) and one
+attribute per scalar field.
 """
 
 import json
 import os
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import torch
 import xarray as xr
 
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.posterior import GatePosterior, gate_posterior
-from bayesncl_pyro.training import read_log
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces its 1.x refactor on import
-    import arviz as az
+from bayesncl_pyro.rundir import CONFIG, cannot_write, read_log
 
 GATES_FILE = "gates.nc"
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
+ARVIZ_1 = int(version("arviz").split(".")[0]) >= 1  # from the metadata: importing arviz 1.x takes ~2 s
 
 
-def to_inference_data(post: GatePosterior, log: list[dict] = (), config: dict | None = None) -> az.InferenceData:
+def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None = None) -> xr.DataTree:
     """ArviZ data of a gate posterior with draws (see the module docstring for the layout)."""
     if post.draws is None:
         raise ValueError("the gate posterior has no draws; call gate_posterior(..., num_draws=S) with S >= 1")
-    item_coords = {"item": np.arange(len(post.labels)), "feature": np.arange(post.probs.shape[1]),
-                   "class": list(post.classes)}
-    posterior = {"g": post.draws.to(torch.int8)[None].numpy(),
+    coords = {"item": np.arange(len(post.labels)), "feature": np.arange(post.probs.shape[1]),
+              "class": list(post.classes)}
+    class_label = ("item", np.asarray(post.classes)[post.labels.numpy()])
+    posterior = {"g": post.draws.to(torch.int8)[None].numpy(),  # [None]: one chain
                  "dim_inclusion": post.draws.float().mean(1)[None].numpy()}
-    dims = {"g": ["item", "feature"], "dim_inclusion": ["feature"], "rate": ["feature"], "label": ["item"]}
     if post.rate_draws is not None:
         posterior["rate"] = post.rate_draws[None].numpy()
-    config = config or {}
-    attrs = {"config": json.dumps(config), **{k: v for k, v in config.items() if type(v) in (int, float, str)}}
-    idata = az.from_dict(posterior=posterior, observed_data={"label": post.labels.numpy()}, coords=item_coords,
-                         dims=dims)
+    dims = {"g": ["item", "feature"], "dim_inclusion": ["feature"], "rate": ["feature"], "label": ["item"]}
+    groups = {"posterior": posterior, "observed_data": {"label": post.labels.numpy()}}
+    dt = (_from_dict if ARVIZ_1 else _from_dict_arviz0)(groups, coords, dims)
+    for name in ("posterior", "observed_data"):
+        dt[name].coords["class_label"] = class_label
+
     gates = {"inclusion_prob": (("item", "feature"), post.probs.numpy()),
              "class_inclusion": (("class", "feature"), post.class_means.numpy()),
              "features": (("item", "feature"), post.features.numpy())}
     if post.rate_beta is not None:
         gates.update(rate_a=("feature", post.rate_beta[0].numpy()), rate_b=("feature", post.rate_beta[1].numpy()))
-    groups = {"gates": xr.Dataset(gates, coords=item_coords)}
-    numeric = sorted({k for rec in log for k, v in rec.items() if type(v) in (int, float) and k != "step"})
+    dt["gates"] = xr.Dataset(gates, coords={**coords, "class_label": class_label})
     if log:
-        groups["training_log"] = xr.Dataset(
+        numeric = sorted({k for rec in log for k, v in rec.items() if type(v) in (int, float) and k != "step"})
+        dt["training_log"] = xr.Dataset(
             {k: ("step", np.array([rec.get(k, np.nan) for rec in log], dtype=float)) for k in numeric},
             coords={"step": [rec["step"] for rec in log]})
-    idata.add_groups(groups)
-    class_label = ("item", np.asarray(post.classes)[post.labels.numpy()])
-    for name in ("posterior", "observed_data", "gates"):
-        idata[name] = idata[name].assign_coords(class_label=class_label)
-    for name in idata.groups():
-        idata[name].attrs.update(attrs)
-    return idata
+
+    config = config or {}
+    attrs = {"config": json.dumps(config), **{k: v for k, v in config.items() if type(v) in (int, float, str)}}
+    for node in dt.subtree:  # the root and every group
+        node.attrs.update(attrs)
+    return dt
 
 
 def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS) -> Path:
     """Compute the gate posterior of a run, write ``RUN_DIR/gates.nc`` and return its path.
 
     ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading).
+    A failed write raises ``UserError`` and leaves any previous ``gates.nc`` unchanged and no temporary file.
     """
     run_dir = Path(run_dir)
     post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1))
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else None
-    idata = to_inference_data(post, read_log(run_dir), config)
+    config = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else None
+    dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
     tmp = path.with_name(path.name + ".tmp")
-    idata.to_netcdf(str(tmp), engine=ENGINE)
-    os.replace(tmp, path)
+    try:
+        dt.to_netcdf(tmp, engine=ENGINE)
+        os.replace(tmp, path)
+    except OSError as e:  # disk full, read-only folder
+        raise UserError(f"{cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
+    except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
+        raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
-def read_gates(path: str | os.PathLike) -> az.InferenceData:
-    """Load a ``gates.nc`` (a run folder is accepted too) fully into memory."""
+def read_gates(path: str | os.PathLike):
+    """Load a ``gates.nc`` (a run folder is accepted too) fully into memory.
+
+    Returns what the installed ArviZ's functions (``az.summary``, the plots) take: an ``xarray.DataTree``
+    with arviz 1.x, an ``arviz.InferenceData`` with arviz 0.2x. Both give ``data.posterior``,
+    ``data["gates"]["class_inclusion"]`` and so on.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / GATES_FILE
-    with az.rc_context({"data.load": "eager"}):  # lazy loading would keep the file open
-        return az.from_netcdf(str(path), engine=ENGINE)
+    if not path.is_file():
+        raise UserError(f"no gates file at {path}; BayesNCL runs write one when training ends "
+                        f"(or: python -c 'from bayesncl_pyro.arviz_export import export_gates; export_gates(RUN_DIR)')")
+    with xr.open_datatree(path, engine=ENGINE) as lazy:
+        dt = lazy.load()  # into memory, so that the file is closed when this returns
+    return dt if ARVIZ_1 else _to_inference_data_arviz0(dt)
+
+
+def _from_dict(groups: dict, coords: dict, dims: dict) -> xr.DataTree:
+    from arviz_base import from_dict  # arviz-base alone: `import arviz` would also load arviz-stats and -plots
+
+    return from_dict(groups, coords=coords, dims=dims)
+
+
+# -- arviz 0.2x (Python 3.11) ----------------------------------------------------------------------
+
+
+def _arviz0():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces its 1.x refactor on import
+        import arviz
+
+    return arviz
+
+
+def _from_dict_arviz0(groups: dict, coords: dict, dims: dict) -> xr.DataTree:
+    return _arviz0().from_dict(**groups, coords=coords, dims=dims).to_datatree()
+
+
+def _to_inference_data_arviz0(dt: xr.DataTree):
+    return _arviz0().InferenceData.from_datatree(dt)

@@ -1,10 +1,12 @@
 import json
+import warnings
 
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
-from bayesncl_pyro.arviz_export import export_gates, read_gates
+from bayesncl_pyro.arviz_export import ARVIZ_1, export_gates, read_gates
 from bayesncl_pyro.augment import eval_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
@@ -90,3 +92,41 @@ def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
         np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.rate_draws.numpy())
     else:
         assert "rate" not in idata.posterior
+
+
+def test_read_gates_gives_what_the_installed_arviz_summarises(digits, tmp_path):
+    export_gates(tmp_path, learner_for(digits), digits, num_draws=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces 1.x on import
+        import arviz as az
+    data = read_gates(tmp_path / "gates.nc")
+    if ARVIZ_1:
+        assert isinstance(data, xr.DataTree)
+    else:
+        assert isinstance(data, az.InferenceData)
+    summary = az.summary(data, var_names=["dim_inclusion"], kind="stats")
+    assert len(summary) == 16
+    np.testing.assert_allclose(summary["mean"], data.posterior["dim_inclusion"].mean(("chain", "draw")), atol=0.01)
+    assert data["gates"]["class_inclusion"].to_pandas().shape == (10, 16)
+
+
+def test_reading_a_folder_without_gates_says_so(tmp_path):
+    with pytest.raises(UserError, match="no gates file at .*gates.nc"):
+        read_gates(tmp_path)
+
+
+@pytest.mark.parametrize("error, message", [(OSError(28, "No space left on device"), "No space left on device"),
+                                            (ImportError("No module named 'h5py'"), "h5py")])
+def test_a_failed_export_keeps_the_old_file_and_no_temporary(digits, tmp_path, monkeypatch, error, message):
+    (tmp_path / "gates.nc").write_bytes(b"previous")
+
+    def half_write(self, path, **kw):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise error
+
+    monkeypatch.setattr(xr.DataTree, "to_netcdf", half_write)
+    with pytest.raises(UserError, match=message):
+        export_gates(tmp_path, learner_for(digits), digits, num_draws=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gates.nc"]
+    assert (tmp_path / "gates.nc").read_bytes() == b"previous"
