@@ -5,10 +5,25 @@
     python experiments/compare.py --dataset cifar10 --data-dir /data/cifar10 --recipe reference \\
         --methods all --seeds 0 1 2                                                  # the paper's recipe (GPU)
 
+The paper's CIFAR-100 comparison (NCL vs BayesNCL with STE gates, rho 0.8, lambda 3e-5: the published
+setting) at the reference recipe, as many of its 200 epochs as fit in 8.5 minutes on one GPU:
+
+    tar xzf /work/shared/data/cifar100-jpeg.tar.gz -C /tmp                  # -> /tmp/cifar100/{train,test}
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --recipe reference \\
+        --methods ncl,bayesncl-ste --budget-minutes 8.5 --device cuda --workers 8 --out runs/paper-cifar100
+
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), plus retrieval P@k. Rerunning the command reuses finished runs and
 resumes interrupted ones; a folder holding a run with other settings is an error, never mixed in.
 Writes <out>/comparison.md, comparison.json and consistency_vs_probe.png.
+
+--budget-minutes M fits the whole command after start-up (timing, training, evaluation) in about M
+minutes: it first trains each method for a few steps and evaluates one of them, timing both, then trains
+every run for the largest number of epochs (at most --epochs, by default the recipe's) that fits what is
+left, with the recipe's share of warm-up epochs, so that the learning-rate schedule spans the epochs
+trained. The plan is kept in <out>/budget.json: rerunning the command reuses it (and the finished runs).
+Where METHOD.md section 5 has the paper's numbers for the dataset (CIFAR-10, CIFAR-100, ImageNet-100),
+comparison.md prints them beside ours.
 
 --recipe cpu (the default) keeps the dataset's recipe where it is already a CPU one (digits,
 compositional) and otherwise replaces ResNet-18 + LARS by METHOD.md section 5's CPU recipe: a 4-block
@@ -16,10 +31,15 @@ CNN, at most 10,000 training images, 15 epochs, SGD lr 0.06 with cosine, batch 2
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import math
+import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from bayesncl_pyro.config import DATASET_DEFAULTS, Config
@@ -41,6 +61,22 @@ COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("H_s", "semantic_entr
            ("Sparsity", "sparsity", 100, ".2f"), ("Eff. rank", "effective_rank", 1, ".3f"),
            ("Dims", "active_dims", 1, ".0f"), ("Gates on", "gate_rate", 100, ".1f"),
            ("Train s", "train_time_s", 1, ".0f")]
+# The paper's numbers (METHOD.md section 5: ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100), in the
+# units of COLUMNS: dataset -> method -> eval key -> value
+_CONS, _HS, _LP = "semantic_consistency", "semantic_entropy", "linear_probe_top1"
+PAPER = {
+    "cifar10": {"cl": {_CONS: 10.00, _LP: 87.88}, "ncl": {_CONS: 53.82, _LP: 87.80}, "ncl+topk": {_CONS: 51.81},
+                "bayesncl-gs": {_CONS: 53.68}, "bayesncl-ste": {_CONS: 56.50, _LP: 88.02}},
+    "cifar100": {"cl": {_CONS: 1.00, _LP: 59.72}, "ncl": {_CONS: 9.91, _LP: 60.67}, "ncl+topk": {_CONS: 12.32},
+                 "bayesncl-gs": {_CONS: 20.75}, "bayesncl-ste": {_CONS: 22.02, _LP: 60.69}},
+    "in100": {"cl": {_CONS: 1.00, _HS: 4.59, _LP: 68.31}, "ncl": {_CONS: 14.93, _HS: 3.28, _LP: 69.63},
+              "ncl+topk": {_CONS: 14.27, _HS: 3.35}, "bayesncl-gs": {_CONS: 11.66, _HS: 3.36},
+              "bayesncl-ste": {_CONS: 36.14, _HS: 2.10, _LP: 70.44}},
+}
+# --budget-minutes: steps each method is timed for, the first ones (loader start, kernel autotuning) not
+# counted; the share of the budget planned for, the rest kept for what the plan misses (each run's first
+# steps, checkpoints, the conflict diagnostics)
+TIMING_STEPS, TIMING_SKIP, BUDGET_USE = 25, 5, 0.9
 FACTOR_COLUMNS = [("bg dims (F)", "dims_tracking_background", 1, ".1f"),
                   ("class dims (F)", "dims_tracking_class", 1, ".1f"),
                   ("bg dims (ungated)", "ungated_dims_tracking_background", 1, ".1f"),
@@ -62,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=("cpu", "reference"), default="cpu",
                    help="cpu: small CNN, subset, 15 epochs (see above); reference: the dataset's recipe "
                    "(default: %(default)s)")
+    p.add_argument("--budget-minutes", type=float, help="fit timing, training and evaluation of every run in "
+                   "about this many minutes by choosing the number of epochs, at most --epochs (see above)")
     g = p.add_argument_group("shared settings (override the recipe; default: recipe)")
     for flag, kind in (("encoder", str), ("train-subset", int), ("epochs", int), ("batch-size", int),
                        ("optimizer", str), ("lr", float), ("warmup-epochs", float), ("proj-hidden", int),
@@ -108,10 +146,93 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     return shared, notes
 
 
+def budget_epochs(left_s: float, fixed_s: float, epoch_s: float, max_epochs: int, budget_minutes: float) -> int:
+    """The most epochs (at most ``max_epochs``) whose training, ``epoch_s`` seconds each, fits ``BUDGET_USE`` of
+    ``left_s`` seconds besides ``fixed_s`` (building and evaluating the runs); a UserError if not one does."""
+    epochs = min(max_epochs, math.floor((BUDGET_USE * left_s - fixed_s) / epoch_s))
+    if epochs < 1:
+        raise UserError(f"--budget-minutes {budget_minutes:g} is too short: one epoch of every run takes "
+                        f"{epoch_s / 60:.1f} min and building and evaluating them {fixed_s / 60:.1f} min, with "
+                        f"{left_s / 60:.1f} min left after timing; raise it, or train on fewer images (--train-subset)")
+    return epochs
+
+
+def recipe(args) -> dict:
+    """The recipe's settings before any flag overrides them: the dataset's, or the CPU recipe."""
+    base = DATASET_DEFAULTS[args.dataset]
+    return {**base, **CPU_RECIPE} if args.recipe == "cpu" and base["encoder"] != "cnn" else dict(base)
+
+
+def plan_budget(args, shared: dict, configs: dict[str, dict], out: Path, started: float) -> dict:
+    """Time a few training steps of each method and one evaluation, then choose the epochs that fit
+    ``--budget-minutes`` (``budget_epochs``), at most --epochs or the recipe's. The plan is kept in
+    <out>/budget.json and reused by a rerun with the same settings, so that its runs keep their configuration."""
+    from bayesncl_pyro.evaluation import evaluate
+    from bayesncl_pyro.rundir import read_log
+    from bayesncl_pyro.training import Trainer
+
+    max_epochs = args.epochs or recipe(args)["epochs"]
+    key = dict(budget_minutes=args.budget_minutes, max_epochs=max_epochs, runs=list(configs), seeds=args.seeds,
+               shared={k: v for k, v in shared.items() if k not in ("epochs", "warmup_epochs")})
+    path = out / "budget.json"
+    if path.exists() and json.loads(path.read_text())["key"] == key:
+        plan = json.loads(path.read_text())
+        print(f"reusing the plan in {path}: {plan['epochs']} epochs", flush=True)
+        return plan
+    step_s, build_s, eval_s = {}, {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fields in configs.items():
+            print(f"== timing {name}: {TIMING_STEPS} steps", flush=True)
+            tic = time.perf_counter()
+            # the schedule does not change a step's time: no warm-up, which might outlast --epochs
+            cfg = Config(**{**shared, **fields, "seed": args.seeds[0], "out": f"{tmp}/{name}", "epochs": max_epochs,
+                            "warmup_epochs": 0, "max_steps": TIMING_STEPS, "log_every": 1, "ckpt_every": 10**9})
+            with contextlib.redirect_stdout(io.StringIO()):  # one log line per step
+                trainer = Trainer(cfg, progress=False)
+                build_s[name] = time.perf_counter() - tic
+                trainer.train(TIMING_STEPS)
+            records = read_log(trainer.out)[TIMING_SKIP:]
+            step_s[name] = statistics.median(trainer.cfg.batch_size / r["images_per_s"] for r in records)
+            if eval_s is None:  # about the same for every method: the same encoder, data and probe
+                tic = time.perf_counter()
+                evaluate(trainer.learner, trainer.data, trainer.cfg, trainer.device)
+                eval_s = time.perf_counter() - tic
+            steps_per_epoch = trainer.steps_per_epoch
+            del trainer
+    left = 60 * args.budget_minutes - (time.perf_counter() - started)
+    seeds = len(args.seeds)
+    fixed = seeds * sum(build_s[name] + eval_s for name in configs)
+    epoch = seeds * steps_per_epoch * sum(step_s.values())
+    epochs = budget_epochs(left, fixed, epoch, max_epochs, args.budget_minutes)
+    plan = dict(key=key, epochs=epochs, max_epochs=max_epochs, steps_per_epoch=steps_per_epoch, step_s=step_s,
+                build_s=build_s, eval_s=eval_s, left_s=left, planned_s=fixed + epochs * epoch)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+    return plan
+
+
+def paper_table(dataset: str, summary: dict) -> str:
+    """Our means beside the paper's numbers for the metrics it publishes on ``dataset``; "" if none."""
+    paper = PAPER.get(dataset, {})
+    keys = [c for c in COLUMNS if any(c[1] in numbers for numbers in paper.values())]
+    if not keys:
+        return ""
+    head = ["Method"] + [f"{name} {who}" for name, *_ in keys for who in ("(ours)", "(paper)")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, stats in summary.items():
+        cells = [method]
+        for _, key, scale, fmt in keys:
+            cells.append(f"{stats[key][0] * scale:{fmt}}" if key in stats else "")
+            theirs = paper.get(method, {}).get(key)
+            cells.append("" if theirs is None else f"{theirs:{fmt}}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def train_time(run_dir: Path, batch_size: int) -> float:
     """Seconds spent in training steps, summed from log.jsonl (each line's images / images_per_s); steps
     replayed after a resume are counted once."""
-    from bayesncl_pyro.training import read_log
+    from bayesncl_pyro.rundir import read_log
 
     by_step = {rec["step"]: rec["images_per_s"] for rec in read_log(run_dir)}
     total, last = 0.0, 0
@@ -179,12 +300,26 @@ def compare(args) -> dict:
     unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
         raise UserError(f"unknown --methods {', '.join(unknown)}; choose from {', '.join(METHOD_NAMES)} or 'all'")
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise UserError(f"--budget-minutes must be positive, got {args.budget_minutes:g}")
+    started = time.perf_counter()
     out = Path(args.out or f"runs/compare-{args.dataset}")
     train_size = len(load_dataset(args.dataset, args.data_dir).train)
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
+    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8))
+    plan = None
+    if args.budget_minutes is not None:
+        plan = plan_budget(args, shared, configs, out, started)
+        shared["epochs"] = plan["epochs"]
+        if args.warmup_epochs is None:  # the recipe's share of warm-up epochs
+            shared["warmup_epochs"] = recipe(args)["warmup_epochs"] * plan["epochs"] / recipe(args)["epochs"]
+        notes.append(f"{plan['epochs']} epochs (at most {plan['max_epochs']}), the most that fit "
+                     f"--budget-minutes {args.budget_minutes:g} (timed: " + ", ".join(
+                         f"{n} {1e3 * t:.0f} ms/step" for n, t in plan["step_s"].items())
+                     + f", evaluation {plan['eval_s']:.0f} s); warm-up {shared.get('warmup_epochs'):g} epochs")
     runs = []
-    for name, fields in method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8)).items():
+    for name, fields in configs.items():
         for seed in args.seeds:
             run_dir = out / f"{name}-seed{seed}"
             print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
@@ -195,7 +330,8 @@ def compare(args) -> dict:
     keys = [c[1] for c in COLUMNS + FACTOR_COLUMNS]
     summary = summarise(runs, keys)
     settings = {k: v for k, v in trainer.cfg.identity().items() if k not in ("method", "gate", "prior", "topk", "seed")}
-    report = dict(dataset=args.dataset, seeds=args.seeds, notes=notes, settings=settings, summary=summary, runs=runs)
+    report = dict(dataset=args.dataset, seeds=args.seeds, notes=notes, settings=settings, summary=summary, runs=runs,
+                  paper=PAPER.get(args.dataset, {}), budget=plan, wall_s=time.perf_counter() - started)
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(runs, out / "consistency_vs_probe.png")
     md = [f"# {args.dataset}: " + " vs ".join(summary), "",
@@ -207,7 +343,12 @@ def compare(args) -> dict:
         md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(args.seeds))]
-    md += ["", "Shared settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), ""]
+    paper = paper_table(args.dataset, summary)
+    if paper:
+        md += ["", "Beside the paper's numbers (METHOD.md section 5: ResNet-18 at the full recipe, 200 epochs on "
+               "CIFAR, 100 on ImageNet-100):", "", paper]
+    md += ["", "Shared settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
+           f"Wall time of this command: {report['wall_s'] / 60:.1f} min", ""]
     (out / "comparison.md").write_text("\n".join(md))
     print("\n".join(md))
     return report

@@ -1,0 +1,99 @@
+"""experiments/compare.py's time budget and the paper's numbers: the planning arithmetic, and the paper's
+CIFAR-100 command end to end on CPU, on a generated CIFAR-100-shaped tree with a small encoder."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from bayesncl_pyro.errors import UserError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "compare.py"
+_spec = importlib.util.spec_from_file_location("compare", SCRIPT)
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
+
+# the paper's command (compare.py's docstring), made small enough for a CPU: the encoder and sizes
+PAPER_COMMAND = ["--dataset", "cifar100", "--recipe", "reference", "--methods", "ncl,bayesncl-ste"]
+SMALL = ["--device", "cpu", "--encoder", "cnn", "--batch-size", "50", "--proj-hidden", "32", "--proj-dim", "16",
+         "--workers", "0"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    # one thread: on a shared 2-core machine two threads per step can be 10x slower
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def cifar100_tree(tmp_path_factory) -> Path:
+    """100 classes of 32 px JPEGs, 2 train and 1 test image each, laid out like cifar100-jpeg.tar.gz."""
+    root = tmp_path_factory.mktemp("cifar100")
+    rng = np.random.default_rng(0)
+    for c in range(100):
+        for split, n in (("train", 2), ("test", 1)):
+            for i in range(n):
+                path = root / split / f"class{c:03d}" / f"{i}.JPEG"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+    return root
+
+
+def test_budget_epochs_fit_the_time_left_and_stop_at_the_cap():
+    # 90 % of 100 s, less 10 s of building and evaluation, at 8 s an epoch: 10 epochs
+    assert compare.budget_epochs(100, 10, 8, 200, 2) == 10
+    assert compare.budget_epochs(10_000, 10, 8, 200, 2) == 200
+    with pytest.raises(UserError, match="--budget-minutes 0.5 is too short.*--train-subset"):
+        compare.budget_epochs(30, 25, 8, 200, 0.5)
+
+
+def test_paper_table_puts_the_papers_numbers_beside_ours():
+    summary = {"ncl": {"semantic_consistency": [0.12, 0.0], "linear_probe_top1": [0.5, 0.0]},
+               "bayesncl-relaxed": {"semantic_consistency": [0.2, 0.0]}}
+    lines = compare.paper_table("cifar100", summary).splitlines()
+    assert lines[0] == "| Method | Cons. (ours) | Cons. (paper) | LP@1 (ours) | LP@1 (paper) |"
+    assert lines[2] == "| ncl | 12.00 | 9.91 | 50.00 | 60.67 |"
+    assert lines[3] == "| bayesncl-relaxed | 20.00 |  |  |  |"  # no published numbers for this gate
+    assert "H_s (paper)" in compare.paper_table("in100", summary)
+    assert compare.paper_table("digits", summary) == ""
+    assert set(compare.PAPER) == {"cifar10", "cifar100", "in100"}
+
+
+def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path):
+    out = tmp_path / "cmp"
+    args = [*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "5", "--epochs", "2",
+            "--out", str(out)]
+    proc = run(*args)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((out / "budget.json").read_text())
+    assert plan["epochs"] == 2 and plan["max_epochs"] == 2 and plan["steps_per_epoch"] == 4
+    assert set(plan["step_s"]) == {"ncl", "bayesncl-ste"} and plan["eval_s"] > 0
+    for name in ("ncl", "bayesncl-ste"):
+        cfg = json.loads((out / f"{name}-seed0" / "config.json").read_text())
+        # the recipe's LARS and 10 of 200 warm-up epochs, scaled to the 2 epochs trained
+        assert cfg["epochs"] == 2 and cfg["warmup_epochs"] == pytest.approx(0.1) and cfg["optimizer"] == "lars"
+    assert cfg["gate"] == "ste" and cfg["prior_prob"] == 0.8 and cfg["kl_weight"] == 3e-5
+    md = (out / "comparison.md").read_text()
+    assert "2 epochs (at most 2), the most that fit --budget-minutes 5" in md
+    assert "| Method | Cons. (ours) | Cons. (paper) | LP@1 (ours) | LP@1 (paper) |" in md
+    assert "| 9.91 |" in md and "| 22.02 |" in md
+    report = json.loads((out / "comparison.json").read_text())
+    assert report["budget"]["epochs"] == 2 and report["paper"]["bayesncl-ste"]["semantic_consistency"] == 22.02
+    again = run(*args)  # the same plan, the finished runs reused
+    assert again.returncode == 0, again.stderr
+    assert "reusing the plan" in again.stdout and "timing" not in again.stdout
+    assert again.stdout.count("already holds a finished run") == 2
+
+
+def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path):
+    proc = run(*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "0.01",
+               "--out", str(tmp_path / "cmp"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--budget-minutes 0.01 is too short" in proc.stderr
+    assert run(*PAPER_COMMAND, "--budget-minutes", "-1").stderr.strip() == "error: --budget-minutes must be positive, got -1"
