@@ -130,9 +130,11 @@ class Trainer:
                 split.bad_log = self.out / BAD_IMAGES
         # where the views are drawn: None, in the loader workers (per image, on the CPU); else on the device,
         # in batches (pipeline.py), of the training set held there when it fits (one size, small enough),
-        # else of the batch's files. auto: on the device when training on CUDA, whose GPU outpaces CPU workers
+        # else of the batch's files. auto: on the device when training on CUDA, whose GPU outpaces CPU workers,
+        # and for in-memory training sets (digits, CIFAR pickles, compositional) anywhere: on a CPU too, batched
+        # views of small images cost a fraction of the step, where per-image views in workers cost more than it
         self.views = None
-        if cfg.augment == "device" or (cfg.augment == "auto" and self.device.type == "cuda"):
+        if cfg.augment == "device" or (cfg.augment == "auto" and (self.device.type == "cuda" or files is None)):
             resident = resident_images(self.data.train, self.device, cfg.workers)
             if resident is not None:
                 self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)

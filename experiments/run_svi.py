@@ -1,6 +1,6 @@
 """Train CL, NCL or BayesNCL with SVI, then evaluate.
 
-    python experiments/run_svi.py                                   # BayesNCL on the bundled digits
+    python experiments/run_svi.py                                   # BayesNCL on the generated benchmark
     python experiments/run_svi.py --dataset in100 --data-dir /data/imagenet --out runs/in100
     torchrun --nproc_per_node=4 experiments/run_svi.py --dataset in100 --data-dir ...
 
@@ -27,17 +27,17 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s, "
-                   "bundled with scikit-learn, no download)")
+    g.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s: "
+                   "generated shapes on backgrounds shared by every class, with known factors, no download)")
     g.add_argument("--data-dir", help="dataset folder (cifar10/100: pickled batches or {train,test}/<class>/; "
                    "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
     g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
     g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
     g.add_argument("--augment", default=d.augment, choices=AUGMENT, help="where the two views are drawn: workers "
-                   "(CPU, one image at a time), device (image files only: the loader workers just read files, the "
-                   "training device decodes JPEGs and augments whole batches), auto = device when training on CUDA "
-                   "on image files (default: %(default)s)")
+                   "(CPU, one image at a time), device (in whole batches on the training device, from the training "
+                   "set held there when it fits, else from files the loader workers read), auto = device when "
+                   "training on CUDA or when the training set is held in memory (default: %(default)s)")
     g.add_argument("--skip-bad-images", action="store_true", help="train past unreadable image files instead "
                    "of stopping; they are listed in <out>/bad_images.txt and counted at the end")
 
@@ -55,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
                    help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
     g.add_argument("--gate", default=d.gate, choices=GATES,
-                   help="gate estimator: relaxed (sampled, straight-through), ste (threshold 0.5, "
-                   "deterministic), gs (Gumbel-sigmoid) (default: %(default)s)")
+                   help="gate estimator: ste (the paper's: threshold 0.5, deterministic, identity "
+                   "backward), relaxed (sampled, straight-through), gs (Gumbel-sigmoid) (default: %(default)s)")
     g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
                    help="relaxation temperature of the gates (default: %(default)s)")
     g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "

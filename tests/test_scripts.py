@@ -56,7 +56,7 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert json.loads((run_dir / "config.json").read_text())["method"] == "bayesncl"
     # it says first what it trains and where it writes, last what to run next
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("training BayesNCL (relaxed gates, bernoulli prior rho=0.8") and "on digits" in first
+    assert first.startswith("training BayesNCL (ste gates, bernoulli prior rho=0.8") and "on digits" in first
     assert f"writing to {run_dir}/" in first
     # the gated metrics beside the same model's ungated ones
     table = proc.stdout.splitlines()
