@@ -227,7 +227,8 @@ def resident_images(dataset: Dataset, device: torch.device, workers: int = 0) ->
     first = _PixelTensors(dataset)[0]
     if first.numel() * len(dataset) > budget:
         return None
-    loader = DataLoader(_PixelTensors(dataset), batch_size=256, num_workers=workers, collate_fn=_StackIfEqual(first.shape))
+    loader = DataLoader(_PixelTensors(dataset), batch_size=256, num_workers=workers,
+                        collate_fn=_StackIfEqual(first.shape))
     batches = list(loader)
     return None if any(b is None for b in batches) else torch.cat(batches).to(device)
 

@@ -60,10 +60,11 @@ def simclr_views(images: torch.Tensor | list[torch.Tensor], size: int, generator
                            uniform(max(0, 1 - s), 1 + s), uniform(-h, h)][:len(ops)], 1)  # n x ops
     order = torch.randperm(len(ops), generator=generator).tolist()  # one op order per batch
     jitter = rows(P_JITTER)
-    gray = rows(P_GRAY) if channels == 3 else torch.zeros(0, dtype=torch.long)
     kernel = blur_kernel(size)
-    blur, sigma = (rows(P_BLUR), uniform(*BLUR_SIGMA)) if kernel is not None else (torch.zeros(0, dtype=torch.long),) * 2
-    flip = rows(P_FLIP) if channels == 3 else torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.long)  # no rows
+    gray = rows(P_GRAY) if channels == 3 else none
+    blur, sigma = (rows(P_BLUR), uniform(*BLUR_SIGMA)) if kernel is not None else (none, none)
+    flip = rows(P_FLIP) if channels == 3 else none
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
     (boxes_d, jitter, factors, gray, blur, sigma, flip, mean, std) = _to_device(
         [boxes, jitter, factors[jitter], gray, blur, sigma[blur], flip, torch.tensor(mean), torch.tensor(std)], device)

@@ -77,7 +77,8 @@ def test_resized_crop_equals_torchvision_on_images_of_different_sizes():
     images = [torch.rand(3, 30 + 9 * i, 50 - 4 * i) * 255 for i in range(5)]
     boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]).repeat(2, 1), torch.Generator().manual_seed(0))
     # float32 rounding: aten's own float32 resize is 4e-3 off the float64 one on pixel values up to 255
-    torch.testing.assert_close(D.resized_crop(images, boxes, 16), _torchvision_crops(images, boxes, 16), rtol=0, atol=2e-2)
+    torch.testing.assert_close(D.resized_crop(images, boxes, 16), _torchvision_crops(images, boxes, 16),
+                               rtol=0, atol=2e-2)
     as_uint8 = [im.round().to(torch.uint8) for im in images]  # what decoding gives
     torch.testing.assert_close(D.resized_crop(as_uint8, boxes, 16),
                                D.resized_crop([im.float() for im in as_uint8], boxes, 16), rtol=0, atol=0)
