@@ -36,9 +36,8 @@ import xarray as xr
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.posterior import GatePosterior, gate_posterior
-from bayesncl_pyro.rundir import CONFIG, cannot_write, read_log
+from bayesncl_pyro.rundir import CONFIG, GATES_FILE, cannot_write, read_log
 
-GATES_FILE = "gates.nc"
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
 ARVIZ_1 = int(version("arviz").split(".")[0]) >= 1  # from the metadata: importing arviz 1.x takes ~2 s
@@ -115,8 +114,8 @@ def read_gates(path: str | os.PathLike):
     if path.is_dir():
         path = path / GATES_FILE
     if not path.is_file():
-        raise UserError(f"no gates file at {path}; BayesNCL runs write one when training ends "
-                        f"(or: python -c 'from bayesncl_pyro.arviz_export import export_gates; export_gates(RUN_DIR)')")
+        raise UserError(f"no gates file at {path}; run_svi.py writes one when a BayesNCL run ends, and "
+                        f"python experiments/inspect_gates.py {path.parent} --export writes it from the checkpoint")
     with xr.open_datatree(path, engine=ENGINE) as lazy:
         dt = lazy.load()  # into memory, so that the file is closed when this returns
     return dt if ARVIZ_1 else _to_inference_data_arviz0(dt)
