@@ -219,11 +219,17 @@ def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path)
     straight.step = 1
     assert not torch.allclose(first_input(straight), x)
     straight.step = 0
+    assert_resume_is_exact(straight, lambda **kw: _run(tmp_path, "b", **kw))
+
+
+def assert_resume_is_exact(straight: Trainer, config):
+    """Train ``straight`` 6 steps, and ``config(**overrides)``'s run 4 steps (mid-epoch 2), saved and resumed to
+    6: the weights must be equal."""
     straight.train(6)
-    first = Trainer(_run(tmp_path, "b", max_steps=4), progress=False)  # stops mid-epoch 2
+    first = Trainer(config(max_steps=4), progress=False)
     first.train(4)
     first.save()
-    resumed = Trainer(_run(tmp_path, "b"), progress=False)
+    resumed = Trainer(config(), progress=False)
     resumed.train(6)
     for k, v in straight.learner.state_dict().items():
         torch.testing.assert_close(resumed.learner.state_dict()[k], v, rtol=0, atol=0, msg=k)
