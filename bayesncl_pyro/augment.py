@@ -115,12 +115,13 @@ def gaussian_blur(x: torch.Tensor, sigma: float, kernel_size: int) -> torch.Tens
     return _band(x.shape[-2], taps) @ x @ _band(x.shape[-1], taps).T
 
 
-def blur_taps(sigma: float, kernel_size: int) -> torch.Tensor:
-    """torchvision's 1-D Gaussian kernel, without the taps below 1e-10 (they move no pixel by a millionth of a
-    grey level): for sigma 0.3-0.8 the outer taps are subnormal floats, and arithmetic on those is 10x slower
-    on x86 (torchvision's blur pays it)."""
-    t = torch.arange(kernel_size) - (kernel_size - 1) / 2
-    taps = torch.softmax(-0.5 * (t / sigma) ** 2, 0)
+def blur_taps(sigma: float | torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """torchvision's 1-D Gaussian kernel (``kernel_size`` taps; ``B x kernel_size`` for B sigmas), without the
+    taps below 1e-10 (they move no pixel by a millionth of a grey level): for sigma 0.3-0.8 the outer taps are
+    subnormal floats, and arithmetic on those is 10x slower on x86 (torchvision's blur pays it)."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32)
+    t = torch.arange(kernel_size, device=sigma.device) - (kernel_size - 1) / 2
+    taps = torch.softmax(-0.5 * (t / sigma[..., None]) ** 2, -1)
     return torch.where(taps > 1e-10, taps, 0)
 
 

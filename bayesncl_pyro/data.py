@@ -200,7 +200,6 @@ def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[tor
         return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]
 
 
-
 RESIDENT_MEMORY_SHARE = 0.25
 """The most of the training device's free memory a training set may take to be held there (``resident_images``)."""
 
@@ -261,6 +260,7 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
 
 def load_dataset(
     name: str, data_dir: str | os.PathLike | None = None, *, seed: int = 0, skip_bad: bool = False,

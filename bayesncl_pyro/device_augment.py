@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.augment import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
-                                   P_FLIP, P_GRAY, P_JITTER, blur_kernel)
+                                   P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
 
 _GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601-2 luma)
 
@@ -237,8 +237,7 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> tor
     """Blur image i with a ``kernel_size`` Gaussian of standard deviation ``sigma[i]`` (pixels), reflecting at
     the borders: two separable passes of a grouped convolution, one group per image and channel."""
     b, c, height, width = x.shape
-    t = torch.arange(kernel_size, device=x.device, dtype=x.dtype) - (kernel_size - 1) / 2
-    kernel = torch.softmax(-0.5 * (t / sigma.view(-1, 1)) ** 2, dim=1).repeat_interleave(c, 0)  # BC x k
+    kernel = blur_taps(sigma, kernel_size).to(x.dtype).repeat_interleave(c, 0)  # BC x k
     pad = kernel_size // 2
     y = F.pad(x, (pad, pad, pad, pad), mode="reflect").view(1, b * c, height + 2 * pad, width + 2 * pad)
     y = F.conv2d(y, kernel.view(b * c, 1, kernel_size, 1), groups=b * c)

@@ -50,34 +50,34 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
     h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, seed=cfg.seed)
     results = interpretability_metrics(f_te, y_te)
-    ungated = None
+    ungated = probs = None
     if learner.gated:
         ungated = learner.ungated_features(h_te.to(device)).cpu()
+        probs = learner.gate_probs(h_te.to(device)).cpu()
         results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
     ks = tuple(k for k in (1, 3, 5, 10) if k < len(f_te))  # a tiny test split has fewer neighbours
     results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te, ks).items()})
     if learner.gated:
-        results["gate_rate"] = (learner.gate_probs(h_te.to(device)) > 0.5).float().mean().item()
+        results["gate_rate"] = (probs > 0.5).float().mean().item()
     factors = getattr(data.test, "factors", None)
     if factors is not None:
-        results.update(factor_report(learner, h_te, f_te, ungated, factors, device))
+        results.update(factor_report(f_te, factors, ungated, probs))
     return dict(method=cfg.method, dataset=cfg.dataset, **results)
 
 
-@torch.no_grad()
-def factor_report(learner, h, features, ungated, factors: dict, device) -> dict:
+def factor_report(features, factors: dict, ungated=None, probs=None) -> dict:
     """How many dims of the representation F (N x K) track each ground-truth factor, and for a gated
-    learner (``ungated``: its N x K features before gating), how many dims of the ungated features track
-    each factor and which share of those the gates switch off.
+    learner (``ungated``: its N x K features before gating, ``probs``: its N x K gate inclusion probabilities),
+    how many dims of the ungated features track each factor and which share of those the gates switch off.
 
     A dim counts as switched off when its gate is closed in more than half of the samples where its
-    ungated feature is active. h: N x D backbone features of the same samples.
+    ungated feature is active.
     """
     results = {f"dims_tracking_{name}": int(mask.sum()) for name, mask in factor_tracking(features, factors).items()}
     if ungated is not None:
-        closed = (learner.gate_probs(h.to(device)) <= 0.5).cpu().double()
+        closed = (probs <= 0.5).double()
         active = (ungated.abs() > ACTIVE_EPS).double()
         closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
         for name, mask in factor_tracking(ungated, factors).items():

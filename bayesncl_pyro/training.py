@@ -35,7 +35,6 @@ from bayesncl_pyro.optim import build_optimizer, build_scheduler
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
 
 
-
 class EpochSampler(Sampler):
     """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
     resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
