@@ -110,7 +110,7 @@ class Config:
 def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
-    from models.priors import PRIORS
+    from bayesncl_pyro.models.priors import PRIORS
 
     _choice("dataset", cfg.dataset, DATASETS)
     defaults = {k: v for k, v in DATASET_DEFAULTS[cfg.dataset].items() if getattr(cfg, k) is None}

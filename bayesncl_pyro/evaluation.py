@@ -3,7 +3,7 @@
 import torch
 from torch.utils.data import DataLoader
 
-from bayesncl_pyro.augment import eval_transform
+from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.metrics import ACTIVE_EPS, factor_tracking, interpretability_metrics, retrieval_precision
 from bayesncl_pyro.probe import knn_top1, linear_probe

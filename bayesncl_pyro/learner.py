@@ -7,9 +7,9 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import Encoder
 from bayesncl_pyro.losses import normalize
-from guides.gates import GateGuide
-from models.bayesncl import ContrastiveModel
-from models.priors import build_prior
+from bayesncl_pyro.guides.gates import GateGuide
+from bayesncl_pyro.models.bayesncl import ContrastiveModel
+from bayesncl_pyro.models.priors import build_prior
 
 
 def _no_guide(z, h):

@@ -22,10 +22,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro import __version__, distributed, pipeline, rundir
-from bayesncl_pyro.augment import TwoViews, simclr_transform
+from bayesncl_pyro import __version__, distributed, rundir
+from bayesncl_pyro.data import pipeline
+from bayesncl_pyro.data.views import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.data import EncodedImages, image_files, load_dataset, resident_images
+from bayesncl_pyro.data import image_files, load_dataset
+from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table

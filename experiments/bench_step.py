@@ -244,7 +244,7 @@ def pipeline(cfg: Config, args, device: torch.device):
     batch while a step runs). Once per place the views are drawn (``--augment``): in the loader workers, and
     batched on the device, of the training set held there (``resident``: in-memory sets, folders of small
     images of one size) or of each batch's files."""
-    from bayesncl_pyro import pipeline as P
+    from bayesncl_pyro.data import pipeline as P
     from bayesncl_pyro.training import EpochSampler, Trainer
 
     n = args.pipeline_batches

@@ -88,7 +88,8 @@ import sys
 
 import torch
 
-from bayesncl_pyro.data import EncodedImages, load_dataset
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data.decode import EncodedImages
 
 out, device = sys.argv[1], torch.device(sys.argv[2])
 failed = False

@@ -19,7 +19,7 @@ from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMI
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.rundir import GATES_FILE
-from models.priors import PRIORS
+from bayesncl_pyro.models.priors import PRIORS
 
 
 def parser() -> argparse.ArgumentParser:

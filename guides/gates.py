@@ -14,7 +14,7 @@ from pyro.nn import PyroModule
 
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.losses import bernoulli_kl
-from models.bayesncl import rows_plate
+from bayesncl_pyro.models.bayesncl import rows_plate
 
 
 class ThresholdGate(dist.RelaxedBernoulliStraightThrough):

@@ -24,7 +24,7 @@ from pyro import poutine
 from pyro.nn import PyroModule
 
 from bayesncl_pyro.losses import info_nce_rows, nonneg, normalize, topk_mask
-from models.priors import Prior
+from bayesncl_pyro.models.priors import Prior
 
 
 def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
@@ -40,7 +40,7 @@ class ContrastiveModel(PyroModule):
         temperature: InfoNCE tau.
         nonneg: ``relu`` | ``rep_relu`` | ``none`` (CL).
         topk: if > 0, keep only the k largest features per row (the NCL+TopK baseline).
-        prior: a :class:`models.priors.Prior` for BayesNCL, None for NCL / CL (no gate site).
+        prior: a :class:`bayesncl_pyro.models.priors.Prior` for BayesNCL, None for NCL / CL (no gate site).
         kl_weight: lambda.
     """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro.augment import TwoViews, eval_transform, simclr_transform
+from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
 from bayesncl_pyro.errors import UserError
 
@@ -69,7 +69,7 @@ def test_train_subset_is_random_seeded_and_checked():
 
 
 def test_compositional_factors_are_as_declared():
-    from bayesncl_pyro.data import BACKGROUNDS, COMPOSITIONAL_SIZES, SHAPES
+    from bayesncl_pyro.data.compositional import BACKGROUNDS, COMPOSITIONAL_SIZES, SHAPES
 
     spec = load_dataset("compositional")
     assert spec.classes == list(SHAPES) and spec.channels == 3
@@ -272,7 +272,7 @@ def test_in100_flat_val_asks_for_class_folders(tmp_path, in100_wnids):
         load_dataset("in100", tmp_path)
 
 
-# ------------------------------------------------------------------------------------------- augment
+# --------------------------------------------------------------------------------------------- views
 
 
 @pytest.mark.parametrize("size, channels", [(8, 1), (32, 3), (64, 3)])
@@ -312,7 +312,8 @@ def test_two_views_differ_and_are_seeded_by_epoch_and_item():
 def test_gaussian_blur_equals_torchvisions(sigma):
     from torchvision.transforms.v2.functional import gaussian_blur as tv_blur
 
-    from bayesncl_pyro.augment import blur_taps, gaussian_blur
+    from bayesncl_pyro.data.recipe import blur_taps
+    from bayesncl_pyro.data.views import gaussian_blur
 
     x = torch.rand(2, 3, 40, 52, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(gaussian_blur(x, sigma, 23), tv_blur(x, [23, 23], [sigma, sigma]), rtol=0, atol=1e-5)
@@ -330,25 +331,25 @@ def _photo(h=90, w=120) -> Image.Image:
 def test_colour_view_with_the_random_ops_off_is_torchvisions_crop(monkeypatch):
     from torchvision.transforms import v2
 
-    from bayesncl_pyro import augment
+    from bayesncl_pyro.data import recipe, views
 
     for p in ("P_JITTER", "P_GRAY", "P_BLUR", "P_FLIP"):
-        monkeypatch.setattr(augment, p, 0.0)
+        monkeypatch.setattr(views, p, 0.0)
     image = _photo()
     torch.manual_seed(5)
     view = simclr_transform(48)(image)
     torch.manual_seed(5)
-    crop = v2.RandomResizedCrop(48, scale=augment.CROP_SCALE, ratio=augment.CROP_RATIO,
+    crop = v2.RandomResizedCrop(48, scale=recipe.CROP_SCALE, ratio=recipe.CROP_RATIO,
                                 interpolation=v2.InterpolationMode.BICUBIC, antialias=True)(v2.functional.pil_to_tensor(image))
-    expected = v2.functional.normalize(crop.float() / 255, augment.IMAGENET_MEAN, augment.IMAGENET_STD)
+    expected = v2.functional.normalize(crop.float() / 255, recipe.IMAGENET_MEAN, recipe.IMAGENET_STD)
     torch.testing.assert_close(view, expected, rtol=0, atol=1e-5)
 
 
 def test_colour_views_apply_each_op_at_the_recipes_rate():
-    from bayesncl_pyro import augment
+    from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 
     image, transform = _photo(), simclr_transform(40)
-    mean, std = torch.tensor(augment.IMAGENET_MEAN).view(3, 1, 1), torch.tensor(augment.IMAGENET_STD).view(3, 1, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
     torch.manual_seed(0)
     views = torch.stack([transform(image) for _ in range(400)]) * std + mean
     assert views.shape == (400, 3, 40, 40) and views.dtype == torch.float32

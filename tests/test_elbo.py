@@ -8,8 +8,8 @@ from pyro.infer import TraceMeanField_ELBO
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.learner import ContrastiveLearner
-from guides.gates import GATES
-from models.priors import PRIORS
+from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.models.priors import PRIORS
 
 CASES = [("cl", "bernoulli", "ste"), ("ncl", "bernoulli", "ste")] + [
     ("bayesncl", prior, gate) for prior in sorted(PRIORS) for gate in sorted(GATES)]

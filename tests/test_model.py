@@ -9,9 +9,9 @@ from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows
-from guides.gates import GATES, GateGuide, GumbelSigmoidGate, ThresholdGate
-from models.bayesncl import ContrastiveModel
-from models.priors import PRIORS, BetaBernoulliPrior, build_prior
+from bayesncl_pyro.guides.gates import GATES, GateGuide, GumbelSigmoidGate, ThresholdGate
+from bayesncl_pyro.models.bayesncl import ContrastiveModel
+from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 
 R, K, D, N = 12, 8, 10, 1000
 

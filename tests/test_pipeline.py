@@ -9,14 +9,15 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from bayesncl_pyro import data as data_module
+from bayesncl_pyro.data import resident as resident_module
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset, resident_images
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.pipeline import IndexBatches, ResidentViews, prefetch
+from bayesncl_pyro.data.pipeline import IndexBatches, ResidentViews, prefetch
 from bayesncl_pyro.training import EpochSampler, Trainer
 
-from test_device_augment import assert_resume_is_exact
+from test_device_views import assert_resume_is_exact
 
 CPU = torch.device("cpu")
 
@@ -94,7 +95,7 @@ def test_in_memory_sets_are_held_when_they_fit(monkeypatch):
     digits = load_dataset("digits", train_subset=100).train
     images = resident_images(digits, CPU)
     assert torch.equal(images, digits.dataset.images[digits.indices])
-    monkeypatch.setattr(data_module, "RESIDENT_MEMORY_SHARE", 100 * 64 / data_module.free_memory(CPU) / 2)
+    monkeypatch.setattr(resident_module, "RESIDENT_MEMORY_SHARE", 100 * 64 / resident_module.free_memory(CPU) / 2)
     assert resident_images(digits, CPU) is None  # 6400 bytes, more than the share
 
 

@@ -7,7 +7,7 @@ import torch
 import xarray as xr
 
 from bayesncl_pyro.arviz_export import ARVIZ_1, export_gates, read_gates
-from bayesncl_pyro.augment import eval_transform
+from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError

@@ -101,7 +101,7 @@ def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
 
 
 def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
-    from test_device_augment import write_photo
+    from test_device_views import write_photo
 
     for i in range(54):
         write_photo(tmp_path / "data" / ("val" if i % 9 == 8 else "train") / f"c{i % 2}" / f"{i}.jpg", seed=i)

@@ -1,10 +1,10 @@
 """SimCLR's augmentation of a whole batch at once, on the training device (``--augment device``).
 
-The worker path (``augment.simclr_transform`` in DataLoader workers) decodes and augments one image at a
+The worker path (``views.simclr_transform`` in DataLoader workers) decodes and augments one image at a
 time on the CPU, which caps a 16-core GPU machine near 1000-1500 images/s at 224 px. Here the training
-process gets the batch's decoded images (``data.EncodedImages.decode``: nvjpeg on CUDA) and draws both
+process gets the batch's decoded images (``decode.EncodedImages.decode``: nvjpeg on CUDA) and draws both
 views of every image with batched kernels: the recipe of ``simclr_transform`` for colour images
-(the constants in ``augment.py``), with three differences:
+(the constants in ``recipe.py``), with three differences:
 
 - the images stay float in [0, 1] from the crop on (the worker path rounds to uint8 after each op);
 - ColorJitter's four ops run in one random order per batch (torchvision draws an order per image);
@@ -13,7 +13,7 @@ views of every image with batched kernels: the recipe of ``simclr_transform`` fo
 
 Each op is a pure function of ``B x 3 x H x W`` float images and per-image parameter tensors of length B
 (on the images' device), equal to torchvision's ``transforms.v2.functional`` op applied image by image
-(``tests/test_device_augment.py``). Nothing here waits for the GPU: a batch's parameters cross to it in one
+(``tests/test_device_views.py``). Nothing here waits for the GPU: a batch's parameters cross to it in one
 ``non_blocking`` copy from pinned memory. ``pipeline.py`` runs this on its own CUDA stream, a batch ahead
 of the training step.
 """
@@ -25,8 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.augment import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
-                                   P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
+from bayesncl_pyro.data.recipe import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
+                                       P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
 
 _GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601-2 luma)
 
@@ -34,7 +34,7 @@ _GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601-2 luma)
 def simclr_views(images: torch.Tensor | list[torch.Tensor], size: int, generator: torch.Generator | None,
                  channels: int = 3) -> torch.Tensor:
     """Two SimCLR views of each of N uint8 images -> float ``2N x C x size x size``, the rows
-    ``[view 1 of every image; view 2 of every image]``, normalised like ``augment.simclr_transform``.
+    ``[view 1 of every image; view 2 of every image]``, normalised like ``views.simclr_transform``.
 
     ``images``: one ``N x C x H x W`` tensor (images of one size: the crops are resized in one batched product)
     or a list of ``C x H_i x W_i`` tensors. ``channels`` 1 is the gentle recipe of one-channel images (digits):

@@ -1,11 +1,12 @@
-"""SimCLR augmentations and the two-view dataset wrapper.
+"""SimCLR views drawn image by image on the CPU (in DataLoader workers), the evaluation transform and the
+two-view dataset wrapper.
 
 Every transform takes both PIL images (image files) and uint8 ``C x H x W`` tensors (digits, CIFAR
 pickles) and returns a normalised float tensor ``C x S x S``. Randomness comes from torch's global RNG,
 so ``torch.manual_seed`` reproduces views (``TwoViews`` seeds it per item).
 
 The colour training views (``SimCLRColour``, run per image in the DataLoader workers) use the ops of
-``device_augment`` on one image, in float from the crop on, not ``torchvision.transforms.v2``: at 224 px
+``device_views`` on one image, in float from the crop on, not ``torchvision.transforms.v2``: at 224 px
 torchvision's pipeline spent three quarters of a worker's time in its Gaussian blur (a 23 x 23
 convolution, 10x slower still for sigma 0.3-0.8, whose outer taps are subnormal floats) and much of the
 rest in uint8 <-> float conversions around each op; one core drew 5-6x fewer views than it does now.
@@ -22,16 +23,10 @@ from torch.utils.data import Dataset
 from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+from bayesncl_pyro.data import device_views as D
+from bayesncl_pyro.data.recipe import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
+                                       P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
 from bayesncl_pyro.errors import UserError
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-# SimCLR's recipe for colour images (Chen et al. 2020), shared with device_augment.simclr_views
-CROP_SCALE, CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
-JITTER, P_JITTER = (0.8, 0.8, 0.8, 0.2), 0.8  # brightness, contrast, saturation, hue
-P_GRAY, P_BLUR, P_FLIP = 0.2, 0.5, 0.5
-BLUR_SIGMA = (0.1, 2.0)
 
 
 def simclr_transform(
@@ -64,7 +59,7 @@ class SimCLRColour:
 
     The recipe of torchvision's ``RandomResizedCrop`` (bicubic, antialiased) -> ``RandomApply(ColorJitter)``
     (a random op order per view) -> ``RandomGrayscale`` -> ``RandomApply(GaussianBlur)`` -> ``RandomHorizontalFlip``
-    -> ``Normalize``, with ``device_augment``'s ops (each tested equal to torchvision's) on a batch of one,
+    -> ``Normalize``, with ``device_views``'s ops (each tested equal to torchvision's) on a batch of one,
     except the blur (``gaussian_blur``, faster for one image). As on the device path the image stays float
     in [0, 1] after the crop, where torchvision's uint8 path rounds after every op.
     """
@@ -77,8 +72,6 @@ class SimCLRColour:
         self.high = torch.tensor([1 + b, 1 + c, 1 + s, h])
 
     def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
-        from bayesncl_pyro import device_augment as D  # not at the top: it imports this module's constants
-
         x = pil_to_tensor(image) if isinstance(image, Image.Image) else image
         if x.ndim != 3 or x.shape[0] != 3 or x.dtype != torch.uint8:
             raise UserError(f"a colour view needs an RGB image (PIL, or uint8 3 x H x W), got {x.dtype} "
@@ -115,16 +108,6 @@ def gaussian_blur(x: torch.Tensor, sigma: float, kernel_size: int) -> torch.Tens
     return _band(x.shape[-2], taps) @ x @ _band(x.shape[-1], taps).T
 
 
-def blur_taps(sigma: float | torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """torchvision's 1-D Gaussian kernel (``kernel_size`` taps; ``B x kernel_size`` for B sigmas), without the
-    taps below 1e-10 (they move no pixel by a millionth of a grey level): for sigma 0.3-0.8 the outer taps are
-    subnormal floats, and arithmetic on those is 10x slower on x86 (torchvision's blur pays it)."""
-    sigma = torch.as_tensor(sigma, dtype=torch.float32)
-    t = torch.arange(kernel_size, device=sigma.device) - (kernel_size - 1) / 2
-    taps = torch.softmax(-0.5 * (t / sigma[..., None]) ** 2, -1)
-    return torch.where(taps > 1e-10, taps, 0)
-
-
 def _band(n: int, taps: torch.Tensor) -> torch.Tensor:
     """``n x n`` matrix of the 1-D convolution with ``taps`` (centred) of a length-``n`` signal reflected at
     its ends (``n`` > half the taps, as ``blur_kernel`` makes sure)."""
@@ -148,15 +131,6 @@ def eval_transform(
     else:
         resize = [v2.Resize((image_size, image_size), interpolation=InterpolationMode.BICUBIC, antialias=True)]
     return v2.Compose([v2.ToImage(), *resize, *_to_normalized_float(channels, mean, std)])
-
-
-def blur_kernel(image_size: int) -> int | None:
-    """The Gaussian blur's kernel size: odd, about 10% of the image side, at least 3 (SimCLR's choice).
-
-    None (no blur) at 32 px and below: the reference recipe blurs at every size, but there a blur with
-    sigma up to 2 wipes out most of the image's detail.
-    """
-    return None if image_size <= 32 else max(3, image_size // 10 // 2 * 2 + 1)
 
 
 def _to_normalized_float(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None) -> list:

@@ -9,12 +9,13 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
-from bayesncl_pyro import device_augment as D
-from bayesncl_pyro.augment import IMAGENET_MEAN, IMAGENET_STD
+from bayesncl_pyro.data import device_views as D
+from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import EncodedImages, load_dataset
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data.decode import EncodedImages
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.pipeline import FileViews, ResidentViews
+from bayesncl_pyro.data.pipeline import FileViews, ResidentViews
 from bayesncl_pyro.training import EpochSampler, Trainer
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order

@@ -1,7 +1,7 @@
 """The training step's input when the views are drawn on the training device (``--augment device``, and ``auto``
 on CUDA): where a batch's images come from, and a prefetcher that draws the next batch while a step runs.
 
-Two sources of images (``Trainer`` picks one, ``data.resident_images`` decides):
+Two sources of images (``Trainer`` picks one, ``resident.resident_images`` decides):
 
 - ``ResidentViews``: the whole training set on the device as one uint8 ``N x C x H x W`` tensor (CIFAR is
   150 MB; image folders of small equal-size images are decoded once at start-up). A batch is a row of
@@ -9,7 +9,7 @@ Two sources of images (``Trainer`` picks one, ``data.resident_images`` decides):
 - ``FileViews``: DataLoader workers read the files' bytes, ``EncodedImages.decode`` decodes the batch
   (nvJPEG on CUDA).
 
-Both draw the views with ``device_augment.simclr_views`` from a generator seeded by (seed, step, rank):
+Both draw the views with ``device_views.simclr_views`` from a generator seeded by (seed, step, rank):
 a resumed run draws the views it would have drawn, prefetched or not.
 
 ``prefetch`` runs them a batch or two ahead in a background thread with its own CUDA stream. The handover
@@ -17,7 +17,7 @@ follows CUDA's stream semantics: the training stream waits for an event recorded
 last kernel (``wait_event``: on the GPU, the host does not wait), and the batch is marked as used on the
 training stream (``record_stream``) so the caching allocator does not give its memory back to the
 pipeline's stream before the step that reads it has run. The pipeline's thread may wait for its own
-stream (decoding does, ``data._decode_jpegs``); the training thread never waits for the pipeline's.
+stream (decoding does, ``decode._decode_jpegs``); the training thread never waits for the pipeline's.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from bayesncl_pyro.data import EncodedImages
-from bayesncl_pyro.device_augment import _to_device, simclr_views
+from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.device_views import _to_device, simclr_views
 
 AHEAD = 2
 """Batches the prefetcher may hold ready on CUDA: one for the next step, one being drawn."""

@@ -1,0 +1,232 @@
+"""Datasets: digits, CIFAR-10/100, any ImageFolder tree and ImageNet-100, all read from local files,
+and the generated compositional benchmark.
+
+Nothing here downloads: the machines this runs on are offline, so every dataset except the
+scikit-learn digits (bundled in its wheel) is read from a folder the user points at, and every
+layout problem is reported as a one-line ``UserError`` naming the expected layout.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Subset
+
+from bayesncl_pyro.data.compositional import load_compositional
+from bayesncl_pyro.data.images import IMAGE_EXTENSIONS, DataSpec, ImageFiles, TensorImages
+from bayesncl_pyro.errors import UserError
+
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "imagefolder", "in100", "compositional")
+
+# Held-out split folder names, in the order they are looked for.
+_HELD_OUT_SPLITS = ("val", "test")
+
+
+def load_dataset(
+    name: str, data_dir: str | os.PathLike | None = None, *, seed: int = 0, skip_bad: bool = False,
+    train_subset: int | None = None,
+) -> DataSpec:
+    """Load ``name`` (one of ``DATASETS``) from ``data_dir``.
+
+    ``seed`` fixes the digits train/test split and the generated compositional images (the other
+    datasets have official splits), and which images a ``train_subset`` keeps.
+    ``skip_bad`` makes image-file datasets skip unreadable files instead of raising.
+    ``train_subset``: keep only this many training images, drawn at random (the test split is kept whole).
+    """
+    spec = _load(name, data_dir, seed, skip_bad)
+    if train_subset is not None:
+        if not 0 < train_subset <= len(spec.train):
+            raise UserError(f"--train-subset must lie in [1, {len(spec.train)}] (the size of {name}'s training "
+                            f"split), got {train_subset}")
+        keep = torch.randperm(len(spec.train), generator=torch.Generator().manual_seed(seed))[:train_subset]
+        spec.train = Subset(spec.train, keep.tolist())
+    return spec
+
+
+def _load(name: str, data_dir: str | os.PathLike | None, seed: int, skip_bad: bool) -> DataSpec:
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    if name == "digits":
+        return _load_digits(seed)
+    if name == "compositional":
+        return load_compositional(seed)
+    root = _existing_dir(name, data_dir)
+    if name in ("cifar10", "cifar100"):
+        return _load_cifar(name, root, skip_bad)
+    if name == "in100":
+        return _load_in100(root, skip_bad)
+    return _load_image_folder(root, skip_bad=skip_bad)
+
+
+_EXPECTED_LAYOUT = {
+    "cifar10": "cifar-10-batches-py/ (or its parent), or an ImageFolder tree with train/ and test/ class folders",
+    "cifar100": "cifar-100-python/ (or its parent), or an ImageFolder tree with train/ and test/ class folders",
+    "imagefolder": "a folder holding train/ and val/ (or test/), each with one sub-folder of images per class",
+    "in100": "an ImageNet or ImageNet-100 folder holding train/<wnid>/ and val/<wnid>/ class folders",
+}
+
+
+def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
+    if data_dir is None:
+        raise UserError(f"dataset {name!r} needs a data directory (--data-dir): {_EXPECTED_LAYOUT[name]}")
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise UserError(f"data directory {root} does not exist; for {name!r} pass {_EXPECTED_LAYOUT[name]}")
+    return root
+
+
+# --------------------------------------------------------------------------------------------- digits
+
+
+def _load_digits(seed: int) -> DataSpec:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    # Pixel values are counts 0..16; stretch them to the uint8 range real images use.
+    images = torch.from_numpy(np.round(digits.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
+    labels = digits.target.tolist()
+    train_idx, test_idx = train_test_split(
+        np.arange(len(labels)), test_size=0.2, random_state=seed, stratify=labels
+    )
+
+    def split(idx: np.ndarray) -> TensorImages:
+        return TensorImages(images[idx], [labels[i] for i in idx])
+
+    classes = [str(c) for c in digits.target_names]
+    return DataSpec(split(train_idx), split(test_idx), classes, channels=1)
+
+
+# ---------------------------------------------------------------------------------------------- CIFAR
+
+# Per dataset: pickle folder name, train files, test files, meta file, label key, class-name key.
+_CIFAR_PICKLES = {
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"],
+                "batches.meta", "labels", "label_names"),
+    "cifar100": ("cifar-100-python", ["train"], ["test"], "meta", "fine_labels", "fine_label_names"),
+}
+
+
+def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
+    folder, train_files, test_files, meta_file, label_key, names_key = _CIFAR_PICKLES[name]
+    num_classes = 10 if name == "cifar10" else 100
+    for candidate in (root, root / folder):
+        if (candidate / meta_file).is_file():
+            classes = [c.decode() for c in _unpickle(candidate / meta_file)[names_key]]
+            train = _cifar_pickles([candidate / f for f in train_files], label_key)
+            test = _cifar_pickles([candidate / f for f in test_files], label_key)
+            return DataSpec(train, test, classes, channels=3)
+    if (root / "train").is_dir():
+        spec = _load_image_folder(root, skip_bad=skip_bad)
+        if spec.num_classes != num_classes:
+            raise UserError(f"{root} holds {spec.num_classes} class folders but {name} has {num_classes}; "
+                            f"point data_dir at a {name} folder")
+        return spec
+    raise UserError(f"{root} is not a {name} folder: expected {_EXPECTED_LAYOUT[name]}")
+
+
+def _unpickle(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"missing CIFAR file {path}; re-extract the official python-version archive")
+    # The official files are Python 2 pickles: keys and class names come back as bytes.
+    with open(path, "rb") as f:
+        return {k.decode(): v for k, v in pickle.load(f, encoding="bytes").items()}
+
+
+def _cifar_pickles(paths: list[Path], label_key: str) -> TensorImages:
+    batches = [_unpickle(p) for p in paths]
+    # Rows are 3072 bytes: the 1024 red pixels row-major, then green, then blue.
+    images = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
+    labels = [y for b in batches for y in b[label_key]]
+    return TensorImages(torch.from_numpy(images), labels)
+
+
+# ------------------------------------------------------------------------------------- image folders
+
+
+def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
+    present = [s for s in _HELD_OUT_SPLITS if (root / s).is_dir()]
+    if not (root / "train").is_dir() or len(present) != 1:
+        found = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise UserError(f"{root} should hold train/ and exactly one of val/ or test/ (found folders: {found or 'none'})")
+    train = _scan_split(root / "train")
+    test = _scan_split(root / present[0])
+    if train.keys() != test.keys():
+        only_train, only_test = sorted(train.keys() - test.keys()), sorted(test.keys() - train.keys())
+        raise UserError(f"train/ and {present[0]}/ class folders differ: only in train {_few(only_train)}, "
+                        f"only in {present[0]} {_few(only_test)}; both splits need the same classes")
+    classes = sorted(train)
+    return DataSpec(_files_dataset(train, classes, skip_bad), _files_dataset(test, classes, skip_bad),
+                    classes, channels=3)
+
+
+def _class_dirs(split_dir: Path) -> list[Path]:
+    """Class sub-folders of ``split_dir``, sorted; hidden folders (.ipynb_checkpoints...) skipped."""
+    return sorted(p for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _has_loose_images(split_dir: Path) -> bool:
+    return any(p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS for p in split_dir.iterdir())
+
+
+def _scan_split(split_dir: Path, classes: list[str] | None = None) -> dict[str, list[Path]]:
+    """Map class name -> sorted image paths under ``split_dir/<class>/`` (searched recursively).
+
+    ``classes`` restricts the scan to those folders, which must all exist.
+    """
+    if classes is None:
+        dirs = _class_dirs(split_dir)
+        if not dirs:
+            raise UserError(f"{split_dir} has no class folders; expected {split_dir}/<class>/<images>")
+    else:
+        dirs = [split_dir / c for c in classes]
+    found = {}
+    for d in dirs:
+        images = sorted(p for p in d.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not images:
+            raise UserError(f"class folder {d} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}); "
+                            "add images or remove the folder")
+        found[d.name] = images
+    return found
+
+
+def _files_dataset(split: dict[str, list[Path]], classes: list[str], skip_bad: bool) -> ImageFiles:
+    return ImageFiles([(p, label) for label, c in enumerate(classes) for p in split[c]], skip_bad=skip_bad)
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    shown = ", ".join(names[:n]) or "none"
+    return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+# ---------------------------------------------------------------------------------------- ImageNet-100
+
+
+def imagenet100_classes() -> list[str]:
+    """The 100 WordNet ids of the standard ImageNet-100 subset (CMC's list), in file order."""
+    text = importlib.resources.files("bayesncl_pyro").joinpath("imagenet100_classes.txt").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _load_in100(root: Path, skip_bad: bool) -> DataSpec:
+    # Sorted like ImageFolder would sort an ImageNet-100 folder, so labels match other codebases.
+    classes = sorted(imagenet100_classes())
+    splits = []
+    for split in ("train", "val"):
+        split_dir = root / split
+        if not split_dir.is_dir():
+            raise UserError(f"{root} has no {split}/ folder; expected {_EXPECTED_LAYOUT['in100']}")
+        if split == "val" and _has_loose_images(split_dir):
+            raise UserError(f"{split_dir} holds image files directly; validation images must be sorted into "
+                            "val/<wnid>/ class folders (e.g. with the common valprep.sh script or LOC_val_solution.csv)")
+        # Only the listed folders are scanned: a full ImageNet has 900 more we do not need.
+        missing = [c for c in classes if not (split_dir / c).is_dir()]
+        if missing:
+            raise UserError(f"{split_dir} lacks {len(missing)} of the 100 ImageNet-100 class folders "
+                            f"({_few(missing)}); point data_dir at a full ImageNet or ImageNet-100 folder")
+        splits.append(_files_dataset(_scan_split(split_dir, classes), classes, skip_bad))
+    return DataSpec(splits[0], splits[1], classes, channels=3)

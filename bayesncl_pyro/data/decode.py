@@ -1,0 +1,84 @@
+"""Image files as the training device decodes them (``--augment device``): DataLoader workers read a batch's bytes,
+the training process decodes the batch together on its device (nvJPEG on CUDA)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, Subset
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2.functional import pil_to_tensor
+
+from bayesncl_pyro.data.images import image_files, open_rgb
+
+
+class EncodedImages(Dataset):
+    """The files of an image-file split (``ImageFiles``, or a ``Subset`` of one) for batched decoding on the
+    training device (``--augment device``).
+
+    DataLoader workers only read: item i is ``(data, j)``, ``j`` the index in ``files`` of the file read (i's,
+    or the next readable one when ``skip_bad`` skips it) and ``data`` the file's bytes (1-D uint8) when it is
+    a colour JPEG; any other image (PNG, grayscale or CMYK JPEG: rare in photo datasets, and decoded
+    differently by nvjpeg) is decoded by the worker as on the worker path, uint8 ``3 x H x W``. The training
+    process turns a batch into images with ``decode``. Indices past the length wrap (``EpochSampler``).
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.files = image_files(dataset)
+        self.indices = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        data, _, j = self.files.read(self.indices[i % len(self)], _read_encoded)
+        return data, j
+
+    def decode(self, batch: list[tuple[torch.Tensor, int]], device: torch.device) -> list[torch.Tensor]:
+        """Items -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvjpeg on
+        CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
+        path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
+        it, or with ``skip_bad`` is skipped and logged alike."""
+        # a blocking copy: it waits for the current stream only, which on CUDA is the input pipeline's own
+        images = [data.to(device) if data.ndim == 3 else None for data, _ in batch]
+        jpegs = [k for k, image in enumerate(images) if image is None]
+        for k, image in zip(jpegs, _decode_jpegs([batch[k][0] for k in jpegs], device), strict=True):
+            if image is None:
+                image = pil_to_tensor(self.files.read(batch[k][1], open_rgb)[0]).to(device)
+            images[k] = image
+        return images
+
+
+def _read_encoded(path: Path) -> torch.Tensor:
+    """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG, else the image."""
+    try:
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            if image.format == "JPEG" and image.mode == "RGB":
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        pass  # open_rgb raises the error that names the file
+    return pil_to_tensor(open_rgb(path))
+
+
+def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """``decode_jpeg`` of a list on ``device``; if that fails, one by one, with None for each that fails.
+
+    On CUDA this first waits until the current stream has run all its queued work. torchvision allocates the
+    decoded images on the current stream, and nvJPEG's hardware decoder writes them from its own stream
+    without waiting for that one (pytorch/vision#9606, meta-pytorch/torchcodec#1634); the caching allocator
+    hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG can
+    overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks
+    of the current stream are at risk (other streams' blocks are not handed to it, and a block used on
+    another stream via ``record_stream`` comes back only after that use has run), so the wait is on this
+    stream alone: the input pipeline's, in its own thread, never the training step's (``pipeline.py``).
+    decode_jpeg waits for its own stream before returning anyway, so this moves a wait, and adds none."""
+    if encoded and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else []
+    except RuntimeError:
+        return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]
