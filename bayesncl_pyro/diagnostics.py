@@ -1,6 +1,6 @@
 """Training diagnostics: the optimization conflict of InfoNCE per dimension, and gate degeneracy.
 
-The conflict (METHOD.md section 1): on a dimension that many items share, the positive pairs pull the
+The optimisation conflict (docs/METHOD.md): on a dimension that many items share, the positive pairs pull the
 feature up while the negatives push it down; the two parts of the gradient cancel on average, and the
 total oscillates in sign from step to step. For the summed loss ``sum_i l_i`` over R rows ``u``
 (rows i and p(i) are the two views of one image, P the softmax of the similarities over the other

@@ -1,4 +1,9 @@
-"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics."""
+"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics.
+
+Two protocols (``Config.eval_protocol``) differ in the linear probe and retrieval only: ``fast``, for small
+runs, and ``reference``, the paper's, which its published numbers were measured with (docs/METHOD.md,
+"Evaluation protocols"). Every eval dict names its protocol.
+"""
 
 import torch
 from torch.utils.data import DataLoader
@@ -6,7 +11,29 @@ from torch.utils.data import DataLoader
 from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.metrics import ACTIVE_EPS, factor_tracking, interpretability_metrics, retrieval_precision
-from bayesncl_pyro.probe import knn_top1, linear_probe
+from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
+
+REFERENCE_RETRIEVAL_DIMS = 512
+"""The reference retrieves on the strongest dims, in a sweep of 32, 64, ..., 512 of them; we report its last
+row (all dims when K <= 512)."""
+
+
+def protocol(name: str, dataset: str) -> tuple[ProbeRecipe, int | None]:
+    """(linear-probe recipe, dims kept for retrieval: None = every dim in use) of an evaluation protocol."""
+    if name == "fast":
+        return FAST_PROBE, None
+    return REFERENCE_PROBES[dataset], REFERENCE_RETRIEVAL_DIMS
+
+
+def describe_protocol(name: str, dataset: str) -> str:
+    """The protocol in one line, for the tables it produced."""
+    probe, num_dims = protocol(name, dataset)
+    schedule = (f"{probe.warmup_epochs:g} warm-up epochs then " if probe.warmup_epochs else "") + (
+        "cosine" if probe.cosine else "constant")
+    retrieval = "every dim in use" if num_dims is None else f"the {num_dims} strongest dims (all, when fewer)"
+    return (f"{name}: linear probe on {'standardised' if probe.standardise else 'raw'} backbone features, "
+            f"{probe.optimizer.upper()} lr {probe.lr:g} (batch {probe.batch_size}, {schedule}), {probe.epochs} "
+            f"epochs; retrieval on {retrieval}")
 
 
 class _Transformed(torch.utils.data.Dataset):
@@ -42,13 +69,15 @@ UNGATED = "_ungated"  # suffix of the metrics of a gated learner's features with
 def evaluate(learner, data, cfg: Config, device) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
     and retrieval precision on the test split's representation F; on generated data whose test split
-    records its factors, which factor each dimension tracks. Fractions in [0, 1].
+    records its factors, which factor each dimension tracks. Fractions in [0, 1]; ``protocol`` names how
+    the linear probe and retrieval were done (``cfg.eval_protocol``).
 
     For BayesNCL the interpretability metrics are also reported for the same model's features before
     gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device)
     h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
-    probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, seed=cfg.seed)
+    recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
+    probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed)
     results = interpretability_metrics(f_te, y_te)
     ungated = probs = None
     if learner.gated:
@@ -58,13 +87,13 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
     ks = tuple(k for k in (1, 3, 5, 10) if k < len(f_te))  # a tiny test split has fewer neighbours
-    results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te, ks).items()})
+    results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te, ks, num_dims).items()})
     if learner.gated:
         results["gate_rate"] = (probs > 0.5).float().mean().item()
     factors = getattr(data.test, "factors", None)
     if factors is not None:
         results.update(factor_report(f_te, factors, ungated, probs))
-    return dict(method=cfg.method, dataset=cfg.dataset, **results)
+    return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results)
 
 
 def factor_report(features, factors: dict, ungated=None, probs=None) -> dict:

@@ -5,7 +5,7 @@
 #   GPU_CHECK_SMOKE=1 bash experiments/gpu_check.sh .venv/bin/python /tmp/smoke   # CPU, tiny sizes: runs every step
 #
 # wheel-folder: wheels to install first into a temporary folder on PYTHONPATH (the GPU machine lacks pyro-ppl,
-# pyro-api, arviz, xarray-einstats, h5netcdf, platformdirs; /work/shared/gpu/README.md).
+# pyro-api, arviz, xarray-einstats, h5netcdf, platformdirs).
 # Sections, each under its own `timeout` (the sum stays under 8 minutes), figures printed as they come:
 # 1. model only, ImageNet-100 recipe (ResNet-18, 224 px, K=2048, bf16 autocast, channels_last), batch 256, data
 #    already on the GPU: the float32/bf16 loss against a float64 CPU reference and the BayesNCL paths against each

@@ -15,7 +15,7 @@ import argparse
 import shlex
 import sys
 
-from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.rundir import GATES_FILE
@@ -83,6 +83,11 @@ def parser() -> argparse.ArgumentParser:
                    "schedule still spans --epochs")
     g.add_argument("--on-nan", default=d.on_nan, choices=ON_NAN, help="a step whose loss or gradients are not "
                    "finite stops the run, keeping the last good checkpoint, or is skipped (default: %(default)s)")
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast (standardised "
+                   "features, one lr for every backbone) or reference (the paper's, for cifar10, cifar100, in100; "
+                   "docs/METHOD.md) (default: dataset)")
 
     g = p.add_argument_group("run")
     g.add_argument("--out", default=d.out, help="run folder; rerunning into it resumes (default: %(default)s)")

@@ -53,16 +53,29 @@ def test_budget_epochs_fit_the_time_left_and_stop_at_the_cap():
         compare.budget_epochs(30, 25, 8, 200, 0.5)
 
 
-def test_paper_table_puts_the_papers_numbers_beside_ours():
+def test_paper_table_puts_the_papers_numbers_beside_ours_each_column_naming_its_protocol():
     summary = {"ncl": {"semantic_consistency": [0.12, 0.0], "linear_probe_top1": [0.5, 0.0]},
                "bayesncl-relaxed": {"semantic_consistency": [0.2, 0.0]}}
-    lines = compare.paper_table("cifar100", summary).splitlines()
-    assert lines[0] == "| Method | Cons. (ours) | Cons. (paper) | LP@1 (ours) | LP@1 (paper) |"
+    lines = compare.paper_table("cifar100", summary, "reference").splitlines()
+    assert lines[0] == ("| Method | Cons. (ours, reference) | Cons. (paper, reference) | LP@1 (ours, reference) "
+                        "| LP@1 (paper, reference) |")
     assert lines[2] == "| ncl | 12.00 | 9.91 | 50.00 | 60.67 |"
     assert lines[3] == "| bayesncl-relaxed | 20.00 |  |  |  |"  # no published numbers for this gate
-    assert "H_s (paper)" in compare.paper_table("in100", summary)
-    assert compare.paper_table("digits", summary) == ""
+    assert "| LP@1 (ours, fast) | LP@1 (paper, reference) |" in compare.paper_table("cifar100", summary, "fast")
+    assert "H_s (paper, reference)" in compare.paper_table("in100", summary, "reference")
+    assert compare.paper_table("digits", summary, "fast") == ""
     assert set(compare.PAPER) == {"cifar10", "cifar100", "in100"}
+
+
+@pytest.mark.parametrize("recipe, protocol", [("reference", "reference"), ("cpu", "fast")])
+def test_the_recipe_chooses_the_evaluation_protocol(recipe, protocol):
+    from bayesncl_pyro.config import Config, resolve
+
+    args = compare.parser().parse_args(["--dataset", "cifar100", "--recipe", recipe])
+    shared, notes = compare.shared_config(args, 50_000)
+    assert resolve(Config(**shared)).eval_protocol == protocol
+    args = compare.parser().parse_args(["--dataset", "cifar100", "--recipe", recipe, "--eval-protocol", "fast"])
+    assert resolve(Config(**compare.shared_config(args, 50_000)[0])).eval_protocol == "fast"
 
 
 def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path):
@@ -78,13 +91,20 @@ def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_t
         cfg = json.loads((out / f"{name}-seed0" / "config.json").read_text())
         # the recipe's LARS and 10 of 200 warm-up epochs, scaled to the 2 epochs trained
         assert cfg["epochs"] == 2 and cfg["warmup_epochs"] == pytest.approx(0.1) and cfg["optimizer"] == "lars"
+        # evaluated by the paper's protocol, and saying so
+        assert cfg["eval_protocol"] == "reference"
+        assert json.loads((out / f"{name}-seed0" / "eval.json").read_text())["protocol"] == "reference"
     assert cfg["gate"] == "ste" and cfg["prior_prob"] == 0.8 and cfg["kl_weight"] == 3e-5
     md = (out / "comparison.md").read_text()
     assert "2 epochs (at most 2), the most that fit --budget-minutes 5" in md
-    assert "| Method | Cons. (ours) | Cons. (paper) | LP@1 (ours) | LP@1 (paper) |" in md
+    assert "evaluation protocol reference: linear probe on raw backbone features, LARS lr 0.4" in md
+    assert ("| Method | Cons. (ours, reference) | Cons. (paper, reference) | LP@1 (ours, reference) "
+            "| LP@1 (paper, reference) |") in md
+    assert 'docs/METHOD.md, section "Published numbers"' in md
     assert "| 9.91 |" in md and "| 22.02 |" in md
     report = json.loads((out / "comparison.json").read_text())
     assert report["budget"]["epochs"] == 2 and report["paper"]["bayesncl-ste"]["semantic_consistency"] == 22.02
+    assert report["protocol"] == "reference"
     again = run(*args)  # the same plan, the finished runs reused
     assert again.returncode == 0, again.stderr
     assert "reusing the plan" in again.stdout and "timing" not in again.stdout

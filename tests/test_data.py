@@ -215,7 +215,7 @@ def test_cifar_image_folder_variant_and_errors(tmp_path):
 def test_real_cifar10_archive(tmp_path):
     archive = SHARED_DATA / "cifar10-jpeg.tar.gz"
     if not archive.is_file():
-        pytest.skip(f"real data archive {archive} is absent (CI keeps it in ../shared/data beside the repo)")
+        pytest.skip(f"real data archive {archive} is absent")
     per_class = Counter()
     with tarfile.open(archive, "r|gz") as tar:  # streaming: stop as soon as enough members are out
         for member in tar:

@@ -126,6 +126,23 @@ def test_retrieval_keeps_the_dims_with_largest_column_sum():
     assert retrieval_precision(features, labels, ks=(1,), num_dims=2) == {1: 1.0}
 
 
+def test_retrieval_on_the_strongest_dims_matches_the_reference_formula_written_out():
+    # The reference's retrieval: rank dims by column sum, keep the top num_dims, renormalise rows, take each
+    # query's 11 most cosine-similar rows and drop the first (the query itself), score P@1, 3, 5, 10.
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(90) % 4
+    raw = torch.relu(torch.randn(90, 40, generator=generator) + 0.5 * torch.nn.functional.one_hot(labels * 9, 40))
+    features = torch.nn.functional.normalize(raw, dim=1)  # as the representation is evaluated
+    for num_dims in (8, 32):
+        kept = features[:, features.sum(dim=0).argsort(descending=True)[:num_dims]]
+        kept = torch.nn.functional.normalize(kept, dim=1)
+        neighbours = (kept @ kept.T).topk(11, dim=1).indices[:, 1:]
+        assert torch.equal(neighbours, (kept @ kept.T).fill_diagonal_(-2).topk(10, dim=1).indices)  # no ties
+        hits = (labels[neighbours] == labels[:, None]).double()
+        expected = {k: pytest.approx(float(hits[:, :k].mean())) for k in (1, 3, 5, 10)}
+        assert retrieval_precision(features, labels, num_dims=num_dims) == expected
+
+
 def test_retrieval_needs_more_samples_than_k():
     with pytest.raises(ValueError, match="samples"):
         retrieval_precision(torch.rand(5, 2), torch.zeros(5, dtype=torch.long), ks=(5,))

@@ -37,7 +37,7 @@ def test_kl_is_registered_and_is_the_discrete_bernoulli_kl(gate):
 
 
 def test_parity_with_reference_formula_ste():
-    """-ELBO / num_rows with the STE gate == InfoNCE + lambda * mean_rows sum_dims KL (METHOD.md)."""
+    """-ELBO / num_rows with the STE gate == InfoNCE + lambda * mean_rows sum_dims KL (docs/METHOD.md, the ELBO)."""
     z, h = _inputs()
     model, guide = _program("ste")
     loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
@@ -48,7 +48,8 @@ def test_parity_with_reference_formula_ste():
 
 
 def _reference_step_loss(learner, x, kl_weight, rho):
-    """METHOD.md section 2 written out in plain PyTorch (rep_relu, STE gate, NT-Xent, clamped KL)."""
+    """docs/METHOD.md, "The reference computation, step by step", in plain PyTorch (rep_relu, STE gate,
+    NT-Xent, clamped KL)."""
     h, z = learner.encoder(x)
     gelu = F.gelu(z)
     z = F.normalize(gelu - gelu.detach() + F.relu(z).detach(), dim=1)

@@ -127,7 +127,9 @@ def test_compare_trains_every_method_and_writes_the_table(tmp_path):
         assert f"| {column} |" in header
     assert all(f"| {m} |" in md for m in methods)
     assert "smoke run" in md
+    assert "- evaluation protocol fast: linear probe on standardised backbone features" in md
     report = json.loads((out / "comparison.json").read_text())
+    assert report["protocol"] == "fast" and all(r["protocol"] == "fast" for r in report["runs"])
     assert [r["name"] for r in report["runs"]] == methods
     assert report["runs"][1]["method"] == "ncl" and report["runs"][2]["folder"] == "ncl+topk-seed0"
     assert all(0 <= r["retrieval_p@10"] <= 1 and r["train_time_s"] > 0 for r in report["runs"])
