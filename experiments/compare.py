@@ -108,7 +108,7 @@ def parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{flag}", type=kind)
     g.add_argument("--topk", type=int, help="k of NCL+TopK (default: proj-dim / 8)")
     g.add_argument("--workers", type=int, default=2)
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     return p
 
 
