@@ -347,10 +347,11 @@ class FakeCuda:
                 self.host_waits(stream, why=func.__name__)
             if _is_cpu_device(device):
                 return out
-            written = [args[0]] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
+            written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
             written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
             for t in written:
-                t._writer = (stream, stream.clock)
+                if isinstance(t, torch.Tensor):
+                    t._writer = (stream, stream.clock)
             return self.wrap(out, index, stream, tensors)
 
     # ------------------------------------------------------------------------------------- what moves between devices
