@@ -293,3 +293,45 @@ def test_a_bad_step_read_late_is_named_before_a_later_failure_and_never_saved(tm
                        "finite; no checkpoint is kept"):
         trainer.train(5)
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
+    from bayesncl_pyro import divergence
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    named = [(f"{'encoder' if i < 2 else 'guide'}.{n}", p) for i, (n, p) in enumerate(list(net.named_parameters())[:4])]
+    guard = divergence.DivergenceGuard(named, opt, mask=True, rows=3)
+
+    def step(number, extra=0.0, nce=0.0):  # loss: the net's output plus extra; its InfoNCE term: nce
+        loss = net(torch.ones(1, 3)).sum() + extra
+        opt.zero_grad()
+        loss.backward()
+        guard.step(number, loss, torch.tensor(nce))
+
+    step(1)
+    step(2, extra=float("inf"))  # the KL term is loss - InfoNCE
+    step(3, nce=float("inf"))
+    with pytest.raises(RuntimeError, match="holds 3 unread steps"):
+        step(4)
+    assert guard.bad_steps() == [(2, "the KL term is inf"), (3, "the InfoNCE term is inf")]
+    assert guard.bad_steps() == []  # nothing new: no copy from the device
+    step(5, nce=float("nan"))
+    assert guard.bad_steps() == [(5, "the InfoNCE term is nan")]
+    net[0].weight.register_hook(lambda g: g * float("nan"))
+    step(6)
+    assert guard.bad_steps() == [(6, "the gradient of encoder.0.weight (from InfoNCE) is not finite")]
+    net[0].weight._backward_hooks.clear()
+    net[0].weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
+    step(7)
+    net[0].weight.requires_grad_(True)
+    assert guard.bad_steps() == []
+
+    # under DDP the verdict is the maximum over the ranks: another rank's bad step is this rank's too, and is undone
+    monkeypatch.setattr(divergence.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(divergence.dist, "all_reduce", lambda flag, op: flag.fill_(1.0))
+    before = [p.detach().clone() for p in net.parameters()]
+    step(8)
+    assert guard.bad_steps() == [(8, "a loss or gradient on another process is not finite")]
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
