@@ -28,8 +28,7 @@ from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
-from bayesncl_pyro.data import decode
-from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
@@ -164,9 +163,9 @@ class Trainer:
             if resident is not None:
                 self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)
             elif files is not None:
-                on_device = decode.nvjpeg_is_safe(self.device)
+                on_device = nvjpeg_is_safe(self.device)
                 if not on_device and self.rank == 0:
-                    print(f"note: {decode.ASYNC_ALLOCATOR_NOTE}; JPEGs are decoded in the loader workers instead",
+                    print(f"note: {ASYNC_ALLOCATOR_NOTE}; JPEGs are decoded in the loader workers instead",
                           file=sys.stderr)
                 self.views = pipeline.FileViews(EncodedImages(self.data.train, on_device), cfg.image_size, cfg.seed,
                                                 self.rank, self.device)

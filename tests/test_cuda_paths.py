@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from bayesncl_pyro import distributed, training
+from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset, pipeline
 from bayesncl_pyro.data import resident as resident_module
