@@ -8,9 +8,10 @@ maximum over the ranks (an all-reduce queued on the device), so every rank judge
 the rows to the host in one transfer and names what went wrong in each bad step.
 
 With ``mask`` (``--on-nan skip``) a bad step's update is undone on the device, as a fused optimizer skips its step on
-GradScaler's ``found_inf``: the parameters and optimizer state the step touches are copied first, then put back by
-``torch.where`` on the flag. State the step creates (SGD's and LARS's momentum, AdamW's moments and step count) goes
-to zero, which is what their first step starts from (SGD without dampening: ``momentum * 0 + g == g``). Without
+GradScaler's ``found_inf``: the module buffers its forward pass updates (BatchNorm's running statistics; ``begin``),
+the parameters and the optimizer state the step touches are copied first, then put back by ``torch.where`` on the
+flag. State the step creates (SGD's and LARS's momentum, AdamW's moments and step count) goes to zero, which is what
+their first step starts from (SGD without dampening: ``momentum * 0 + g == g``). Without
 ``mask`` (``--on-nan stop``) a bad step is applied in memory; the trainer checks before writing any checkpoint, so
 none holds it.
 """
@@ -25,16 +26,22 @@ TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
 
 
 class DivergenceGuard:
-    """``step(number, loss, nce)`` after ``loss.backward()`` instead of ``optimizer.step()``; ``bad_steps()`` when the host
-    may wait. ``rows``: the most steps between two ``bad_steps`` calls."""
+    """``begin()`` before a step's forward pass, ``step(number, loss, nce)`` after ``loss.backward()`` instead of
+    ``optimizer.step()``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between two ``bad_steps``."""
 
-    def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
-                 mask: bool, rows: int):
-        self.names = [n for n, p in named_parameters if p.requires_grad]
-        self.params = [p for _, p in named_parameters if p.requires_grad]
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mask: bool, rows: int):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.buffers = list(module.buffers())
         self.optimizer, self.mask, self.capacity = optimizer, mask, rows
         self.rows: torch.Tensor | None = None  # capacity x (3 + parameters), on the device, made at the first step
         self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
+        self.saved_buffers: list[torch.Tensor] = []
+
+    def begin(self):
+        """With ``mask``: keep the buffers as they are before the forward pass updates them."""
+        if self.mask:
+            self.saved_buffers = [b.clone() for b in self.buffers]
 
     def step(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
         """Record step ``number``'s verdict on the device and take the optimizer step (undone by the verdict with
@@ -65,8 +72,9 @@ class DivergenceGuard:
         if tensors:
             torch._foreach_copy_(saved, tensors)
         self.optimizer.step()
-        for t, s in zip(tensors, saved):
+        for t, s in zip(tensors + self.buffers, saved + self.saved_buffers, strict=True):  # strict: begin() was called
             torch.where(ok, t, s, out=t)
+        self.saved_buffers = []
         old = {id(t) for t in tensors}
         for t in self._touched():
             if id(t) not in old:  # made by this step

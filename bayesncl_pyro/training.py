@@ -201,8 +201,7 @@ class Trainer:
         if cfg.compile:
             self.learner.encoder.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
-        self.guard = DivergenceGuard(list(self.learner.named_parameters()), self.optimizer, cfg.on_nan == "skip",
-                                     self.check_every)
+        self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
@@ -354,6 +353,7 @@ class Trainer:
         """One optimizer step on the input rows ``x``; (its loss, whether the steps so far were checked for divergence
         now). The loss and gradients are judged on the device (``divergence.py``), so a step waits for the GPU only
         when the verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
+        self.guard.begin()
         loss = self.net(x)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -257,8 +257,9 @@ def _poison_grad_at(trainer: Trainer, step: int):
 
 
 def _state(trainer: Trainer) -> list[torch.Tensor]:
+    """Parameters, buffers (BatchNorm's running statistics), then the optimizer's state."""
     opt = trainer.optimizer
-    return [t.detach().cpu().clone() for t in [*trainer.learner.parameters(),
+    return [t.detach().cpu().clone() for t in [*trainer.learner.parameters(), *trainer.learner.buffers(),
                                                *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]]
 
 
@@ -270,8 +271,11 @@ def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device
     trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100), progress=False)
     _poison_grad_at(trainer, 1)  # the first step: it would create the momentum buffers
     trainer.train(1)
-    assert all(torch.equal(b, torch.zeros_like(b)) for b in _state(trainer)[len(list(trainer.learner.parameters())):])
-    _poison_grad_at(trainer, 2)  # counted from here: step 3
+    kept = len(list(trainer.learner.parameters())) + len(list(trainer.learner.buffers()))
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in _state(trainer)[kept:])  # the momentum buffers it made
+    calls = []  # step 3's input is not finite: so are the running statistics its forward pass updates
+    trainer.learner.encoder.register_forward_pre_hook(
+        lambda module, args: calls.append(1) or ((args[0] * float("nan"),) if len(calls) == 2 else None))
     trainer.train(2)
     before = _state(trainer)
     trainer.train(3)
@@ -299,13 +303,14 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
     from bayesncl_pyro import divergence
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    net = torch.nn.Module()  # parameter names as the learner's: encoder.*, guide.*
+    net.encoder, net.guide = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    named = [(f"{'encoder' if i < 2 else 'guide'}.{n}", p) for i, (n, p) in enumerate(list(net.named_parameters())[:4])]
-    guard = divergence.DivergenceGuard(named, opt, mask=True, rows=3)
+    guard = divergence.DivergenceGuard(net, opt, mask=True, rows=3)
 
     def step(number, extra=0.0, nce=0.0):  # loss: the net's output plus extra; its InfoNCE term: nce
-        loss = net(torch.ones(1, 3)).sum() + extra
+        guard.begin()
+        loss = net.guide(net.encoder(torch.ones(1, 3))).sum() + extra
         opt.zero_grad()
         loss.backward()
         guard.step(number, loss, torch.tensor(nce))
@@ -319,13 +324,13 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
     assert guard.bad_steps() == []  # nothing new: no copy from the device
     step(5, nce=float("nan"))
     assert guard.bad_steps() == [(5, "the InfoNCE term is nan")]
-    net[0].weight.register_hook(lambda g: g * float("nan"))
+    hook = net.encoder.weight.register_hook(lambda g: g * float("nan"))
     step(6)
-    assert guard.bad_steps() == [(6, "the gradient of encoder.0.weight (from InfoNCE) is not finite")]
-    net[0].weight._backward_hooks.clear()
-    net[0].weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
+    assert guard.bad_steps() == [(6, "the gradient of encoder.weight (from InfoNCE) is not finite")]
+    hook.remove()
+    net.encoder.weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
     step(7)
-    net[0].weight.requires_grad_(True)
+    net.encoder.weight.requires_grad_(True)
     assert guard.bad_steps() == []
 
     # under DDP the verdict is the maximum over the ranks: another rank's bad step is this rank's too, and is undone
