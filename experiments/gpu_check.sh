@@ -31,7 +31,7 @@
 #    it fails.
 # 6. with 2 GPUs or more and time left: torchrun DDP, 20 steps.
 #
-# Timeouts: each is the section's CPU-smoke time (GPU_CHECK_SMOKE=1 on 2 shared CPU cores, measured 2026-12-02) times
+# Timeouts: each is the section's CPU-smoke time (GPU_CHECK_SMOKE=1 on 2 shared CPU cores, measured 2026-12-01) times
 # a stated factor; docs/PERFORMANCE.md tabulates them with what each allows per step on the GPU.
 # Exit status 1 on any correctness failure, a timeout, or the budget running out.
 set -uo pipefail
@@ -75,15 +75,21 @@ if [ -n "$WHEELS" ]; then
     done
     PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE")
     if (( ${#deps[@]} )); then "${PIP[@]}" "${deps[@]}" || exit 1; fi
-    # the project itself; without setuptools in this python, pip builds it in isolation with the wheel folder's
+    # the project itself, from a clean copy (a build/ left in the repository could add stale modules); without
+    # setuptools in this python, pip builds it in isolation with the wheel folder's
+    SRC=$(mktemp -d)
+    cp -r pyproject.toml README.md bayesncl_pyro models guides "$SRC"/ || exit 1
     "$PY" -c "import setuptools" 2>/dev/null && isolation=--no-build-isolation || isolation=
-    "${PIP[@]}" --find-links "$WHEELS" $isolation . || exit 1
+    "${PIP[@]}" --find-links "$WHEELS" $isolation "$SRC" || exit 1
     export PYTHONPATH=$SITE
 fi
 "$PY" - <<'EOF' || exit 1
-import os, torch, bayesncl_pyro, bayesncl_pyro.models, bayesncl_pyro.guides
-print(f"bayesncl_pyro from {os.path.dirname(bayesncl_pyro.__file__)}; torch {torch.__version__}, "
-      f"{os.cpu_count()} CPUs")
+import os, sys, torch, bayesncl_pyro, bayesncl_pyro.data, bayesncl_pyro.models, bayesncl_pyro.guides
+root = os.path.dirname(bayesncl_pyro.__file__)
+for package in (bayesncl_pyro.data, bayesncl_pyro.models, bayesncl_pyro.guides):
+    if not package.__file__.startswith(root + os.sep):  # found elsewhere: the install lacks it
+        sys.exit(f"error: {package.__name__} is imported from {package.__file__}, not from {root}: the install is incomplete")
+print(f"bayesncl_pyro from {root}; torch {torch.__version__}, {os.cpu_count()} CPUs")
 if torch.cuda.is_available():
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
           f"allocator backend {torch.cuda.get_allocator_backend()}")

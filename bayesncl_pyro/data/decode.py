@@ -87,7 +87,7 @@ def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[tor
 
     On CUDA this first waits until the current stream has run all its queued work. torchvision allocates the
     decoded images on the current stream, and nvJPEG's hardware decoder writes them from its own stream
-    without waiting for that one (pytorch/vision#9606, meta-pytorch/torchcodec#1634); the caching allocator
+    without waiting for that one; the caching allocator
     hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG can
     overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks
     of the current stream are at risk under the native allocator (other streams' blocks are not handed to it,
