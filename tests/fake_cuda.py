@@ -30,7 +30,7 @@ Stricter than CUDA, to catch what CUDA lets pass silently (and what this project
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
-stages them synchronously), and the ``synchronize`` calls.
+stages them synchronously), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened.
 """
 
 from __future__ import annotations
