@@ -5,6 +5,7 @@ so the saved config always holds the values that were actually used.
 """
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from bayesncl_pyro.errors import UserError
@@ -132,7 +133,8 @@ def resolve(cfg: Config) -> Config:
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("encoder", cfg.encoder, ("resnet18", "cnn"))
     _choice("prior", cfg.prior, tuple(PRIORS))
-    _choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        raise UserError(f"unknown --device {cfg.device!r}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
     _choice("on_nan", cfg.on_nan, ON_NAN)
     _choice("augment", cfg.augment, AUGMENT)
     _choice("eval_protocol", cfg.eval_protocol, EVAL_PROTOCOLS)

@@ -16,15 +16,19 @@ import torch
 import torch.distributed as dist
 
 
+def local_rank() -> int | None:
+    """This process's GPU number among those of its machine under torchrun (LOCAL_RANK), None in a plain run."""
+    return int(os.environ.get("LOCAL_RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+
+
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world size, this rank's device). Joins the process group that torchrun describes in the
-    environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1; a plain run is rank 0 of 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, device
+    """(rank, world size, this rank's device) for the device ``training.pick_device`` resolved (under torchrun: this
+    process's GPU). Makes a GPU the current device of the calling thread, and joins the process group that torchrun
+    describes in the environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1; a plain run is rank 0 of 1."""
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1, device
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device

@@ -7,6 +7,7 @@ a checkpoint; a SIGKILL loses at most the steps since the last one. ``docs/RELIA
 fault handled and what the user sees.
 """
 
+import contextlib
 import json
 import random
 import signal
@@ -27,8 +28,9 @@ from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
-from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
@@ -65,15 +67,35 @@ class EpochSampler(Sampler):
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but PyTorch sees no CUDA GPU; use --device cpu or auto")
-    return torch.device(name)
+    """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
+    ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
+    input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
+    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    try:
+        device = torch.device("cuda" if name == "auto" else name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise UserError(f"unknown --device {name!r}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {name} was asked for but PyTorch sees no CUDA GPU; use --device cpu or auto")
+    local = distributed.local_rank()
+    if device.index is not None and local is not None:
+        raise UserError(f"--device {name} names one GPU, but torchrun starts one process per GPU, each on "
+                        "cuda:LOCAL_RANK; pass --device cuda")
+    index = device.index if device.index is not None else local if local is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise UserError(f"--device {name}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
+                        "of those (CUDA_VISIBLE_DEVICES numbers the visible GPUs from 0)")
+    return torch.device("cuda", index)
 
 
-# the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
-_TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
+CHECK_EVERY = 100
+"""The most training steps between two reads of the divergence guard's verdicts (it also reads them at every log step,
+before every checkpoint and after the last step): the only host syncs of the training loop besides logging."""
 
 
 class _StopRequest:
@@ -141,8 +163,12 @@ class Trainer:
             if resident is not None:
                 self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)
             elif files is not None:
-                self.views = pipeline.FileViews(EncodedImages(self.data.train), cfg.image_size, cfg.seed, self.rank,
-                                                self.device)
+                on_device = nvjpeg_is_safe(self.device)
+                if not on_device and self.rank == 0:
+                    print(f"note: {ASYNC_ALLOCATOR_NOTE}; JPEGs are decoded in the loader workers instead",
+                          file=sys.stderr)
+                self.views = pipeline.FileViews(EncodedImages(self.data.train, on_device), cfg.image_size, cfg.seed,
+                                                self.rank, self.device)
             elif cfg.augment == "device":
                 raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
                                 f"{self.device.type} memory free; use --augment workers")
@@ -174,6 +200,8 @@ class Trainer:
             self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
             self.learner.encoder.compile()
+        self.check_every = min(cfg.log_every, CHECK_EVERY)
+        self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
@@ -185,7 +213,9 @@ class Trainer:
                              cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
 
     def save(self):
-        """Every rank calls this (it gathers their RNG states); rank 0 writes the file."""
+        """Every rank calls this (it gathers their RNG states); rank 0 writes the file. A step not yet checked for
+        divergence is checked first: no checkpoint holds a bad step."""
+        self._check_divergence()
         state = self.state_dict()
         if self.rank == 0:
             atomic_save(state, self.out / CHECKPOINT)
@@ -280,19 +310,13 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
         stopping = False
-        with pyro.validation_enabled(False), _StopRequest() as stop:
+        with pyro.validation_enabled(False), _StopRequest() as stop, self._naming_divergence():
             tic, seen = time.perf_counter(), 0
             while self.step < last_step and not stopping:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in self._input(loader):
-                    loss = self.net(x)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if self._check_finite(loss):
-                        self.optimizer.step()
-                    self.scheduler.step()
-                    self.step += 1
+                    loss, checked = self._step(x, last_step)
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
@@ -309,8 +333,10 @@ class Trainer:
                         bar.update(1)
                     if self.rank == 0 and cfg.conflict_every and self.step % cfg.conflict_every == 0:
                         append_line(self._conflict_line(), self.out / CONFLICT_FILE)
-                    # a signal reaches one rank or all; they must stop, and save, at the same step
-                    stopping = distributed.any_rank(stop.signum is not None, self.device)
+                    # a signal reaches one rank or all; they must stop, and save, at the same step. Agreeing on it
+                    # waits for the GPU, so under DDP they agree at the steps that check for divergence
+                    if self.world == 1 or checked:
+                        stopping = distributed.any_rank(stop.signum is not None, self.device)
                     if self.step % cfg.ckpt_every == 0 or stopping:
                         self.save()
                     if self.step >= last_step or stopping:
@@ -323,30 +349,44 @@ class Trainer:
             raise Stopped(f"{signal.Signals(signum).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", signum)
 
-    def _check_finite(self, loss: torch.Tensor) -> bool:
-        """Whether the loss and every gradient are finite, so the step may be taken. If not, stop the run
-        with a message naming the step and the term (the checkpoint on disk stays the last good one),
-        or with ``on_nan="skip"`` warn and return False."""
-        grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
-        if torch.isfinite(loss + torch.nn.utils.get_total_norm(grads)):  # any inf/nan makes the sum one
-            return True
-        nce = self.learner.model.last_nce
-        if not torch.isfinite(nce):
-            what = f"the InfoNCE term is {nce.item()}"
-        elif not torch.isfinite(loss):
-            what = f"the KL term is {(loss - nce).item()}"
-        else:
-            name = next((n for n, p in self.learner.named_parameters()
-                         if p.grad is not None and not p.grad.isfinite().all()), None)
-            what = (f"the gradient of {name} (from {_TERMS[name.split('.')[0]]}) is not finite" if name
-                    else "the gradient norm overflows")
-        if self.cfg.on_nan == "skip":
-            self.skipped_steps += 1
-            print(f"warning: step {self.step + 1}: {what}; step skipped (--on-nan skip)", file=sys.stderr)
-            return False
-        kept = f"the last good checkpoint (step {self.saved_step})" if self.saved_step else "no checkpoint"
-        raise UserError(f"training diverged at step {self.step + 1}: {what}; {kept} is kept in {self.out}. "
-                        "Lower --lr (or --kl-weight), or pass --on-nan skip to skip such steps")
+    def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, bool]:
+        """One optimizer step on the input rows ``x``; (its loss, whether the steps so far were checked for divergence
+        now). The loss and gradients are judged on the device (``divergence.py``), so a step waits for the GPU only
+        when the verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
+        self.guard.begin()
+        loss = self.net(x)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.guard.step(self.step + 1, loss, self.learner.model.last_nce)
+        self.scheduler.step()
+        self.step += 1
+        checked = self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step
+        if checked:
+            self._check_divergence()
+        return loss, checked
+
+    def _check_divergence(self):
+        """Read the divergence guard's verdicts on the steps since the last check (one host sync). A bad step stops the
+        run with a message naming the step and the term (the checkpoint on disk stays the last good one), or with
+        ``on_nan="skip"`` (its update was undone on the device) is counted and warned about."""
+        for step, what in self.guard.bad_steps():
+            if self.cfg.on_nan == "skip":
+                self.skipped_steps += 1
+                print(f"warning: step {step}: {what}; step skipped (--on-nan skip)", file=sys.stderr)
+                continue
+            kept = f"the last good checkpoint (step {self.saved_step})" if self.saved_step else "no checkpoint"
+            raise UserError(f"training diverged at step {step}: {what}; {kept} is kept in {self.out}. "
+                            "Lower --lr (or --kl-weight), or pass --on-nan skip to skip such steps")
+
+    @contextlib.contextmanager
+    def _naming_divergence(self):
+        """A step taken after an unchecked bad one runs on non-finite weights and may fail on them (a sampler that
+        refuses NaN probabilities): then the bad step is what the user hears about."""
+        try:
+            yield
+        except Exception:
+            self._check_divergence()
+            raise
 
     def _report_skipped(self):
         """Warn about what the run skipped: non-finite steps (--on-nan skip), unreadable images."""

@@ -29,8 +29,10 @@ from pyro.infer import TraceMeanField_ELBO
 from torch.utils.flop_counter import FlopCounterMode
 
 from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.training import pick_device
 
 
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
 
 def sync(device: torch.device):
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def time_steps(fn, opt, x: torch.Tensor, steps: int) -> float:
@@ -135,9 +137,9 @@ def step_flops(fn, x: torch.Tensor) -> int:
 
 def peak_memory(fn, opt, x: torch.Tensor) -> float:
     """GiB of GPU memory at the peak of one step."""
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats(x.device)
     time_steps(fn, opt, x, 1)
-    return torch.cuda.max_memory_allocated() / 2**30
+    return torch.cuda.max_memory_allocated(x.device) / 2**30
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="digits", help="recipe for the defaults below, and the data of the "
                    "pipeline figure (default: %(default)s)")
     p.add_argument("--data-dir", help="dataset folder, for the pipeline figure of file-based datasets")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cpu", help="cpu, cuda (the current GPU) or cuda:N (default: %(default)s)")
     p.add_argument("--encoder", help="default: the dataset's")
     p.add_argument("--image-size", type=int, help="default: the dataset's")
     p.add_argument("--batch-size", type=int, help="images per step (two views each); default: the dataset's")
@@ -169,10 +171,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda was asked for but PyTorch sees no CUDA GPU", file=sys.stderr)
+    try:
+        device = pick_device(args.device)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     cfg = resolve(Config(dataset=args.dataset, encoder=args.encoder, image_size=args.image_size,
                          batch_size=args.batch_size, proj_hidden=args.proj_hidden, proj_dim=args.proj_dim,
                          amp=args.amp, device=args.device, workers=args.workers))
@@ -257,10 +262,7 @@ def pipeline(cfg: Config, args, device: torch.device):
                 sync(device)
                 tic = time.perf_counter()
             if step:
-                loss = trainer.net(x)
-                trainer.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                trainer.optimizer.step()
+                trainer._step(x)  # the training step, divergence guard included
             if i == n + 1:
                 break
         sync(device)

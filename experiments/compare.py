@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
     g.add_argument("--topk", type=int, help="k of NCL+TopK (default: proj-dim / 8)")
     g.add_argument("--workers", type=int, default=2)
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     return p
 
 

@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the files already "
                    "there (e.g. a run with another config) into <out>/previous-<time>/; nothing is deleted")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"), help="default: %(default)s")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda (the current GPU) or cuda:N (default: "
+                   "%(default)s)")
     g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
     g.add_argument("--compile", action="store_true", help="torch.compile the encoder (worth it for long GPU runs; "
                    "the first steps wait for compilation)")

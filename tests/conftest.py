@@ -15,3 +15,6 @@ def _pyro_state():
 
 def pytest_configure(config):
     torch.set_num_threads(2)
+
+
+from fake_cuda import fake_cuda  # noqa: E402,F401 -- the fixture: a CPU stand-in for CUDA (tests/fake_cuda.py)

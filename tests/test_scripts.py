@@ -155,3 +155,32 @@ def test_inspect_gates_draws_every_figure_and_compares_with_a_baseline(tmp_path)
                                                                      "summary.txt"}
     proc = run("inspect_gates.py", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no checkpoint.pt" in proc.stderr
+
+
+def _gpu_check(tmp_path, out, *wheels) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(["bash", str(EXPERIMENTS / "gpu_check.sh"), sys.executable, str(out), *map(str, wheels)],
+                          cwd=EXPERIMENTS.parent, env={**os.environ, "GPU_CHECK_SMOKE": "1"}, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_gpu_check_writes_outside_the_repository(tmp_path):
+    inside = EXPERIMENTS.parent / "runs" / "gpu_check_here"
+    proc = _gpu_check(tmp_path, inside)
+    assert proc.returncode == 1 and "is inside the repository; pick one outside it" in proc.stderr
+    assert not inside.exists()
+
+
+@pytest.mark.slow  # about 1.5 minutes on 2 CPU cores
+def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
+    (tmp_path / "wheels").mkdir()  # the dependencies are installed here already: the project alone is installed
+    proc = _gpu_check(tmp_path, tmp_path / "out", tmp_path / "wheels")
+    log = (tmp_path / "out" / "gpu_check.txt").read_text()
+    assert proc.returncode == 0, log
+    assert all(f"\n== {n}. " in log for n in range(6))  # 6 needs two GPUs
+    imported_from = log.split("bayesncl_pyro from ", 1)[1].split(";")[0]
+    assert not imported_from.startswith(str(EXPERIMENTS.parent))  # the copy installed into the temporary folder
+    assert "section 3 drew the device views from files decoded per batch: ok" in log
+    assert log.count("bit-identical") == 2 and log.count("vs workers: all finite True") == 4
+    assert "FAILED" not in log and "gpu_check: exit status 0" in log

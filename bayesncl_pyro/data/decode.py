@@ -26,15 +26,17 @@ class EncodedImages(Dataset):
     process turns a batch into images with ``decode``. Indices past the length wrap (``EpochSampler``).
     """
 
-    def __init__(self, dataset: Dataset):
+    def __init__(self, dataset: Dataset, jpegs_as_bytes: bool = True):
+        """``jpegs_as_bytes`` False: the workers decode every image (``nvjpeg_is_safe`` says when to)."""
         self.files = image_files(dataset)
         self.indices = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
+        self.read = _read_encoded if jpegs_as_bytes else _read_decoded
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        data, _, j = self.files.read(self.indices[i % len(self)], _read_encoded)
+        data, _, j = self.files.read(self.indices[i % len(self)], self.read)
         return data, j
 
     def decode(self, batch: list[tuple[torch.Tensor, int]], device: torch.device) -> list[torch.Tensor]:
@@ -61,7 +63,23 @@ def _read_encoded(path: Path) -> torch.Tensor:
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8)
     except (OSError, ValueError, Image.DecompressionBombError):
         pass  # open_rgb raises the error that names the file
+    return _read_decoded(path)
+
+
+def _read_decoded(path: Path) -> torch.Tensor:
     return pil_to_tensor(open_rgb(path))
+
+
+ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF "
+                        "backend:cudaMallocAsync), under which memory that other CUDA streams still use can be handed "
+                        "to nvJPEG's outputs")
+
+
+def nvjpeg_is_safe(device: torch.device) -> bool:
+    """Whether the training process may decode JPEGs on ``device`` (``_decode_jpegs``): not on CUDA under the
+    cudaMallocAsync backend, whose pool may give the decoding stream a block that another stream frees, with a
+    dependency on that stream inserted into the decoding stream only, which nvJPEG's own stream does not follow."""
+    return device.type != "cuda" or torch.cuda.get_allocator_backend() == "native"
 
 
 def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
@@ -69,16 +87,25 @@ def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[tor
 
     On CUDA this first waits until the current stream has run all its queued work. torchvision allocates the
     decoded images on the current stream, and nvJPEG's hardware decoder writes them from its own stream
-    without waiting for that one (pytorch/vision#9606, meta-pytorch/torchcodec#1634); the caching allocator
+    without waiting for that one; the caching allocator
     hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG can
     overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks
-    of the current stream are at risk (other streams' blocks are not handed to it, and a block used on
-    another stream via ``record_stream`` comes back only after that use has run), so the wait is on this
-    stream alone: the input pipeline's, in its own thread, never the training step's (``pipeline.py``).
-    decode_jpeg waits for its own stream before returning anyway, so this moves a wait, and adds none."""
+    of the current stream are at risk under the native allocator (other streams' blocks are not handed to it,
+    and a block used on another stream via ``record_stream`` comes back only after that use has run), so the
+    wait is on this stream alone: the input pipeline's, in its own thread, never the training step's
+    (``pipeline.py``). decode_jpeg waits for its own stream before returning anyway, so this moves a wait, and
+    adds none. Under cudaMallocAsync the reasoning fails (``nvjpeg_is_safe``): the trainer has the loader workers
+    decode instead. The calling thread's current device must be ``device``: torchvision's decoder makes the current
+    stream of the device that was current when it was created wait for its own.
+
+    A decode that fails part-way may leave nvJPEG's stream writing into outputs torchvision has already freed onto
+    the current stream; the fallback allocates there, so it first waits for the whole device, the decoder's stream
+    included (a rare path: a corrupt file)."""
     if encoded and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     try:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else []
     except RuntimeError:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]

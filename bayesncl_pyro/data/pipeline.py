@@ -106,7 +106,10 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
     """The input pipeline's stream on ``device``, one for the process: the caching allocator keeps freed blocks
-    per stream, so a new stream per epoch would cache another copy of the pipeline's working memory."""
+    per stream, so a new stream per epoch would cache another copy of the pipeline's working memory. It comes from
+    PyTorch's stream pool, whose streams other users (torchvision's decoder, NCCL) may draw too: sharing one only
+    serialises their work. Being non-blocking, it does not wait for the legacy default stream, nor it for it: only
+    the event below orders them."""
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     return _STREAMS[device]

@@ -1,0 +1,112 @@
+"""The divergence guard of the training step: whether each step's loss and gradients are finite, decided on the device,
+so that a step makes no host sync; the host reads the verdicts every few steps (``Trainer``'s checks).
+
+Each optimizer step goes through ``DivergenceGuard.step``, which writes one row on the device: ``[not finite, InfoNCE term,
+loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm cannot
+overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is the
+maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
+the rows to the host in one transfer and names what went wrong in each bad step.
+
+With ``mask`` (``--on-nan skip``) a bad step's update is undone on the device, as a fused optimizer skips its step on
+GradScaler's ``found_inf``: the module buffers its forward pass updates (BatchNorm's running statistics; ``begin``),
+the parameters and the optimizer state the step touches are copied first, then put back by ``torch.where`` on the
+flag. State the step creates (SGD's and LARS's momentum, AdamW's moments and step count) goes to zero, which is what
+their first step starts from (SGD without dampening: ``momentum * 0 + g == g``). Without
+``mask`` (``--on-nan stop``) a bad step is applied in memory; the trainer checks before writing any checkpoint, so
+none holds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
+TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
+
+
+class DivergenceGuard:
+    """``begin()`` before a step's forward pass, ``step(number, loss, nce)`` after ``loss.backward()`` instead of
+    ``optimizer.step()``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between two ``bad_steps``."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mask: bool, rows: int):
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.buffers = list(module.buffers())
+        self.optimizer, self.mask, self.capacity = optimizer, mask, rows
+        self.rows: torch.Tensor | None = None  # capacity x (3 + parameters), on the device, made at the first step
+        self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
+        self.saved_buffers: list[torch.Tensor] = []
+
+    def begin(self):
+        """With ``mask``: keep the buffers as they are before the forward pass updates them."""
+        if self.mask:
+            self.saved_buffers = [b.clone() for b in self.buffers]
+
+    def step(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
+        """Record step ``number``'s verdict on the device and take the optimizer step (undone by the verdict with
+        ``mask``). Queues work only: nothing here waits for the device."""
+        if len(self.steps) == self.capacity:
+            raise RuntimeError(f"DivergenceGuard holds {self.capacity} unread steps; call bad_steps() more often")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = iter(torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else [])
+        zero = loss.new_zeros((), dtype=torch.float64)
+        row = torch.stack([zero, nce.detach().double(), loss.detach().double(),
+                           *(next(norms) if p.grad is not None else zero for p in self.params)])
+        row[0] = (~row[1:].isfinite()).any()
+        if dist.is_initialized():
+            dist.all_reduce(row[:1], op=dist.ReduceOp.MAX)
+        if self.rows is None:
+            self.rows = row.new_empty(self.capacity, len(row))
+        self.rows[len(self.steps)] = row
+        self.steps.append(number)
+        if self.mask:
+            self._masked_step(row[0] == 0)
+        else:
+            self.optimizer.step()
+
+    @torch.no_grad()
+    def _masked_step(self, ok: torch.Tensor):
+        tensors = self._touched()
+        saved = [torch.empty_like(t) for t in tensors]
+        if tensors:
+            torch._foreach_copy_(saved, tensors)
+        self.optimizer.step()
+        for t, s in zip(tensors + self.buffers, saved + self.saved_buffers, strict=True):  # strict: begin() was called
+            torch.where(ok, t, s, out=t)
+        self.saved_buffers = []
+        old = {id(t) for t in tensors}
+        for t in self._touched():
+            if id(t) not in old:  # made by this step
+                torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device), out=t)
+
+    def _touched(self) -> list[torch.Tensor]:
+        """The parameters an optimizer step changes, and their optimizer state."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        state = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
+        return params + state
+
+    def bad_steps(self) -> list[tuple[int, str]]:
+        """(step number, what was not finite) of each bad step since the last call, in order: one host sync (none when no
+        step was taken since)."""
+        if not self.steps:
+            return []
+        rows = self.rows[:len(self.steps)].tolist()
+        steps, self.steps = self.steps, []
+        return [(number, self._what(row)) for number, row in zip(steps, rows) if row[0]]
+
+    def _what(self, row: list[float]) -> str:
+        """The first non-finite term of a bad step's row: InfoNCE, then KL (loss - InfoNCE), then a gradient."""
+        flag, nce, loss, *norms = row
+        if not _finite(nce):
+            return f"the InfoNCE term is {nce}"
+        if not _finite(loss):
+            return f"the KL term is {loss - nce}"
+        name = next((n for n, norm in zip(self.names, norms) if not _finite(norm)), None)
+        if name is None:
+            return "a loss or gradient on another process is not finite"
+        return f"the gradient of {name} (from {TERMS[name.split('.')[0]]}) is not finite"
+
+
+def _finite(x: float) -> bool:
+    return x - x == 0  # False for nan and +-inf

@@ -1,0 +1,527 @@
+"""A CPU stand-in for the CUDA runtime calls the project makes, so that its CUDA-only lines run in CPU tests.
+
+The ``fake_cuda`` fixture installs it: ``torch.cuda`` then reports ``FakeCuda.count`` GPUs, and a tensor "on" ``cuda:i`` is a
+CPU tensor of class ``CudaTensor`` whose ``device`` says ``cuda:i``, so every ``device.type == "cuda"`` branch runs, on the
+CPU's numbers. A ``TorchFunctionMode``, entered in every thread started while it is installed, moves tensors to and from
+the fake devices and checks what CUDA checks:
+
+- device arguments go through torch.cuda's own ``_get_device_index``: ``set_device(torch.device("cuda"))`` raises
+  ``ValueError`` as it does on a GPU; an index past the count raises; ``current_stream("cpu")`` raises;
+- the current device and the current stream are per thread, and a new thread starts on device 0, as in CUDA's runtime;
+- an op whose tensors sit on two devices raises, as CUDA kernels do (a CPU 0-dim tensor, CPU indices of ``x[i]`` and the
+  source of a copy are allowed); ``numpy()`` of a CUDA tensor raises; ``pin_memory`` of a CUDA tensor raises;
+- an event records on a stream of its own device (after its first record); ``record_stream`` takes a stream, of a CUDA
+  tensor;
+- a forked worker process that touches CUDA raises, as CUDA's runtime cannot be used after a fork.
+
+Stricter than CUDA, to catch what CUDA lets pass silently (and what this project's stream hand-offs rely on):
+
+- waiting on an event that was never recorded raises (CUDA: a no-op, so nothing is ordered);
+- ``record_stream`` takes a stream of the tensor's own device;
+- every op runs on its thread's current stream with a logical clock; a stream that reads a tensor another stream wrote
+  must have waited for that write (``wait_event`` on an event recorded after it), or the host must have synchronized the
+  writer since: otherwise the read races the write;
+- torchvision's ``decode_jpeg`` on CUDA (replaced by ``decode_jpeg`` here, which decodes on the CPU) requires the current
+  stream to have no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does
+  not wait for the current one), the thread's current device to be the target (its decoder makes the current stream of
+  the device current when it was created wait for it), and refuses to run under the ``cudaMallocAsync`` backend; after
+  a decode that failed part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the
+  decoder's stream may still write into the outputs it freed).
+
+Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
+the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
+stages them synchronously), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import threading
+
+import pytest
+import torch
+from torch.cuda._utils import _get_device_index
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+RUNTIME: FakeCuda | None = None  # the installed stand-in
+
+
+def _runtime() -> FakeCuda:
+    if RUNTIME is None:
+        raise RuntimeError("fake CUDA: used outside the fake_cuda fixture")
+    return RUNTIME
+
+
+class CudaTensor(torch.Tensor):
+    """A CPU tensor that says it is on ``cuda:<_index>``; ``_writer`` is (stream, clock) of the op that wrote it last."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._index)
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    def get_device(self) -> int:
+        return self._index
+
+    def __reduce_ex__(self, protocol):
+        # saved as what torch.load(map_location="cpu") would give back
+        with torch._C.DisableTorchFunction():
+            plain = self.as_subclass(torch.Tensor)
+        return plain.__reduce_ex__(protocol)
+
+
+class PinnedTensor(torch.Tensor):
+    """A CPU tensor in page-locked memory (``pin_memory``)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class Stream:
+    """``torch.cuda.Stream``: ops run on it in order; ``clock`` counts them, ``done`` is the last the host waited for,
+    ``seen[s]`` the clock of stream ``s`` this stream has waited for on the device."""
+
+    _ids = itertools.count()
+
+    def __init__(self, device=None, priority: int = 0, name: str | None = None):
+        index = _get_device_index(device, optional=True)
+        runtime = _runtime()
+        runtime.check_index(index)
+        self.device_index, self.clock, self.done, self.seen = index, 0, 0, {}
+        self.name = name or f"stream {next(self._ids)} of cuda:{index}"
+        runtime.streams.append(self)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
+
+    def __repr__(self):
+        return f"<fake {self.name}>"
+
+    def wait_event(self, event: Event):
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event expects a torch.cuda.Event, got {type(event).__name__}")
+        if event.stream is None:
+            raise RuntimeError(f"fake CUDA: {self} waits on an event that was never recorded; CUDA would not wait at "
+                               "all (cudaStreamWaitEvent on an unrecorded event is a no-op)")
+        self.seen[event.stream] = max(self.seen.get(event.stream, 0), event.clock)
+
+    def wait_stream(self, stream: Stream):
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        _runtime().host_waits(self)
+
+    def query(self) -> bool:
+        return True
+
+
+class Event:
+    """``torch.cuda.Event``: ``record`` notes the stream and its clock."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.stream, self.clock = None, 0
+
+    def record(self, stream: Stream | None = None):
+        stream = stream or _runtime().current_stream()
+        if self.stream is not None and self.stream.device_index != stream.device_index:
+            raise RuntimeError(f"Event device index {self.stream.device_index} does not match recording stream's "
+                               f"device index {stream.device_index}.")
+        self.stream, self.clock = stream, stream.clock
+
+    def wait(self, stream: Stream | None = None):
+        (stream or _runtime().current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        if self.stream is not None:
+            _runtime().host_waits(self.stream, self.clock)
+
+    def elapsed_time(self, end: Event) -> float:
+        return 0.0
+
+
+class _StreamContext:
+    """``torch.cuda.stream(s)``: ``s`` is the current stream of its device, and its device the current one, inside."""
+
+    def __init__(self, stream: Stream | None):
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"torch.cuda.stream expects a torch.cuda.Stream or None, got {type(stream).__name__}")
+        self.stream = stream
+
+    def __enter__(self):
+        if self.stream is not None:
+            runtime = _runtime()
+            self.previous = runtime.current_device(), runtime.current_stream(self.stream.device_index)
+            runtime.set_stream(self.stream)
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            runtime = _runtime()
+            runtime.set_stream(self.previous[1])
+            runtime.local.device = self.previous[0]
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
+
+
+# ops that take tensors of another device than their result: copies, and the CPU indices of x[i] / x[i] = v
+_CROSS_DEVICE = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_}
+# what reads no data (attributes, shapes, views' bookkeeping, hooks): no kernel, nothing ordered
+_METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel", "nelement", "ndimension",
+             "is_contiguous", "data_ptr", "element_size", "untyped_storage", "storage_offset", "__len__",
+             "is_floating_point", "is_complex", "requires_grad_", "register_hook", "retain_grad", "__hash__", "type",
+             "is_leaf", "_is_view", "backward", "_has_compatible_shallow_copy_type", "is_same_size", "__repr__", "__reduce_ex__", "__deepcopy__", "as_subclass"}
+# ops whose result the host waits for
+_SYNCING = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+            torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal, torch.Tensor.equal,
+            torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique, torch.Tensor.__format__}
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, runtime: FakeCuda):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = self.runtime.special.get(func)
+        if special is not None:
+            return special(*args, **kwargs)
+        return self.runtime.run(func, args, kwargs)
+
+
+class FakeCuda:
+    """The stand-in's state: devices, streams, counts. ``count`` GPUs, each with ``free`` of ``total`` bytes."""
+
+    def __init__(self, count: int = 2, free: int = 8 << 30, total: int = 16 << 30):
+        self.count, self.free, self.total = count, free, total
+        self.backend = "native"  # torch.cuda.get_allocator_backend()
+        self.pid = os.getpid()
+        self.local = threading.local()
+        self.streams: list[Stream] = []
+        self.lock = threading.RLock()
+        self.syncs: collections.Counter = collections.Counter()  # thread name -> host syncs
+        self.recorded: dict[int, set] = collections.defaultdict(set)  # storage address -> streams (record_stream)
+        self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
+        self.decodes = 0  # decode_jpeg calls on CUDA
+        self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
+        self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
+        self.default_streams = []
+        self.trace = None  # a list: where each host sync happened
+        global RUNTIME
+        RUNTIME = self
+        self.default_streams = [Stream(i, name=f"default stream of cuda:{i}") for i in range(count)]
+        self.special = {
+            torch.Tensor.to: self.to, torch.Tensor.cuda: self.cuda, torch.Tensor.cpu: self.cpu,
+            torch.Tensor.pin_memory: self.pin_memory, torch.Tensor.is_pinned: self.is_pinned,
+            torch.Tensor.numpy: self.numpy,
+        }
+
+    # ---------------------------------------------------------------------------------------- devices and streams
+    def check_index(self, index: int):
+        if not 0 <= index < self.count:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+
+    def check_process(self):
+        if os.getpid() != self.pid:
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you "
+                               "must use the 'spawn' start method")
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, device):
+        index = _get_device_index(device)  # torch.cuda.set_device's own argument check
+        if index >= 0:
+            self.check_index(index)
+            self.local.device = index
+            self.set_devices.append((threading.current_thread().name, index))
+
+    def current_stream(self, device=None) -> Stream:
+        index = _get_device_index(device, optional=True)
+        self.check_index(index)
+        streams = self.local.__dict__.setdefault("streams", {})
+        return streams.get(index, self.default_streams[index])
+
+    def set_stream(self, stream: Stream):
+        self.local.__dict__.setdefault("streams", {})[stream.device_index] = stream
+        self.local.device = stream.device_index
+
+    def host_waits(self, stream: Stream, clock: int | None = None, why: str = ""):
+        stream.done = max(stream.done, stream.clock if clock is None else clock)
+        self.syncs[threading.current_thread().name] += 1
+        if self.trace is not None:
+            import traceback
+            self.trace.append((threading.current_thread().name, why, "".join(traceback.format_stack(limit=12)[:-2])))
+
+    def synchronize(self, device=None):
+        index = _get_device_index(device, optional=True)
+        self.check_index(index)
+        for stream in self.streams:
+            if stream.device_index == index:
+                stream.done = stream.clock
+        self.dirty.pop(index, None)
+        self.syncs[threading.current_thread().name] += 1
+
+    # ---------------------------------------------------------------------------------------------------- tensors
+    def index_of(self, device) -> int:
+        index = _get_device_index(device, optional=True)
+        self.check_index(index)
+        return index
+
+    def wrap(self, out, index: int, stream: Stream, inputs: list):
+        """The op's tensor results as tensors on ``cuda:index`` written by ``stream`` now (results that are inputs, as
+        in-place ops return, are the same objects, rewritten)."""
+        def one(t):
+            if not isinstance(t, torch.Tensor) or any(t is x for x in inputs):
+                return t
+            if self.dirty.get(index) is stream:
+                raise RuntimeError(f"fake CUDA: memory allocated on {stream} after decode_jpeg failed part-way: "
+                                   "the decoder's stream may still write into the outputs it freed there; "
+                                   "torch.cuda.synchronize(device) first")
+            if not isinstance(t, CudaTensor):
+                with torch._C.DisableTorchFunction():
+                    t = t.as_subclass(CudaTensor)
+            t._index, t._writer = index, (stream, stream.clock)
+            return t
+
+        return tree_map(one, out)
+
+    def reads(self, stream: Stream, tensors):
+        """Check that ``stream`` may read ``tensors`` now; one more op on it."""
+        stream.clock += 1
+        for t in tensors:
+            writer, clock = getattr(t, "_writer", (stream, 0))
+            if writer is not stream and max(stream.seen.get(writer, 0), writer.done) < clock:
+                raise RuntimeError(f"fake CUDA: {stream} reads a tensor that {writer} wrote (its op {clock}) without "
+                                   f"waiting for it: record an event on {writer} after the write and wait_event on it, "
+                                   "or synchronize")
+
+    def run(self, func, args, kwargs):
+        flat = tree_flatten((args, kwargs))[0]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        indices = {t._index for t in tensors if isinstance(t, CudaTensor)}
+        device = kwargs.get("device")
+        if _is_cuda(device):  # a factory: torch.empty(..., device="cuda"), torch.rand(..., device=x.device), ...
+            indices.add(self.index_of(device))
+            kwargs = {**kwargs, "device": "cpu"}
+        if not indices:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and threading.current_thread() is threading.main_thread():
+                self.largest_host_tensor = max(self.largest_host_tensor, out.nbytes)
+            return out
+        self.check_process()
+        if len(indices) > 1:
+            a, b = sorted(indices)[:2]
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:{a} and cuda:{b}!")
+        (index,) = indices
+        if getattr(func, "__name__", "") in _METADATA:
+            out = func(*args, **kwargs)
+            stream = self.current_stream(index)
+            return self.wrap(out, index, stream, tensors)
+        if func not in _CROSS_DEVICE and any(not isinstance(t, CudaTensor) and t.dim() > 0 for t in tensors):
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:{index} and cpu! ({getattr(func, '__name__', func)})")
+        with self.lock:
+            stream = self.current_stream(index)
+            self.reads(stream, [t for t in tensors if isinstance(t, CudaTensor)])
+            out = func(*args, **kwargs)
+            if func in _SYNCING:
+                self.host_waits(stream, why=func.__name__)
+            if _is_cpu_device(device):
+                return out
+            written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
+            written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
+            for t in written:
+                if isinstance(t, torch.Tensor):
+                    t._writer = (stream, stream.clock)
+            return self.wrap(out, index, stream, tensors)
+
+    # ------------------------------------------------------------------------------------- what moves between devices
+    def _copy(self, src: torch.Tensor, index: int | None, non_blocking: bool, **how) -> torch.Tensor:
+        """``src`` on ``cuda:index`` (None: the CPU), as ``Tensor.to`` copies it."""
+        source = src._index if isinstance(src, CudaTensor) else None
+        if index is not None:
+            self.check_process()
+            self.check_index(index)
+        with self.lock:
+            if source is not None:
+                stream = self.current_stream(source)
+                self.reads(stream, [src])
+            if index is None:  # to the host: waits for the copy unless non_blocking
+                with torch._C.DisableTorchFunction():
+                    out = src.as_subclass(torch.Tensor).to(copy=True, **how)
+                if not non_blocking:
+                    self.host_waits(self.current_stream(source), why="to the CPU")
+                return out
+            stream = self.current_stream(index)
+            if source is None and (not non_blocking or not isinstance(src, PinnedTensor)):
+                self.host_waits(stream, why="to the GPU")  # memcpy_and_sync, or pageable memory staged synchronously
+            stream.clock += 1
+            with torch._C.DisableTorchFunction():
+                out = src.as_subclass(torch.Tensor).to(copy=True, **how)
+            return self.wrap(out, index, stream, [])
+
+    def to(self, tensor, *args, **kwargs):
+        copy = kwargs.pop("copy", False)
+        if args and isinstance(args[0], torch.Tensor):  # to(other): other's device as it says it is, and dtype
+            args = (args[0].device, args[0].dtype, *args[1:])
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        how = {k: v for k, v in dict(dtype=dtype, memory_format=memory_format).items() if v is not None}
+        here = tensor._index if isinstance(tensor, CudaTensor) else None
+        there = here if device is None else (self.index_of(device) if device.type == "cuda" else None)
+        if there == here:
+            if here is None:
+                with torch._C.DisableTorchFunction():
+                    return torch.Tensor.to(tensor, *args, copy=copy, **kwargs)
+            return self.run(torch.Tensor.to, (tensor,), dict(copy=copy, **how)) if how or copy else tensor
+        return self._copy(tensor, there, non_blocking, **how)
+
+    def cuda(self, tensor, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self.to(tensor, torch.device("cuda", self.index_of(device)), non_blocking=non_blocking,
+                       memory_format=memory_format)
+
+    def cpu(self, tensor, memory_format=torch.preserve_format):
+        return self.to(tensor, "cpu", memory_format=memory_format)
+
+    def pin_memory(self, tensor, device=None):
+        if isinstance(tensor, CudaTensor):
+            raise RuntimeError(f"cannot pin '{tensor.type()}' only dense CPU tensors can be pinned")
+        with torch._C.DisableTorchFunction():
+            return tensor.clone().as_subclass(PinnedTensor)
+
+    def is_pinned(self, tensor, device=None) -> bool:
+        return isinstance(tensor, PinnedTensor)
+
+    def record_stream(self, tensor, stream):
+        if not isinstance(stream, Stream):
+            raise TypeError(f"record_stream(): argument 'stream' must be Stream, not {type(stream).__name__}")
+        if not isinstance(tensor, CudaTensor):
+            raise NotImplementedError("Could not run 'aten::record_stream' with arguments from the 'CPU' backend")
+        if stream.device_index != tensor._index:
+            raise RuntimeError(f"fake CUDA: record_stream of a tensor on cuda:{tensor._index} with {stream}")
+        self.recorded[tensor.untyped_storage().data_ptr()].add(stream)
+
+    def numpy(self, tensor, *, force=False):
+        if isinstance(tensor, CudaTensor):
+            raise TypeError(f"can't convert cuda:{tensor._index} device type tensor to numpy. Use Tensor.cpu() to copy "
+                            "the tensor to host memory first.")
+        with torch._C.DisableTorchFunction():
+            return tensor.numpy(force=force)
+
+    # ------------------------------------------------------------------------------------------- torchvision's decoder
+    def decode_jpeg(self, input, mode=None, device="cpu", apply_exif_orientation=False):
+        """``torchvision.io.decode_jpeg``: on the CPU as it is; on CUDA decoded on the CPU after the checks above."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        mode = ImageReadMode.UNCHANGED if mode is None else mode
+        if not _is_cuda(device):
+            return decode_jpeg(input, mode=mode, device=device, apply_exif_orientation=apply_exif_orientation)
+        single = isinstance(input, torch.Tensor)
+        encoded = [input] if single else list(input)
+        index = self.index_of(device)
+        self.check_process()
+        for data in encoded:
+            if data.dtype != torch.uint8:
+                raise RuntimeError("Expected a torch.uint8 tensor")
+            if isinstance(data, CudaTensor):
+                raise RuntimeError("The input tensor must be on CPU when decoding with nvjpeg")
+            if data.dim() != 1 or data.numel() == 0:
+                raise RuntimeError("Expected a non empty 1-dimensional tensor")
+        if self.backend != "native":
+            raise RuntimeError("fake CUDA: nvJPEG under the cudaMallocAsync backend: its outputs may get memory other "
+                               "streams still use")
+        if self.current_device() != index:
+            raise RuntimeError(f"fake CUDA: decode_jpeg on cuda:{index} from a thread whose current device is "
+                               f"cuda:{self.current_device()}")
+        stream = self.current_stream(index)
+        if stream.clock > stream.done:
+            raise RuntimeError(f"fake CUDA: decode_jpeg with work queued on {stream} that the host has not waited for: "
+                               "nvJPEG writes its outputs from its own stream, into memory that work may still use")
+        self.decodes += 1
+        try:
+            with torch._C.DisableTorchFunction():
+                images = [decode_jpeg(data.as_subclass(torch.Tensor), mode=mode) for data in encoded]
+        except RuntimeError as err:  # decoding started: the decoder's stream may still write into what it freed
+            self.dirty[index] = stream
+            raise RuntimeError(f"Error while decoding JPEG images: {err}") from None
+        stream.clock += 1
+        out = [self.wrap(image, index, stream, []) for image in images]
+        return out[0] if single else out
+
+    # -------------------------------------------------------------------------------------------------- installing
+    def install(self, monkeypatch: pytest.MonkeyPatch):
+        cuda, runtime = torch.cuda, self
+        for name, value in dict(
+            is_available=lambda: True, device_count=lambda: self.count, current_device=self.current_device,
+            set_device=self.set_device, Stream=Stream, Event=Event, stream=_StreamContext,
+            current_stream=self.current_stream, default_stream=lambda device=None: self.default_streams[
+                self.index_of(device)], set_stream=self.set_stream, synchronize=self.synchronize,
+            mem_get_info=lambda device=None: (self.free, self.total) if self.index_of(device) >= 0 else None,
+            get_allocator_backend=lambda: self.backend, get_device_name=lambda device=None: "fake CUDA device",
+            memory_allocated=lambda device=None: 0, max_memory_allocated=lambda device=None: 0,
+            reset_peak_memory_stats=lambda device=None: None, is_bf16_supported=lambda *a, **k: True,
+            is_current_stream_capturing=lambda: False, is_initialized=lambda: True, _lazy_init=lambda: None,
+            get_rng_state_all=lambda: [torch.zeros(8, dtype=torch.uint8) for _ in range(self.count)],
+            set_rng_state_all=lambda states: None, manual_seed_all=lambda seed: None, manual_seed=lambda seed: None,
+        ).items():
+            monkeypatch.setattr(cuda, name, value)
+        # its argument parser takes a real torch.Stream only, before any torch function could see the call
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: self.record_stream(tensor, stream))
+        acc = torch.accelerator  # what DataLoader's pin_memory asks
+        monkeypatch.setattr(acc, "is_available", lambda: True)
+        monkeypatch.setattr(acc, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+        monkeypatch.setattr(acc, "current_device_index", self.current_device)
+        monkeypatch.setattr(acc, "set_device_index", self.set_device)
+        monkeypatch.setattr(acc, "device_count", lambda: self.count)
+        # nn.Module.to replaces each parameter by the moved tensor (a CudaTensor), instead of setting .data
+        monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
+        from bayesncl_pyro.data import decode
+
+        monkeypatch.setattr(decode, "decode_jpeg", self.decode_jpeg)
+        run = threading.Thread.run
+
+        def run_with_fake_cuda(thread):
+            with _Mode(runtime):
+                run(thread)
+
+        monkeypatch.setattr(threading.Thread, "run", run_with_fake_cuda)
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _is_cpu_device(device) -> bool:
+    return device is not None and not isinstance(device, int) and torch.device(device).type == "cpu"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``count`` fake GPUs for the test's duration (``tests/fake_cuda.py``); yields the ``FakeCuda`` state."""
+    global RUNTIME
+    runtime = FakeCuda()
+    runtime.install(monkeypatch)
+    try:
+        with _Mode(runtime):
+            yield runtime
+    finally:
+        RUNTIME = None

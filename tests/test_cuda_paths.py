@@ -1,0 +1,342 @@
+"""The CUDA-only lines, run on a CPU through the stand-in of tests/fake_cuda.py: the training device, the prefetcher's
+stream hand-off, nvJPEG decoding and its fallback, the training set held on the GPU, and the training step's host syncs
+and divergence guard (which these tests also run on the CPU)."""
+
+import threading
+
+import pytest
+import torch
+
+from bayesncl_pyro import distributed
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import load_dataset, pipeline
+from bayesncl_pyro.data import resident as resident_module
+from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.training import Trainer, pick_device
+from fake_cuda import CudaTensor, Event, PinnedTensor, Stream
+from test_device_views import _truncate, assert_resume_is_exact, photo_tree, write_photo
+
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+def _digits(tmp_path, name="run", **kw) -> Config:
+    return Config(**{**dict(dataset="digits", proj_hidden=16, proj_dim=8, batch_size=64, epochs=2, warmup_epochs=0,
+                            workers=0, log_every=1, train_subset=192, device="cuda", augment="device",
+                            out=str(tmp_path / name)), **kw})
+
+
+# ------------------------------------------------------------------------------------------------ the stand-in itself
+
+
+def test_the_stand_in_checks_arguments_as_cuda_does(fake_cuda):
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_device(torch.device("cuda"))  # what every one-GPU run died of at its first batch
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(2)
+    with pytest.raises(ValueError, match="Expected a cuda device"):
+        torch.cuda.current_stream(torch.device("cpu"))
+    x = torch.ones(4, device="cuda:1")
+    assert x.device == CUDA1 and x.is_cuda and isinstance(x, CudaTensor)
+    with pytest.raises(RuntimeError, match="found at least two devices, cuda:1 and cpu"):
+        x + torch.ones(4)
+    assert (x + torch.tensor(2.0)).device == CUDA1  # a CPU scalar is fine
+    with pytest.raises(RuntimeError, match="cuda:0 and cuda:1"):
+        x + torch.ones(4, device="cuda:0")
+    with pytest.raises(TypeError, match="can't convert cuda:1 device type tensor to numpy"):
+        x.numpy()
+    assert x.cpu().tolist() == [1.0] * 4
+
+    with pytest.raises(NotImplementedError, match="'CPU' backend"):
+        torch.ones(2).record_stream(torch.cuda.current_stream(0))
+    with pytest.raises(RuntimeError, match="record_stream of a tensor on cuda:1"):
+        x.record_stream(torch.cuda.current_stream(0))
+    with pytest.raises(TypeError, match="must be Stream"):
+        x.record_stream(None)
+
+    side = Stream(1)
+    with pytest.raises(RuntimeError, match="never recorded"):
+        side.wait_event(Event())
+    event = Event()
+    event.record(side)
+    with pytest.raises(RuntimeError, match="Event device index 1 does not match recording stream's device index 0"):
+        event.record(torch.cuda.current_stream(0))
+
+
+def test_the_stand_in_catches_a_read_that_races_a_write(fake_cuda):
+    torch.cuda.set_device(1)
+    side, main = Stream(1), torch.cuda.current_stream(1)
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_stream() is side
+        y = torch.ones(3, device="cuda") * 2  # written on the side stream
+    assert torch.cuda.current_stream() is main
+    with pytest.raises(RuntimeError, match="without waiting for it"):
+        y + 1
+    done = Event()
+    done.record(side)
+    main.wait_event(done)
+    assert (y + 1).tolist() == [3.0] * 3
+
+
+def test_the_stand_in_counts_host_syncs_and_keeps_the_device_per_thread(fake_cuda):
+    torch.cuda.set_device(1)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.cuda.current_device()), name="probe")
+    thread.start()
+    thread.join()
+    assert seen == [0]  # CUDA's current device is per thread: a new thread starts on 0
+    before = fake_cuda.syncs["MainThread"]
+    pinned = torch.ones(3).pin_memory()
+    assert isinstance(pinned, PinnedTensor) and pinned.is_pinned()
+    pinned.to("cuda", non_blocking=True)
+    assert fake_cuda.syncs["MainThread"] == before  # from pinned memory: queued, not waited for
+    torch.ones(3).to("cuda", non_blocking=True)  # pageable memory: CUDA stages it synchronously
+    bool(torch.ones(1, device="cuda"))
+    assert fake_cuda.syncs["MainThread"] == before + 2
+
+
+# -------------------------------------------------------------------------------------------------- the device
+
+
+def test_a_one_gpu_run_trains_from_its_first_batch_and_resumes_exactly(fake_cuda, tmp_path):
+    """--device cuda was passed on without an index, and the input pipeline's thread died on set_device at step 1."""
+    straight = Trainer(_digits(tmp_path, "a"), progress=False)
+    assert_resume_is_exact(straight, lambda **kw: _digits(tmp_path, "b", **kw))
+    assert straight.device == CUDA0 and ("input-pipeline", 0) in fake_cuda.set_devices
+    assert isinstance(straight.views, pipeline.ResidentViews) and straight.views.images.device == CUDA0
+    assert straight.memory_format == torch.channels_last
+    assert all(p.device == CUDA0 for p in straight.learner.parameters())
+
+
+def test_the_device_is_resolved_once_with_its_index(fake_cuda, monkeypatch):
+    torch.cuda.set_device(1)
+    assert pick_device("cuda") == CUDA1 == pick_device("auto") == pick_device("cuda:1")
+    assert pick_device("cuda:0") == CUDA0 and pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match=r"--device cuda:2: PyTorch sees 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        pick_device("cuda:2")
+    with pytest.raises(UserError, match="unknown --device 'gpu'"):
+        pick_device("gpu")
+    # under torchrun each process takes its own GPU; naming one GPU is refused
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert pick_device("cuda") == CUDA0 == pick_device("auto")
+    with pytest.raises(UserError, match="torchrun starts one process per GPU"):
+        pick_device("cuda:1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    assert distributed.setup(CUDA0) == (0, 2, CUDA0) and torch.cuda.current_device() == 0
+
+
+def test_a_run_on_the_second_gpu_keeps_everything_there(fake_cuda, tmp_path):
+    trainer = Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
+    assert trainer.device == CUDA1 and torch.cuda.current_device() == 1
+    trainer.train(3)  # a tensor on cuda:0 meeting one on cuda:1 would raise
+    assert ("input-pipeline", 1) in fake_cuda.set_devices
+    assert all(p.device == CUDA1 for p in trainer.learner.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- the prefetcher
+
+
+def test_prefetched_batches_are_handed_to_the_training_stream(fake_cuda):
+    torch.cuda.set_device(1)
+
+    def make(batch, k):
+        assert torch.cuda.current_device() == 1 and torch.cuda.current_stream() is pipeline._stream(CUDA1)
+        return torch.full((3,), float(10 * batch + k), device=CUDA1) * 2  # written on the pipeline's stream
+
+    training_stream = torch.cuda.current_stream(1)
+    for _ in range(2):  # one stream for the process, whatever the number of epochs
+        got = []
+        for x in pipeline.prefetch(range(4), make, CUDA1, ahead=2):
+            got.append((x + 0).tolist())  # the training stream reads it: it must have waited for its event
+            assert fake_cuda.recorded[x.untyped_storage().data_ptr()] == {training_stream}
+        assert got == [[2.0 * (11 * k)] * 3 for k in range(4)]
+    assert pipeline._STREAMS[CUDA1] is pipeline._stream(CUDA1)
+    assert fake_cuda.syncs["input-pipeline"] == 0  # the pipeline never waits for the GPU here
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+
+
+def test_jpegs_decoded_on_the_gpu_are_the_cpus(fake_cuda, tmp_path):
+    spec = load_dataset("imagefolder", photo_tree(tmp_path))
+    encoded = EncodedImages(spec.train)
+    batch = [encoded[i] for i in range(len(encoded))]
+    side = Stream(0)
+    with torch.cuda.stream(side):
+        busy = torch.ones(8, device="cuda") * 3  # queued work on the decoding stream: decoding must wait for it
+        images = encoded.decode(batch, CUDA0)
+    assert fake_cuda.decodes == 1 and busy.device == CUDA0
+    torch.cuda.synchronize()  # before another stream reads what the side stream wrote
+    for image, expected in zip(images, encoded.decode(batch, torch.device("cpu"))):
+        assert image.device == CUDA0 and torch.equal(image.cpu(), expected)
+
+
+def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cuda, tmp_path):
+    root = photo_tree(tmp_path)
+    bad = _truncate(root / "train" / "a" / "3.jpg")
+    spec = load_dataset("imagefolder", root)
+    index = {path: i for i, (path, _) in enumerate(spec.train.samples)}
+    encoded = EncodedImages(spec.train)
+    with pytest.raises(UserError, match=str(bad)):
+        encoded.decode([encoded[0], encoded[index[bad]]], CUDA0)
+    skipping = load_dataset("imagefolder", root, skip_bad=True).train
+    encoded = EncodedImages(skipping)
+    images = encoded.decode([encoded[0], encoded[index[bad]], encoded[1]], CUDA0)
+    assert [image.device for image in images] == [CUDA0] * 3
+    assert skipping.bad_files == [str(bad)]
+
+
+def test_under_cudamallocasync_the_workers_decode(fake_cuda, tmp_path, capsys):
+    fake_cuda.backend = "cudaMallocAsync"
+    photo_tree(tmp_path / "data")
+    cfg = Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=16, proj_hidden=16,
+                 proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=0, log_every=1, device="cuda",
+                 augment="auto", out=str(tmp_path / "run"))
+    trainer = Trainer(cfg, progress=False)
+    assert "cudaMallocAsync" in capsys.readouterr().err
+    assert isinstance(trainer.views, pipeline.FileViews)
+    assert all(trainer.views.encoded[i][0].ndim == 3 for i in range(len(trainer.views.encoded)))
+    trainer.train(2)
+    assert fake_cuda.decodes == 0
+
+
+# ------------------------------------------------------------------------------------- the training set on the GPU
+
+
+def test_the_resident_set_fills_one_tensor_on_the_gpu(fake_cuda, tmp_path):
+    for i in range(340):
+        write_photo(tmp_path / ("test" if i % 10 < 2 else "train") / f"c{i % 2}" / f"{i}.jpg", size=(16, 16), seed=i)
+    spec = load_dataset("imagefolder", tmp_path)
+    fake_cuda.largest_host_tensor = 0
+    images = resident_images(spec.train, CUDA0)
+    assert fake_cuda.largest_host_tensor == 256 * 3 * 16 * 16  # one batch: the set is never assembled on the host
+    assert images.shape == (272, 3, 16, 16) and images.device == CUDA0
+    assert torch.equal(images.cpu(), resident_images(spec.train, torch.device("cpu")))
+
+
+def test_images_of_another_size_end_the_resident_decoding_at_their_batch(tmp_path, monkeypatch):
+    for i in range(600):
+        write_photo(tmp_path / ("test" if i % 100 == 0 else "train") / "c" / f"{i:03}.jpg",
+                    size=(8, 9 if i == 2 else 8), seed=i)
+    read = []
+    getitem = resident_module._PixelTensors.__getitem__
+    monkeypatch.setattr(resident_module._PixelTensors, "__getitem__", lambda self, i: read.append(i) or getitem(self, i))
+    assert resident_images(load_dataset("imagefolder", tmp_path).train, torch.device("cpu")) is None
+    assert len(read) == 1 + 256  # the first image's size, then the first batch
+
+
+# ------------------------------------------------------------------------------------------- the training step
+
+
+def test_a_step_waits_for_the_gpu_only_when_the_divergence_checks_are_read(fake_cuda, tmp_path):
+    trainer = Trainer(_digits(tmp_path, log_every=4, ckpt_every=100, conflict_every=0), progress=False)
+    counts = []
+    trainer.learner.encoder.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
+    trainer.train(6)
+    per_step = [b - a for a, b in zip(counts, counts[1:])]  # syncs of steps 1..5, each counted up to the next forward
+    assert per_step == [0, 0, 0, per_step[3], 0] and per_step[3] > 0  # step 4 is a log step: it reads the checks
+    assert fake_cuda.syncs["input-pipeline"] == 0
+
+
+def test_worker_views_reach_the_gpu_from_pinned_memory(fake_cuda, tmp_path):
+    trainer = Trainer(_digits(tmp_path, augment="workers", log_every=100), progress=False)
+    counts = []
+    trainer.learner.encoder.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
+    trainer.train(3)
+    assert counts[1] == counts[0] and counts[2] == counts[1]  # a pageable non_blocking copy would wait
+
+
+def _poison_grad_at(trainer: Trainer, step: int):
+    calls = []
+    trainer.learner.encoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    next(trainer.learner.encoder.parameters()).register_hook(lambda g: g * float("nan") if len(calls) == step else g)
+
+
+def _state(trainer: Trainer) -> list[torch.Tensor]:
+    """Parameters, buffers (BatchNorm's running statistics), then the optimizer's state."""
+    opt = trainer.optimizer
+    return [t.detach().cpu().clone() for t in [*trainer.learner.parameters(), *trainer.learner.buffers(),
+                                               *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]]
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device):
+    if device == "cuda":
+        request.getfixturevalue("fake_cuda")
+    trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100), progress=False)
+    _poison_grad_at(trainer, 1)  # the first step: it would create the momentum buffers
+    trainer.train(1)
+    kept = len(list(trainer.learner.parameters())) + len(list(trainer.learner.buffers()))
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in _state(trainer)[kept:])  # the momentum buffers it made
+    calls = []  # step 3's input is not finite: so are the running statistics its forward pass updates
+    trainer.learner.encoder.register_forward_pre_hook(
+        lambda module, args: calls.append(1) or ((args[0] * float("nan"),) if len(calls) == 2 else None))
+    trainer.train(2)
+    before = _state(trainer)
+    trainer.train(3)
+    assert trainer.skipped_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(trainer), strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")
+def test_a_bad_step_read_late_is_named_before_a_later_failure_and_never_saved(tmp_path):
+    trainer = Trainer(_digits(tmp_path, device="cpu", log_every=5, ckpt_every=100), progress=False)
+    _poison_grad_at(trainer, 2)
+
+    def refuses_nan_weights(module, args):  # what a sampler does with NaN probabilities
+        if not all(p.isfinite().all() for p in module.parameters()):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    trainer.learner.encoder.register_forward_pre_hook(refuses_nan_weights)
+    with pytest.raises(UserError, match=r"diverged at step 2: the gradient of encoder\.\S+ \(from InfoNCE\) is not "
+                       "finite; no checkpoint is kept"):
+        trainer.train(5)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
+    from bayesncl_pyro import divergence
+
+    torch.manual_seed(0)
+    net = torch.nn.Module()  # parameter names as the learner's: encoder.*, guide.*
+    net.encoder, net.guide = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    guard = divergence.DivergenceGuard(net, opt, mask=True, rows=3)
+
+    def step(number, extra=0.0, nce=0.0):  # loss: the net's output plus extra; its InfoNCE term: nce
+        guard.begin()
+        loss = net.guide(net.encoder(torch.ones(1, 3))).sum() + extra
+        opt.zero_grad()
+        loss.backward()
+        guard.step(number, loss, torch.tensor(nce))
+
+    step(1)
+    step(2, extra=float("inf"))  # the KL term is loss - InfoNCE
+    step(3, nce=float("inf"))
+    with pytest.raises(RuntimeError, match="holds 3 unread steps"):
+        step(4)
+    assert guard.bad_steps() == [(2, "the KL term is inf"), (3, "the InfoNCE term is inf")]
+    assert guard.bad_steps() == []  # nothing new: no copy from the device
+    step(5, nce=float("nan"))
+    assert guard.bad_steps() == [(5, "the InfoNCE term is nan")]
+    hook = net.encoder.weight.register_hook(lambda g: g * float("nan"))
+    step(6)
+    assert guard.bad_steps() == [(6, "the gradient of encoder.weight (from InfoNCE) is not finite")]
+    hook.remove()
+    net.encoder.weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
+    step(7)
+    net.encoder.weight.requires_grad_(True)
+    assert guard.bad_steps() == []
+
+    # under DDP the verdict is the maximum over the ranks: another rank's bad step is this rank's too, and is undone
+    monkeypatch.setattr(divergence.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(divergence.dist, "all_reduce", lambda flag, op: flag.fill_(1.0))
+    before = [p.detach().clone() for p in net.parameters()]
+    step(8)
+    assert guard.bad_steps() == [(8, "a loss or gradient on another process is not finite")]
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
