@@ -29,11 +29,10 @@ from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import EncodedImages
 from bayesncl_pyro.data.resident import resident_images
-from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
+from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
 
@@ -72,8 +71,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
-_TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
+# the terms of the -ELBO whose gradients reach each part of the learner, by parameter-name prefix (the gating
+# head sees h.detach())
+_TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "KL", "head.guide.": "InfoNCE or KL"}
 
 
 class _StopRequest:
@@ -168,12 +168,11 @@ class Trainer:
         self._degenerate = False
         self._load_checkpoint()
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
-        if self.world > 1:
-            self.learner.model.gather = distributed.gather_rows
+        if self.world > 1:  # the learner's head gathers the negatives of every rank by itself
             on_gpu = self.device.type == "cuda"
             self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
-            self.learner.encoder.compile()
+            self.learner.backbone.compile()
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
@@ -286,10 +285,10 @@ class Trainer:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in self._input(loader):
-                    loss = self.net(x)
+                    loss, stats = self.net(x)
                     self.optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    if self._check_finite(loss):
+                    if self._check_finite(loss, stats["nce"]):
                         self.optimizer.step()
                     self.scheduler.step()
                     self.step += 1
@@ -297,7 +296,7 @@ class Trainer:
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
                     if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
-                        rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
+                        rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / LOG)
                         if bar is None:
@@ -308,7 +307,7 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                     if self.rank == 0 and cfg.conflict_every and self.step % cfg.conflict_every == 0:
-                        append_line(self._conflict_line(), self.out / CONFLICT_FILE)
+                        append_line(self._conflict_line(stats), self.out / CONFLICT_FILE)
                     # a signal reaches one rank or all; they must stop, and save, at the same step
                     stopping = distributed.any_rank(stop.signum is not None, self.device)
                     if self.step % cfg.ckpt_every == 0 or stopping:
@@ -323,14 +322,13 @@ class Trainer:
             raise Stopped(f"{signal.Signals(signum).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", signum)
 
-    def _check_finite(self, loss: torch.Tensor) -> bool:
+    def _check_finite(self, loss: torch.Tensor, nce: torch.Tensor) -> bool:
         """Whether the loss and every gradient are finite, so the step may be taken. If not, stop the run
-        with a message naming the step and the term (the checkpoint on disk stays the last good one),
-        or with ``on_nan="skip"`` warn and return False."""
+        with a message naming the step and the term (``nce``: the step's mean InfoNCE; the checkpoint on disk
+        stays the last good one), or with ``on_nan="skip"`` warn and return False."""
         grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
         if torch.isfinite(loss + torch.nn.utils.get_total_norm(grads)):  # any inf/nan makes the sum one
             return True
-        nce = self.learner.model.last_nce
         if not torch.isfinite(nce):
             what = f"the InfoNCE term is {nce.item()}"
         elif not torch.isfinite(loss):
@@ -338,7 +336,8 @@ class Trainer:
         else:
             name = next((n for n, p in self.learner.named_parameters()
                          if p.grad is not None and not p.grad.isfinite().all()), None)
-            what = (f"the gradient of {name} (from {_TERMS[name.split('.')[0]]}) is not finite" if name
+            term = next((t for prefix, t in _TERMS.items() if name and name.startswith(prefix)), "the loss")
+            what = (f"the gradient of {name} (from {term}) is not finite" if name
                     else "the gradient norm overflows")
         if self.cfg.on_nan == "skip":
             self.skipped_steps += 1
@@ -358,26 +357,18 @@ class Trainer:
             count = len(set(bad.read_text().splitlines()))
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
-    def _record(self, loss: torch.Tensor, epoch: int, images_per_s: float) -> dict:
+    def _record(self, loss: torch.Tensor, stats: dict, epoch: int, images_per_s: float) -> dict:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
-        that take part in the loss (``active``), and the gates' state."""
-        learner, cfg = self.learner, self.cfg
-        loss, nce = loss.item(), learner.model.last_nce.item()
+        that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
+        learner = self.learner
         grads = [p.grad for p in learner.parameters() if p.grad is not None]
-        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss, nce=nce,
-                   kl=(loss - nce) / cfg.kl_weight if learner.gated else 0.0,
+        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
+                   nce=stats["nce"].item(), kl=stats["kl"].item(),
                    grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
-                   active=(learner.model.last_u.abs() > ACTIVE_EPS).float().mean().item())
+                   active=stats["active"].item())
         if learner.gated:
-            probs = learner.guide.last_probs
-            per_dim = probs.mean(0)
-            rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
-                       incl_max=per_dim.max().item())
-            g = learner.model.last_g
-            if g.grad is not None:
-                rec["gate_nce_pull"], rec["gate_prior_pull"] = gate_pulls(
-                    g.grad, probs, learner.model.prior.mean_rate(), cfg.kl_weight)
-        warnings = degeneracy_warnings(rec, cfg.proj_dim)
+            rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max")}, **learner.head.pulls(stats))
+        warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings
             if not self._degenerate:  # every record carries them; the terminal hears once per episode
@@ -385,10 +376,10 @@ class Trainer:
         self._degenerate = bool(warnings)
         return rec
 
-    def _conflict_line(self) -> str:
+    def _conflict_line(self, stats: dict) -> str:
         """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
         BayesNCL each dimension's mean inclusion probability (``incl``)."""
-        rec = dict(step=self.step, **conflict_record(self.learner.model.last_u, self.cfg.temperature))
+        rec = dict(step=self.step, **conflict_record(stats["features"], self.cfg.temperature))
         if self.learner.gated:
-            rec["incl"] = self.learner.guide.last_probs.mean(0)
+            rec["incl"] = stats["probs"].mean(0)
         return to_json(rec)
