@@ -13,6 +13,7 @@ InfoNCE + lambda * KL per row (``models/bayesncl.py``). With ``prior=None`` the 
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 """
 
+import pyro
 import torch
 from torch import nn
 
@@ -27,6 +28,14 @@ from bayesncl_pyro.losses import normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior
+
+
+def own_params():
+    """An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
+    prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
+    heads of one process (two runs of compare.py, a user's two models) would share, the second head then
+    training a parameter its optimizer does not hold."""
+    return pyro.get_param_store().scope()
 
 
 def _no_guide(z, h):
@@ -92,7 +101,8 @@ class BayesNCLHead(nn.Module):
         ``gate_rate``, ``incl_min``, ``incl_max`` (mean inclusion probability q(g = 1 | x) over all entries,
         and of the least and most included dimension); R x K ``features`` (the rows InfoNCE saw) and with gates
         ``probs`` (q(g = 1 | x)) and ``gates`` (the gate values, whose gradient :meth:`pulls` reads after
-        ``loss.backward()``). The 0-d values stay on the device: ``.item()`` them when you log.
+        ``loss.backward()``), K ``prior_rate`` (the prior's mean inclusion rate at this step). The 0-d values
+        stay on the device: ``.item()`` them when you log.
         """
         z = self.projector(h)  # under the caller's autocast, if any
         seen = {}
@@ -104,7 +114,7 @@ class BayesNCLHead(nn.Module):
             seen["logits"] = self.guide(z, h)
 
         dtype = self.projector[0].weight.dtype
-        with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss at full precision
+        with torch.autocast(h.device.type, enabled=False), own_params():  # the exp and log of the loss in full
             loss = self.elbo.differentiable_loss(model, guide if self.gated else _no_guide, z.to(dtype), h.to(dtype))
             loss = loss / self.num_rows
             nce = seen["nce"].detach().mean()
@@ -115,7 +125,7 @@ class BayesNCLHead(nn.Module):
                 probs = self._inclusion(seen["logits"].detach())
                 per_dim = probs.mean(0)
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             gates=seen["gates"])
+                             gates=seen["gates"], prior_rate=self.model.prior.mean_rate())
         return loss, stats
 
     def pulls(self, stats: dict) -> dict[str, float]:
@@ -124,7 +134,7 @@ class BayesNCLHead(nn.Module):
         gates = stats.get("gates")
         if gates is None or gates.grad is None:
             return {}
-        nce, prior = gate_pulls(gates.grad, stats["probs"], self.model.prior.mean_rate(), self.model.kl_weight)
+        nce, prior = gate_pulls(gates.grad, stats["probs"], stats["prior_rate"], self.model.kl_weight)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     @staticmethod

@@ -35,6 +35,7 @@ from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
+from bayesncl_pyro.tensorboard_log import TensorBoardLog
 
 
 class EpochSampler(Sampler):
@@ -122,6 +123,7 @@ class Trainer:
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         if self.rank == 0:
             rundir.claim(self.out, cfg, overwrite)
+        self.board = TensorBoardLog(self.out) if cfg.tensorboard and self.rank == 0 else None
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -265,6 +267,9 @@ class Trainer:
             return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / EVAL)
+        if self.board is not None:
+            self.board.evaluation(results, self.step)
+            self.board.close()
         print(format_table(results))
         self._report_skipped()
         return results
@@ -299,6 +304,8 @@ class Trainer:
                         rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / LOG)
+                        if self.board is not None:
+                            self.board.record(rec, stats["probs"].mean(0) if learner.gated else None)
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
