@@ -147,7 +147,13 @@ def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
 
 def build_backbone(spec: str, in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """(backbone, its feature width D) for an ``--encoder`` value."""
-    net = backbone_builder(spec)(in_channels, image_size)
+    build = backbone_builder(spec)
+    try:
+        net = build(in_channels, image_size)
+    except UserError:
+        raise
+    except Exception as e:  # what a model's constructor raises for a size it cannot take (a ViT's patches)
+        raise _unfit(spec, in_channels, image_size, e) from None
     if not isinstance(net, nn.Module):
         raise UserError(f"--encoder {spec} returned a {type(net).__name__}, not a torch.nn.Module")
     return net, feature_width(net, in_channels, image_size, spec)
@@ -160,9 +166,7 @@ def feature_width(net: nn.Module, in_channels: int, image_size: int, spec: str =
     try:
         out = net.eval()(torch.zeros(2, in_channels, image_size, image_size))
     except Exception as e:  # whatever a model raises for an input it cannot take
-        raise UserError(f"--encoder {spec} fails on {image_size} px images with {in_channels} channels "
-                        f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                        "change --image-size or the encoder") from None
+        raise _unfit(spec, in_channels, image_size, e) from None
     finally:
         net.train(training)
     if not torch.is_tensor(out) or out.ndim != 2:
@@ -170,6 +174,12 @@ def feature_width(net: nn.Module, in_channels: int, image_size: int, spec: str =
         raise UserError(f"--encoder {spec} returns {what} for two images; it must return one feature vector per "
                         "image (2 x D): end it with a global pool and a flatten")
     return out.shape[1]
+
+
+def _unfit(spec: str, in_channels: int, image_size: int, e: Exception) -> UserError:
+    cause = f"{e.__class__.__name__}: {str(e).splitlines()[0]}" if str(e) else e.__class__.__name__
+    return UserError(f"--encoder {spec} does not take {in_channels}-channel {image_size} px images ({cause}); "
+                     "change --image-size or the encoder")
 
 
 def _call_with(fn, **available):

@@ -90,8 +90,8 @@ class TrainedRun:
             return image.convert("RGB" if self.channels == 3 else "L")
         if not torch.is_tensor(image) or image.ndim != 3 or image.shape[0] != self.channels:
             what = f"a tensor of shape {tuple(image.shape)}" if torch.is_tensor(image) else type(image).__name__
-            raise UserError(f"got {what}; give images as C x H x W (or N x C x H x W) tensors with the run's "
-                            f"{self.channels} channels, PIL images, image files or a folder")
+            raise UserError(f"got {what}; the run takes {self.channels}-channel images: C x H x W (or N x C x H x W) "
+                            "tensors, PIL images, image files or a folder")
         if image.is_floating_point() and (image.min() < 0 or image.max() > 1):
             raise UserError("float images must lie in [0, 1] (the run's transform normalises them); divide 0-255 "
                             "images by 255, or pass them as uint8")

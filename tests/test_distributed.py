@@ -98,7 +98,7 @@ def test_sampler_shards_are_slices_of_the_single_process_batches():
 
 
 TINY = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=200, epochs=1, warmup_epochs=0.5,
-            workers=0, log_every=1, ckpt_every=100, device="cpu")
+            workers=0, log_every=1, ckpt_every=100, device="cpu", tensorboard=True)
 
 
 def _train_and_resume(rank, root):
@@ -121,4 +121,5 @@ def test_two_process_run_resumes_exactly(two_processes):
     for k, v in params["straight"].items():
         torch.testing.assert_close(params["resumed"][k], v, rtol=0, atol=0, msg=k)
     log = (two_processes / "a" / "log.jsonl").read_text().splitlines()
-    assert len(log) == 7  # rank 0 alone writes the log
+    assert len(log) == 7  # rank 0 alone writes the log, and the TensorBoard events
+    assert len(list((two_processes / "a").glob("events.out.tfevents.*"))) == 1
