@@ -117,15 +117,21 @@ def _name_value(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def config(argv: list[str]) -> tuple[Config, bool]:
+    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite)."""
     args = vars(parser().parse_args(argv))
     overwrite = args.pop("overwrite")
-    args["prior_args"] = dict(args["prior_args"])
+    args["prior_args"] = dict(args["prior_args"])  # [(name, value), ...] from the repeated --prior-arg
+    return Config(**args), overwrite
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, overwrite = config(argv)
     from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
 
     try:
-        trainer = Trainer(Config(**args), overwrite=overwrite)
+        trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
             print(announce(trainer), flush=True)
         results = trainer.fit()
