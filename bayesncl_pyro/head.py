@@ -45,8 +45,8 @@ def _no_guide(z, h):
 class BayesNCLHead(nn.Module):
     """Backbone features of 2B view-rows -> (loss, monitoring values).
 
-    Args (named as the command-line flags of ``experiments/run_svi.py``, whose defaults they take where the
-    dataset sets none):
+    Args (named as the command-line flags of ``experiments/run_svi.py``; the defaults are the published CIFAR
+    recipe's):
         in_dim: D, the backbone's feature width.
         proj_dim: K, the number of features and gates; proj_hidden: the projector's and gating head's width.
         num_train: N, images in the training set (the ELBO's rows plate is 2N).
@@ -117,10 +117,9 @@ class BayesNCLHead(nn.Module):
         with torch.autocast(h.device.type, enabled=False), own_params():  # the exp and log of the loss in full
             loss = self.elbo.differentiable_loss(model, guide if self.gated else _no_guide, z.to(dtype), h.to(dtype))
             loss = loss / self.num_rows
-            nce = seen["nce"].detach().mean()
-            u = seen["features"]
-            stats = dict(nce=nce, kl=(loss.detach() - nce) / self.model.kl_weight if self.gated else torch.zeros_like(nce),
-                         active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
+            nce, u = seen["nce"].detach().mean(), seen["features"]
+            kl = (loss.detach() - nce) / self.model.kl_weight if self.gated else torch.zeros_like(nce)
+            stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
             if self.gated:
                 probs = self._inclusion(seen["logits"].detach())
                 per_dim = probs.mean(0)
@@ -139,6 +138,7 @@ class BayesNCLHead(nn.Module):
 
     @staticmethod
     def _inclusion(logits: torch.Tensor) -> torch.Tensor:
+        """q(g_k = 1 | x) from the gating head's logits (the gate distributions' ``probs``)."""
         return logits.sigmoid()
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,8 @@ class BayesNCLHead(nn.Module):
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
         if self.gated:
-            glob = [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
+            glob = [*self.model.parameters(),
+                    *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
             groups.append(dict(name="gate_head", params=list(self.guide.head.parameters()), lr=gate_lr))
             if glob:
                 scale = 1.0 if adam else 1.0 / self.model.kl_weight

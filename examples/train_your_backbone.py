@@ -47,9 +47,9 @@ while step < args.steps:
         step += 1
         if step % 20 == 0 or step == args.steps:
             pulls = head.pulls(stats)  # read after backward: how hard InfoNCE and the prior move the gates
-            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats['nce'].item():.4f}, KL {stats['kl'].item():.2f}, "
-                  f"gates open {stats['gate_rate'].item():.0%}, pulls {pulls['gate_nce_pull']:.2g} (InfoNCE) "
-                  f"{pulls['gate_prior_pull']:.2g} (prior)")
+            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats['nce'].item():.4f}, KL "
+                  f"{stats['kl'].item():.2f}, gates open {stats['gate_rate'].item():.0%}, pulls "
+                  f"{pulls['gate_nce_pull']:.2g} (InfoNCE) {pulls['gate_prior_pull']:.2g} (prior)")
         if step == args.steps:
             break
 

@@ -124,3 +124,11 @@ def test_two_heads_in_one_process_keep_their_own_prior_parameters():
     torch.testing.assert_close(second.model.prior.rate().detach(), torch.full((K,), 0.8))
     assert second.model.prior.logit_rate_unconstrained.grad is not None  # the parameter its optimizer holds
     torch.testing.assert_close(first.model.prior.rate().detach(), moved)
+
+
+def test_importing_the_package_stays_light():
+    """`import bayesncl_pyro` loads neither torch nor Pyro; the head and load_run load on first use."""
+    code = ("import sys, bayesncl_pyro; light = 'torch' not in sys.modules; "
+            "from bayesncl_pyro import BayesNCLHead, load_run; print(light, 'pyro' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]

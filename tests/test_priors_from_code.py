@@ -48,7 +48,8 @@ def prior_code(tmp_path):
     code = tmp_path / "code"
     code.mkdir()
     (code / "my_priors.py").write_text(textwrap.dedent(PRIOR_CODE))
-    return code
+    yield code
+    sys.modules.pop("my_priors", None)  # another test's my_priors must not find this one imported
 
 
 def test_a_prior_from_your_own_module_trains_resumes_and_reloads(tmp_path, prior_code, monkeypatch, capsys):

@@ -38,6 +38,8 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
     pytest.importorskip("timm", reason="the section names a timm model: pip install -e '.[timm]'")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=. in the commands
+    for name in ("my_nets", "my_priors"):  # the snippets' modules, not another test's of the same name
+        monkeypatch.delitem(sys.modules, name, raising=False)
     assert run_svi.main([*TINY, "--out", "runs/default"]) == 0
     (tmp_path / "my_photos").mkdir()
     for i in range(2):
@@ -64,3 +66,5 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
     assert namespace["post"].draws.shape[0] == 10
     assert isinstance(namespace["head"].model.prior, torch.nn.Module)
     assert "gate_nce_pull" in capsys.readouterr().out  # the head snippet printed its pulls
+    for name in ("my_nets", "my_priors"):
+        sys.modules.pop(name, None)
