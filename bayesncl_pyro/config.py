@@ -6,7 +6,7 @@ so the saved config always holds the values that were actually used.
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bayesncl_pyro.errors import UserError
 
@@ -55,15 +55,16 @@ class Config:
     topk: int = 0
     temperature: float = 0.2
     # gates (BayesNCL)
-    prior: str = "bernoulli"
+    prior: str = "bernoulli"  # a registry name (models/priors.py) or package.module:ClassName
     prior_prob: float = 0.8
+    prior_args: dict = field(default_factory=dict)  # the prior's other constructor arguments, by name
     kl_weight: float = 3e-5
     gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"
     gate_temperature: float = 1.0
     head_depth: int = 2
     logit_bound: float = 5.0
     # encoder
-    encoder: str | None = None
+    encoder: str | None = None  # a name in encoders.ENCODERS, a torchvision model, timm:NAME or package.module:callable
     proj_hidden: int | None = None
     proj_dim: int | None = None
     # optimisation
@@ -88,6 +89,7 @@ class Config:
     conflict_every: int | None = None  # steps between conflict.jsonl records (about one per epoch), 0 = off
     # evaluation
     eval_protocol: str | None = None  # linear probe and retrieval: "fast" (small runs) or "reference" (the paper's)
+    tensorboard: bool = False  # also write the log and the evaluation as TensorBoard events in the run folder
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -106,7 +108,7 @@ class Config:
     def identity(self) -> dict:
         d = self.to_dict()
         for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "conflict_every", "data_dir",
-                  "max_steps", "compile", "skip_bad_images", "on_nan"):
+                  "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard"):
             d.pop(k)
         return d
 
@@ -119,7 +121,8 @@ class Config:
 def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
-    from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.encoders import backbone_builder
+    from bayesncl_pyro.models.priors import build_prior, prior_args
     from bayesncl_pyro.probe import REFERENCE_PROBES
 
     _choice("dataset", cfg.dataset, DATASETS)
@@ -131,8 +134,7 @@ def resolve(cfg: Config) -> Config:
     _choice("gate", cfg.gate, GATES)
     _choice("nonneg", cfg.nonneg, NONNEG)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    _choice("encoder", cfg.encoder, ("resnet18", "cnn"))
-    _choice("prior", cfg.prior, tuple(PRIORS))
+    backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         raise UserError(f"unknown --device {cfg.device!r}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
     _choice("on_nan", cfg.on_nan, ON_NAN)
@@ -145,6 +147,10 @@ def resolve(cfg: Config) -> Config:
               "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
     if not 0 < cfg.prior_prob < 1:
         raise UserError(f"--prior-prob must lie strictly between 0 and 1, got {cfg.prior_prob}")
+    # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
+    # the prior built once: its own checks of the values fail now rather than when training starts
+    cfg = dataclasses.replace(cfg, prior_args=prior_args(cfg.prior, cfg.prior_args))
+    build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args)
     if cfg.batch_size < 2:
         raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
     if not 0 <= cfg.topk <= cfg.proj_dim:

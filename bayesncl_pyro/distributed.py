@@ -37,7 +37,9 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
 def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The ``ContrastiveModel.gather`` hook: this rank's rows (R x K) -> (all ranks' rows in rank order,
     W R x K; the offset of ours). Gradients flow back to the rank that owns each row, so every rank's
-    negatives train every encoder."""
+    negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return u, 0
     from torch.distributed.nn.functional import all_gather  # imports a lot; only DDP runs need it
 
     return torch.cat(all_gather(u)), dist.get_rank() * u.shape[0]

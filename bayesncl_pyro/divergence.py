@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# the terms of the -ELBO whose gradients reach each part of the learner (the gating head sees h.detach())
-TERMS = {"encoder": "InfoNCE", "model": "KL", "guide": "InfoNCE or KL"}
+# the terms of the -ELBO whose gradients reach each part of the learner, by parameter-name prefix (the gating
+# head sees h.detach())
+TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "KL", "head.guide.": "InfoNCE or KL"}
 
 
 class DivergenceGuard:
@@ -105,7 +106,8 @@ class DivergenceGuard:
         name = next((n for n, norm in zip(self.names, norms) if not _finite(norm)), None)
         if name is None:
             return "a loss or gradient on another process is not finite"
-        return f"the gradient of {name} (from {TERMS[name.split('.')[0]]}) is not finite"
+        term = next((t for prefix, t in TERMS.items() if name.startswith(prefix)), "the loss")
+        return f"the gradient of {name} (from {term}) is not finite"
 
 
 def _finite(x: float) -> bool:

@@ -1,10 +1,46 @@
-"""Backbones (image -> h) and the MLP used for the projector (h -> z) and the gating head (h -> logits)."""
+"""Backbones (images -> h, one feature vector per image) and the MLP of the projector and the gating head.
+
+``--encoder`` (``Config.encoder``, saved with every run, so a checkpoint rebuilds its backbone) takes
+
+* a name in ``ENCODERS``, the project's own: ``resnet18`` (the reference's) and ``cnn``; ``@register`` adds one;
+* a torchvision classification model (``resnet50``, ``vit_b_16``, ``convnext_tiny``, ...), randomly
+  initialised, its classifier (the last ``Linear``) replaced by ``Identity``;
+* ``timm:NAME``, a timm model built with ``num_classes=0`` (``pip install -e '.[timm]'``);
+* ``package.module:callable``, your own: called with ``in_channels=`` and ``image_size=`` where it takes them,
+  it returns an ``nn.Module`` mapping R x C x S x S images to R x D features.
+
+The feature width D is measured by one forward pass of two blank images. Torchvision ResNets (``resnet*``,
+``resnext*``, ``wide_resnet*``) get the reference's CIFAR stem below 64 px (conv1 3x3, stride 1, padding 2,
+no max-pool), so a 32 px image is not downsampled 4x before the first block; other families keep their
+ImageNet stem and downsample a 32 px image as they would a 224 px one (a ViT-B/16 sees 2 x 2 patches).
+Images with other than 3 channels get a first convolution that takes them.
+"""
+
+import inspect
+from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 
-ENCODERS = ("resnet18", "cnn")
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.plugins import import_spec, is_spec
+
+TIMM = "timm:"
+#: a backbone below this resolution is a CIFAR-sized one: torchvision ResNets get the CIFAR stem
+CIFAR_STEM_BELOW = 64
+
+#: the project's own backbones, by name: (in_channels, image_size) -> module
+ENCODERS: dict[str, Callable[[int, int], nn.Module]] = {}
+
+
+def register(name: str):
+    """Decorator adding a backbone builder ``(in_channels, image_size) -> nn.Module`` to ``ENCODERS``."""
+
+    def add(fn):
+        ENCODERS[name] = fn
+        return fn
+
+    return add
 
 
 def mlp(in_dim: int, hidden: int, out_dim: int, depth: int = 2) -> nn.Sequential:
@@ -19,20 +55,10 @@ def mlp(in_dim: int, hidden: int, out_dim: int, depth: int = 2) -> nn.Sequential
     return nn.Sequential(*layers[:-1])
 
 
-def resnet18(in_channels: int = 3, cifar_stem: bool = False) -> tuple[nn.Module, int]:
-    """torchvision ResNet-18, randomly initialised, fc removed -> (module, 512).
-
-    The CIFAR stem is the reference's: conv1 3x3, stride 1, padding 2, no max-pool, so 32 px images
-    are not downsampled 4x before the first block.
-    """
-    net = torchvision.models.resnet18(weights=None)
-    if cifar_stem:
-        net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=2, bias=False)
-        net.maxpool = nn.Identity()
-    elif in_channels != 3:
-        net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
-    net.fc = nn.Identity()
-    return net, 512
+@register("resnet18")
+def resnet18(in_channels: int = 3, image_size: int = 32) -> nn.Module:
+    """The reference's backbone: torchvision ResNet-18, randomly initialised, CIFAR stem below 64 px."""
+    return torchvision_backbone("resnet18", in_channels, image_size)
 
 
 class SmallCNN(nn.Module):
@@ -48,30 +74,123 @@ class SmallCNN(nn.Module):
                        nn.ReLU(inplace=True), nn.MaxPool2d(2, ceil_mode=True)]
             in_channels = w
         self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.out_dim = widths[-1]
 
     def forward(self, x):
         return self.features(x)
 
 
-def build_backbone(name: str, in_channels: int, image_size: int) -> tuple[nn.Module, int]:
-    """(backbone, feature width) for an encoder name; ResNet-18 gets the CIFAR stem below 64 px."""
-    if name == "resnet18":
-        return resnet18(in_channels, cifar_stem=image_size < 64)
-    if name == "cnn":
-        net = SmallCNN(in_channels)
-        return net, net.out_dim
-    raise ValueError(f"unknown encoder {name!r}; expected one of {ENCODERS}")
+@register("cnn")
+def cnn(in_channels: int = 3, image_size: int = 32) -> nn.Module:
+    return SmallCNN(in_channels)
 
 
-class Encoder(nn.Module):
-    """image (R x C x S x S) -> (h: R x D backbone features, z: R x K projector output)."""
+def torchvision_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
+    """A torchvision classification model without its classifier (see the module docstring)."""
+    import torchvision  # late: importing it costs a second, and the command line's --help needs none of it
 
-    def __init__(self, backbone: str, in_channels: int, image_size: int, proj_hidden: int, proj_dim: int):
-        super().__init__()
-        self.backbone, self.feat_dim = build_backbone(backbone, in_channels, image_size)
-        self.projector = mlp(self.feat_dim, proj_hidden, proj_dim)
+    kwargs = {}
+    if name.startswith("vit_"):  # its position embedding is made for one image size
+        kwargs["image_size"] = image_size
+    if name in ("googlenet", "inception_v3"):  # one output, not (logits, aux logits) in training mode
+        kwargs.update(aux_logits=False, init_weights=True)
+    net = torchvision.models.get_model(name, weights=None, **kwargs)
+    if isinstance(net, torchvision.models.ResNet) and image_size < CIFAR_STEM_BELOW:
+        net.conv1 = nn.Conv2d(in_channels, net.conv1.out_channels, 3, stride=1, padding=2, bias=False)
+        net.maxpool = nn.Identity()
+    elif in_channels != 3:
+        name, conv = next((n, m) for n, m in net.named_modules() if isinstance(m, nn.Conv2d))
+        _replace(net, name, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode))
+    linear = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+    if not linear:
+        raise UserError(f"--encoder {name}: found no Linear classifier to remove; wrap the model in a function "
+                        "of your own that returns its feature extractor and pass it as package.module:function")
+    _replace(net, linear[-1], nn.Identity())
+    return net
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.backbone(x)
-        return h, self.projector(h)
+
+def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
+    import timm
+
+    try:  # models with a position embedding take the image size; the others refuse the argument
+        return timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, img_size=image_size)
+    except TypeError:
+        return timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels)
+
+
+def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
+    """``(in_channels, image_size) -> nn.Module`` for an ``--encoder`` value, or a ``UserError`` that says which
+    forms it takes. Imports what the spec names, so a run whose code is missing fails before it trains."""
+    if spec in ENCODERS:
+        return ENCODERS[spec]
+    if spec.startswith(TIMM):
+        name = spec.removeprefix(TIMM)
+        try:
+            import timm
+        except ImportError:
+            raise UserError(f"--encoder {spec} needs timm: pip install -e '.[timm]' (or pip install timm)") from None
+        if not timm.is_model(name):
+            raise UserError(f"--encoder {spec}: timm has no model {name!r} (timm.list_models() lists them)")
+        return lambda in_channels, image_size: timm_backbone(name, in_channels, image_size)
+    if is_spec(spec):
+        fn = import_spec(spec, "--encoder")
+        if not callable(fn):
+            raise UserError(f"--encoder {spec} is not callable; name a class or function that returns the backbone")
+        return lambda in_channels, image_size: _call_with(fn, in_channels=in_channels, image_size=image_size)
+    import torchvision
+
+    if spec in torchvision.models.list_models(module=torchvision.models):
+        return lambda in_channels, image_size: torchvision_backbone(spec, in_channels, image_size)
+    raise UserError(f"unknown --encoder {spec!r}; give one of the project's ({', '.join(ENCODERS)}), a torchvision "
+                    "model (resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (needs timm) or package.module:callable")
+
+
+def build_backbone(spec: str, in_channels: int, image_size: int) -> tuple[nn.Module, int]:
+    """(backbone, its feature width D) for an ``--encoder`` value."""
+    build = backbone_builder(spec)
+    try:
+        net = build(in_channels, image_size)
+    except UserError:
+        raise
+    except Exception as e:  # what a model's constructor raises for a size it cannot take (a ViT's patches)
+        raise _unfit(spec, in_channels, image_size, e) from None
+    if not isinstance(net, nn.Module):
+        raise UserError(f"--encoder {spec} returned a {type(net).__name__}, not a torch.nn.Module")
+    return net, feature_width(net, in_channels, image_size, spec)
+
+
+@torch.no_grad()
+def feature_width(net: nn.Module, in_channels: int, image_size: int, spec: str = "the backbone") -> int:
+    """D, from one forward pass of two blank images in eval mode (BatchNorm's statistics are left unchanged)."""
+    training = net.training
+    try:
+        out = net.eval()(torch.zeros(2, in_channels, image_size, image_size))
+    except Exception as e:  # whatever a model raises for an input it cannot take
+        raise _unfit(spec, in_channels, image_size, e) from None
+    finally:
+        net.train(training)
+    if not torch.is_tensor(out) or out.ndim != 2:
+        what = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise UserError(f"--encoder {spec} returns {what} for two images; it must return one feature vector per "
+                        "image (2 x D): end it with a global pool and a flatten")
+    return out.shape[1]
+
+
+def _unfit(spec: str, in_channels: int, image_size: int, e: Exception) -> UserError:
+    cause = f"{e.__class__.__name__}: {str(e).splitlines()[0]}" if str(e) else e.__class__.__name__
+    return UserError(f"--encoder {spec} does not take {in_channels}-channel {image_size} px images ({cause}); "
+                     "change --image-size or the encoder")
+
+
+def _call_with(fn, **available):
+    """``fn`` called with those of ``available`` that its signature names (all of them if it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        available = {k: v for k, v in available.items() if k in params}
+    return fn(**available)
+
+
+def _replace(net: nn.Module, name: str, new: nn.Module):
+    """Set the submodule at the dotted path ``name`` to ``new``."""
+    parent, _, child = name.rpartition(".")
+    setattr(net.get_submodule(parent), child, new)

@@ -30,14 +30,14 @@ from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.divergence import DivergenceGuard
-from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, gate_pulls, to_json
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.optim import build_optimizer, build_scheduler
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
+from bayesncl_pyro.tensorboard_log import TensorBoardLog
 
 
 class EpochSampler(Sampler):
@@ -144,6 +144,7 @@ class Trainer:
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         if self.rank == 0:
             rundir.claim(self.out, cfg, overwrite)
+        self.board = TensorBoardLog(self.out) if cfg.tensorboard and self.rank == 0 else None
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -194,12 +195,11 @@ class Trainer:
         self._degenerate = False
         self._load_checkpoint()
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
-        if self.world > 1:
-            self.learner.model.gather = distributed.gather_rows
+        if self.world > 1:  # the learner's head gathers the negatives of every rank by itself
             on_gpu = self.device.type == "cuda"
             self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
-            self.learner.encoder.compile()
+            self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
 
@@ -296,6 +296,9 @@ class Trainer:
             return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
         write_json(results, self.out / EVAL)
+        if self.board is not None:
+            self.board.evaluation(results, self.step)
+            self.board.close()
         print(format_table(results))
         self._report_skipped()
         return results
@@ -316,14 +319,16 @@ class Trainer:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in self._input(loader):
-                    loss, checked = self._step(x, last_step)
+                    loss, stats, checked = self._step(x, last_step)
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
                     if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
-                        rec = self._record(loss, epoch, seen / (time.perf_counter() - tic))
+                        rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / LOG)
+                        if self.board is not None:
+                            self.board.record(rec, stats["probs"].mean(0) if learner.gated else None)
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
@@ -332,7 +337,7 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                     if self.rank == 0 and cfg.conflict_every and self.step % cfg.conflict_every == 0:
-                        append_line(self._conflict_line(), self.out / CONFLICT_FILE)
+                        append_line(self._conflict_line(stats), self.out / CONFLICT_FILE)
                     # a signal reaches one rank or all; they must stop, and save, at the same step. Agreeing on it
                     # waits for the GPU, so under DDP they agree at the steps that check for divergence
                     if self.world == 1 or checked:
@@ -349,21 +354,21 @@ class Trainer:
             raise Stopped(f"{signal.Signals(signum).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", signum)
 
-    def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, bool]:
-        """One optimizer step on the input rows ``x``; (its loss, whether the steps so far were checked for divergence
+    def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict, bool]:
+        """One optimizer step on the input rows ``x``; (its loss, the head's monitoring values, whether the steps so far were checked for divergence
         now). The loss and gradients are judged on the device (``divergence.py``), so a step waits for the GPU only
         when the verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
         self.guard.begin()
-        loss = self.net(x)
+        loss, stats = self.net(x)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.guard.step(self.step + 1, loss, self.learner.model.last_nce)
+        self.guard.step(self.step + 1, loss, stats["nce"])
         self.scheduler.step()
         self.step += 1
         checked = self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step
         if checked:
             self._check_divergence()
-        return loss, checked
+        return loss, stats, checked
 
     def _check_divergence(self):
         """Read the divergence guard's verdicts on the steps since the last check (one host sync). A bad step stops the
@@ -398,26 +403,18 @@ class Trainer:
             count = len(set(bad.read_text().splitlines()))
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
-    def _record(self, loss: torch.Tensor, epoch: int, images_per_s: float) -> dict:
+    def _record(self, loss: torch.Tensor, stats: dict, epoch: int, images_per_s: float) -> dict:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
-        that take part in the loss (``active``), and the gates' state."""
-        learner, cfg = self.learner, self.cfg
-        loss, nce = loss.item(), learner.model.last_nce.item()
+        that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
+        learner = self.learner
         grads = [p.grad for p in learner.parameters() if p.grad is not None]
-        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss, nce=nce,
-                   kl=(loss - nce) / cfg.kl_weight if learner.gated else 0.0,
+        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
+                   nce=stats["nce"].item(), kl=stats["kl"].item(),
                    grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
-                   active=(learner.model.last_u.abs() > ACTIVE_EPS).float().mean().item())
+                   active=stats["active"].item())
         if learner.gated:
-            probs = learner.guide.last_probs
-            per_dim = probs.mean(0)
-            rec.update(gate_rate=probs.mean().item(), incl_min=per_dim.min().item(),
-                       incl_max=per_dim.max().item())
-            g = learner.model.last_g
-            if g.grad is not None:
-                rec["gate_nce_pull"], rec["gate_prior_pull"] = gate_pulls(
-                    g.grad, probs, learner.model.prior.mean_rate(), cfg.kl_weight)
-        warnings = degeneracy_warnings(rec, cfg.proj_dim)
+            rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max")}, **learner.head.pulls(stats))
+        warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings
             if not self._degenerate:  # every record carries them; the terminal hears once per episode
@@ -425,10 +422,10 @@ class Trainer:
         self._degenerate = bool(warnings)
         return rec
 
-    def _conflict_line(self) -> str:
+    def _conflict_line(self, stats: dict) -> str:
         """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
         BayesNCL each dimension's mean inclusion probability (``incl``)."""
-        rec = dict(step=self.step, **conflict_record(self.learner.model.last_u, self.cfg.temperature))
+        rec = dict(step=self.step, **conflict_record(stats["features"], self.cfg.temperature))
         if self.learner.gated:
-            rec["incl"] = self.learner.guide.last_probs.mean(0)
+            rec["incl"] = stats["probs"].mean(0)
         return to_json(rec)

@@ -36,11 +36,12 @@ from bayesncl_pyro.training import pick_device
 
 
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
-    """``learner(x)`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row (the
+    """``learner(x)[0]`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row (the
     zero-safe ``normalize``: an all-zero gated row gets no gradient, where ``F.normalize`` would give it 1e12)."""
     model, guide = learner.model, learner.guide
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
-        h, z = learner.encoder(x)
+        h = learner.backbone(x)
+        z = learner.head.projector(h)
     h, z = h.float(), z.float()
     u, kl = model.features(z), 0.0
     if guide is not None:
@@ -55,12 +56,12 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
     fns = {}
     for method in ("cl", "ncl", "bayesncl"):
         learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": method})), channels, 50_000)
-        fns[method] = (learner, learner)
+        fns[method] = (lambda x, m=learner: m(x)[0], learner)
     bayes = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
     stock = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
     stock.load_state_dict(bayes.state_dict())
-    stock.elbo = TraceMeanField_ELBO()
-    fns["bayesncl_tmf"] = (stock, stock)
+    stock.head.elbo = TraceMeanField_ELBO()
+    fns["bayesncl_tmf"] = (lambda x: stock(x)[0], stock)
     fns["bayesncl_plain"] = (lambda x, m=bayes: plain_loss(m, x), bayes)
     mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
     for _, learner in fns.values():
@@ -94,7 +95,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
     b, n = x.shape[0] // 2, min(x.shape[0] // 2, 16)
     x = torch.cat([x[:n], x[b:b + n]])
     learner = ContrastiveLearner(resolve(dataclasses.replace(cfg, method="bayesncl", gate="ste")), channels, 50_000)
-    expected = copy.deepcopy(learner).double()(x.cpu().double()).item()
+    expected = copy.deepcopy(learner).double()(x.cpu().double())[0].item()
     learner.to(x.device)
     # float32 on a GPU uses TF32 convolutions and matmuls: about 1e-3 relative
     tolerances = {"float32": 1e-5 if x.device.type == "cpu" else 5e-3}
@@ -102,7 +103,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
         tolerances["bf16 autocast"] = 5e-2
     for name, tol in tolerances.items():
         learner.cfg = dataclasses.replace(learner.cfg, amp=name != "float32")
-        got = learner(x).item()
+        got = learner(x)[0].item()
         rel = abs(got - expected) / abs(expected)
         print(f"check: {x.device.type} {name} loss {got:.6f} vs CPU float64 {expected:.6f}: relative difference "
               f"{rel:.1e} (tolerance {tol:.0e})")
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
         print("check: BayesNCL loss and gradients equal for MeanFieldELBO, TraceMeanField_ELBO and plain PyTorch")
         if args.compile:
             for _, learner in fns.values():
-                learner.encoder.compile()
+                learner.backbone.compile()
         opts = {name: torch.optim.SGD(learner.parameters(), lr=1e-3) for name, (_, learner) in fns.items()}
         for name, (fn, _) in fns.items():
             time_steps(fn, opts[name], x, args.warmup)

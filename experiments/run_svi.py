@@ -17,6 +17,7 @@ import sys
 
 from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
+from bayesncl_pyro.encoders import ENCODERS
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.rundir import GATES_FILE
 from bayesncl_pyro.models.priors import PRIORS
@@ -49,7 +50,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=d.temperature, help="InfoNCE tau (default: %(default)s)")
 
     g = p.add_argument_group("gates and prior (bayesncl)")
-    g.add_argument("--prior", default=d.prior, help=f"one of {', '.join(PRIORS)} (default: %(default)s)")
+    g.add_argument("--prior", default=d.prior, help=f"one of {', '.join(PRIORS)}, or a Prior subclass of your own "
+                   "as package.module:ClassName (default: %(default)s)")
+    g.add_argument("--prior-arg", dest="prior_args", metavar="NAME=VALUE", type=_name_value, action="append",
+                   default=[], help="an argument of the prior's constructor, e.g. concentration=5 for beta-bernoulli "
+                   "(repeatable)")
     g.add_argument("--prior-prob", type=float, default=d.prior_prob,
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
@@ -65,7 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="gate logits are squashed into (-b, b) so no gate saturates (default: %(default)s)")
 
     g = p.add_argument_group("encoder")
-    g.add_argument("--encoder", choices=("resnet18", "cnn"), help="backbone (default: dataset)")
+    g.add_argument("--encoder", help=f"backbone: one of the project's ({', '.join(ENCODERS)}), a torchvision model "
+                   "(resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (pip install -e '.[timm]'), or "
+                   "package.module:callable returning an nn.Module of images -> features (default: dataset)")
     g.add_argument("--proj-hidden", type=int, help="projector and gating-head hidden width (default: dataset)")
     g.add_argument("--proj-dim", type=int, help="K, the number of features and gates (default: dataset)")
 
@@ -104,17 +111,33 @@ def parser() -> argparse.ArgumentParser:
                    help="steps between checkpoints (default: %(default)s)")
     g.add_argument("--conflict-every", type=int, help="steps between records of the per-dimension InfoNCE "
                    "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
+    g.add_argument("--tensorboard", action="store_true", help="also write the log, the per-dimension inclusion "
+                   "histogram and the evaluation as TensorBoard events in --out (pip install -e '.[tensorboard]')")
     return p
+
+
+def _name_value(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. concentration=5), got {text!r}")
+    return name.strip(), value.strip()
+
+
+def config(argv: list[str]) -> tuple[Config, bool]:
+    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite)."""
+    args = vars(parser().parse_args(argv))
+    overwrite = args.pop("overwrite")
+    args["prior_args"] = dict(args["prior_args"])  # [(name, value), ...] from the repeated --prior-arg
+    return Config(**args), overwrite
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = vars(parser().parse_args(argv))
-    overwrite = args.pop("overwrite")
+    cfg, overwrite = config(argv)
     from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
 
     try:
-        trainer = Trainer(Config(**args), overwrite=overwrite)
+        trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
             print(announce(trainer), flush=True)
         results = trainer.fit()
@@ -139,8 +162,9 @@ def main(argv=None) -> int:
 def announce(trainer) -> str:
     """What is trained, on what, for how long, and where it is written."""
     cfg = trainer.cfg
+    args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
-            f"rho={cfg.prior_prob}, KL weight {cfg.kl_weight})"}[cfg.method]
+            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight})"}[cfg.method]
     last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "

@@ -75,11 +75,11 @@ class GateGuide(PyroModule):
         return b * torch.tanh(self.head(h.detach()) / b)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Samples the gates (and the prior's global latents); returns the logits, for monitoring."""
         with poutine.scale(scale=self.kl_weight):
             if self.rate_guide is not None:
                 self.rate_guide()
             logits = self.logits(h)
             with rows_plate(self.num_rows, h.shape[0], h.device):
-                gates = pyro.sample("g", self.gate(self.temperature, logits=logits).to_event(1))
-        self.last_probs = logits.detach().sigmoid()  # for monitoring only: read by the trainer's log
-        return gates
+                pyro.sample("g", self.gate(self.temperature, logits=logits).to_event(1))
+        return logits

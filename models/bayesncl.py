@@ -50,7 +50,7 @@ class ContrastiveModel(PyroModule):
         self.num_rows, self.temperature = num_rows, temperature
         self.nonneg, self.topk = nonneg, topk
         self.prior, self.kl_weight = prior, kl_weight
-        # set by the trainer under DDP: gathers rows from all ranks -> (all rows, offset of ours)
+        # BayesNCLHead(gather_distributed=True) sets it: gathers rows from all ranks -> (all rows, offset of ours)
         self.gather = None
 
     def features(self, z: torch.Tensor) -> torch.Tensor:
@@ -60,11 +60,14 @@ class ContrastiveModel(PyroModule):
             z = z * topk_mask(z, self.topk)
         return normalize(z)
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, h: torch.Tensor) -> dict[str, torch.Tensor]:
         """z: R x K projector output, h: R x D backbone features (used by the guide only).
-        Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns the per-row InfoNCE."""
+        Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns, for monitoring (the ELBO
+        ignores it), ``nce``: the per-row InfoNCE (R), ``features``: the rows it saw (R x K, detached), and with
+        gates ``gates``: their values (R x K), which keep their gradient after backward."""
         u = self.features(z)
         rows = u.shape[0]
+        g = None
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight):
                 rate = self.prior.rate()
@@ -73,8 +76,7 @@ class ContrastiveModel(PyroModule):
                 with poutine.scale(scale=self.kl_weight):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
                 if g.requires_grad:
-                    g.retain_grad()  # the trainer's log reports how hard InfoNCE pulls on the gates
-                self.last_g = g
+                    g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (diagnostics.gate_pulls)
                 u = normalize(u * g)
             if self.gather is None:
                 nce = info_nce_rows(u, self.temperature)
@@ -82,6 +84,5 @@ class ContrastiveModel(PyroModule):
                 columns, offset = self.gather(u)
                 nce = info_nce_rows(u, self.temperature, columns, offset)
             pyro.factor("nce", -nce)
-        self.last_nce = nce.detach().mean()  # for monitoring only: read by the trainer's log
-        self.last_u = u.detach()  # the rows InfoNCE saw, for the conflict diagnostic
-        return nce
+        out = dict(nce=nce, features=u.detach())
+        return out if g is None else dict(out, gates=g)

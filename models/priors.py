@@ -5,9 +5,11 @@ it may sample global latents of its own (always under the KL weight, see ``model
 returns the per-dimension inclusion rate. A prior with global latents also supplies the variational
 family for them through :meth:`Prior.make_guide`, which the amortized guide calls.
 
-To add a prior, subclass :class:`Prior`, decorate it with ``@register("my-name")`` and pass
-``--prior my-name``. Every constructor takes ``num_features`` and ``prior_prob`` (the rate, or its
-mean) and validates what it is given.
+To add a prior, subclass :class:`Prior` and pass ``--prior package.module:MyPrior`` (the module must be
+importable: installed, or its folder on PYTHONPATH), or decorate it with ``@register("my-name")`` in this file
+and pass ``--prior my-name``. Every constructor takes ``num_features`` and ``prior_prob`` (the rate, or its
+mean) and validates what it is given; its other arguments come from ``--prior-arg name=value``, converted
+to the types its signature declares.
 """
 
 from typing import ClassVar
@@ -19,6 +21,7 @@ from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.plugins import import_spec, is_spec, typed_kwargs
 
 PRIORS: dict[str, type["Prior"]] = {}
 
@@ -34,10 +37,34 @@ def register(name: str):
     return add
 
 
-def build_prior(name: str, num_features: int, prior_prob: float, **kwargs) -> "Prior":
-    if name not in PRIORS:
-        raise UserError(f"unknown prior {name!r}; choose one of: {', '.join(sorted(PRIORS))}")
-    return PRIORS[name](num_features, prior_prob, **kwargs)
+def prior_class(spec: str) -> type["Prior"]:
+    """The :class:`Prior` subclass that a ``--prior`` value names: a registry name or ``package.module:Class``."""
+    if is_spec(spec):
+        cls = import_spec(spec, "--prior")
+        if not (isinstance(cls, type) and issubclass(cls, Prior)):
+            raise UserError(f"--prior {spec} is not a subclass of bayesncl_pyro.models.priors.Prior")
+        return cls
+    if spec not in PRIORS:
+        raise UserError(f"unknown prior {spec!r}; choose one of: {', '.join(sorted(PRIORS))}, "
+                        "or package.module:ClassName")
+    return PRIORS[spec]
+
+
+def prior_args(spec: str, args: dict) -> dict:
+    """``--prior-arg`` values (name -> text or value) checked against the prior's constructor, converted to the
+    types it declares."""
+    return typed_kwargs(prior_class(spec), args, {"num_features": "--proj-dim", "prior_prob": "--prior-prob"},
+                        f"prior {spec}", "--prior-arg")
+
+
+def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "Prior":
+    """The prior that ``spec`` names (see :func:`prior_class`), its extra arguments checked by :func:`prior_args`."""
+    cls, kwargs = prior_class(spec), prior_args(spec, kwargs)
+    try:
+        return cls(num_features, prior_prob, **kwargs)
+    except (TypeError, ValueError) as e:  # a prior of the user's that checks its arguments its own way
+        given = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        raise UserError(f"--prior {spec}{f' ({given})' if given else ''} refused its arguments: {e}") from None
 
 
 def _check_rate(prior_prob: float) -> float:
@@ -109,7 +136,8 @@ class BetaBernoulliPrior(Prior):
     def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
         super().__init__(num_features, prior_prob)
         if not concentration > 0:
-            raise UserError(f"Beta concentration must be positive, got {concentration}")
+            raise UserError(f"Beta concentration must be positive, got {concentration}; pass e.g. "
+                            "--prior-arg concentration=10")
         a, b = self.prior_prob * concentration, (1 - self.prior_prob) * concentration
         self.register_buffer("a", torch.full((num_features,), a))
         self.register_buffer("b", torch.full((num_features,), b))

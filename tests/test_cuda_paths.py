@@ -235,7 +235,7 @@ def test_images_of_another_size_end_the_resident_decoding_at_their_batch(tmp_pat
 def test_a_step_waits_for_the_gpu_only_when_the_divergence_checks_are_read(fake_cuda, tmp_path):
     trainer = Trainer(_digits(tmp_path, log_every=4, ckpt_every=100, conflict_every=0), progress=False)
     counts = []
-    trainer.learner.encoder.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
+    trainer.learner.backbone.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
     trainer.train(6)
     per_step = [b - a for a, b in zip(counts, counts[1:])]  # syncs of steps 1..5, each counted up to the next forward
     assert per_step == [0, 0, 0, per_step[3], 0] and per_step[3] > 0  # step 4 is a log step: it reads the checks
@@ -245,15 +245,15 @@ def test_a_step_waits_for_the_gpu_only_when_the_divergence_checks_are_read(fake_
 def test_worker_views_reach_the_gpu_from_pinned_memory(fake_cuda, tmp_path):
     trainer = Trainer(_digits(tmp_path, augment="workers", log_every=100), progress=False)
     counts = []
-    trainer.learner.encoder.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
+    trainer.learner.backbone.register_forward_pre_hook(lambda *_: counts.append(fake_cuda.syncs["MainThread"]))
     trainer.train(3)
     assert counts[1] == counts[0] and counts[2] == counts[1]  # a pageable non_blocking copy would wait
 
 
 def _poison_grad_at(trainer: Trainer, step: int):
     calls = []
-    trainer.learner.encoder.register_forward_pre_hook(lambda *_: calls.append(1))
-    next(trainer.learner.encoder.parameters()).register_hook(lambda g: g * float("nan") if len(calls) == step else g)
+    trainer.learner.backbone.register_forward_pre_hook(lambda *_: calls.append(1))
+    next(trainer.learner.backbone.parameters()).register_hook(lambda g: g * float("nan") if len(calls) == step else g)
 
 
 def _state(trainer: Trainer) -> list[torch.Tensor]:
@@ -274,7 +274,7 @@ def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device
     kept = len(list(trainer.learner.parameters())) + len(list(trainer.learner.buffers()))
     assert all(torch.equal(b, torch.zeros_like(b)) for b in _state(trainer)[kept:])  # the momentum buffers it made
     calls = []  # step 3's input is not finite: so are the running statistics its forward pass updates
-    trainer.learner.encoder.register_forward_pre_hook(
+    trainer.learner.backbone.register_forward_pre_hook(
         lambda module, args: calls.append(1) or ((args[0] * float("nan"),) if len(calls) == 2 else None))
     trainer.train(2)
     before = _state(trainer)
@@ -292,8 +292,8 @@ def test_a_bad_step_read_late_is_named_before_a_later_failure_and_never_saved(tm
         if not all(p.isfinite().all() for p in module.parameters()):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
 
-    trainer.learner.encoder.register_forward_pre_hook(refuses_nan_weights)
-    with pytest.raises(UserError, match=r"diverged at step 2: the gradient of encoder\.\S+ \(from InfoNCE\) is not "
+    trainer.learner.backbone.register_forward_pre_hook(refuses_nan_weights)
+    with pytest.raises(UserError, match=r"diverged at step 2: the gradient of backbone\.\S+ \(from InfoNCE\) is not "
                        "finite; no checkpoint is kept"):
         trainer.train(5)
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
@@ -303,14 +303,14 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
     from bayesncl_pyro import divergence
 
     torch.manual_seed(0)
-    net = torch.nn.Module()  # parameter names as the learner's: encoder.*, guide.*
-    net.encoder, net.guide = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    net = torch.nn.Module()  # parameter names as the learner's: backbone.*, ...
+    net.backbone, net.guide = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     guard = divergence.DivergenceGuard(net, opt, mask=True, rows=3)
 
     def step(number, extra=0.0, nce=0.0):  # loss: the net's output plus extra; its InfoNCE term: nce
         guard.begin()
-        loss = net.guide(net.encoder(torch.ones(1, 3))).sum() + extra
+        loss = net.guide(net.backbone(torch.ones(1, 3))).sum() + extra
         opt.zero_grad()
         loss.backward()
         guard.step(number, loss, torch.tensor(nce))
@@ -324,13 +324,13 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
     assert guard.bad_steps() == []  # nothing new: no copy from the device
     step(5, nce=float("nan"))
     assert guard.bad_steps() == [(5, "the InfoNCE term is nan")]
-    hook = net.encoder.weight.register_hook(lambda g: g * float("nan"))
+    hook = net.backbone.weight.register_hook(lambda g: g * float("nan"))
     step(6)
-    assert guard.bad_steps() == [(6, "the gradient of encoder.weight (from InfoNCE) is not finite")]
+    assert guard.bad_steps() == [(6, "the gradient of backbone.weight (from InfoNCE) is not finite")]
     hook.remove()
-    net.encoder.weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
+    net.backbone.weight.requires_grad_(False)  # a parameter without a gradient in a step: its norm counts as 0
     step(7)
-    net.encoder.weight.requires_grad_(True)
+    net.backbone.weight.requires_grad_(True)
     assert guard.bad_steps() == []
 
     # under DDP the verdict is the maximum over the ranks: another rank's bad step is this rank's too, and is undone

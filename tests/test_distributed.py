@@ -50,7 +50,7 @@ def _learner_and_batch():
     cfg = resolve(Config(dataset="digits", method="bayesncl", prior="learned", gate="ste", proj_hidden=32, proj_dim=16,
                          kl_weight=0.05))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
-    learner.encoder.backbone.eval()
+    learner.backbone.eval()
     return learner, torch.randn(2 * B, 1, 8, 8)
 
 
@@ -64,9 +64,8 @@ def _ddp_step(rank, out):
     distributed.setup(torch.device("cpu"))
     pyro.enable_validation(False)  # the fast ELBO path, as in training
     learner, x = _learner_and_batch()
-    learner.model.gather = distributed.gather_rows
-    net = DistributedDataParallel(learner)  # kept alive until backward: its hooks average the gradients
-    loss = net(_local_rows(x, rank))
+    net = DistributedDataParallel(learner)  # the head gathers every rank's rows by itself  # kept alive until backward: its hooks average the gradients
+    loss, _ = net(_local_rows(x, rank))
     loss.backward()
     torch.save(dict(loss=loss.detach(), grads={n: p.grad for n, p in learner.named_parameters()}),
                os.path.join(out, f"rank{rank}.pt"))
@@ -75,7 +74,7 @@ def _ddp_step(rank, out):
 def test_ddp_step_equals_the_single_process_step_on_the_global_batch(two_processes):
     learner, x = _learner_and_batch()
     with pyro.validation_enabled(False):
-        loss = learner(x)
+        loss, _ = learner(x)
     loss.backward()
     ranks = [torch.load(two_processes / f"rank{r}.pt") for r in range(WORLD)]
     # each rank's loss is the mean over its rows; their mean is the mean over all rows
@@ -99,7 +98,7 @@ def test_sampler_shards_are_slices_of_the_single_process_batches():
 
 
 TINY = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=200, epochs=1, warmup_epochs=0.5,
-            workers=0, log_every=1, ckpt_every=100, device="cpu")
+            workers=0, log_every=1, ckpt_every=100, device="cpu", tensorboard=True)
 
 
 def _train_and_resume(rank, root):
@@ -122,4 +121,5 @@ def test_two_process_run_resumes_exactly(two_processes):
     for k, v in params["straight"].items():
         torch.testing.assert_close(params["resumed"][k], v, rtol=0, atol=0, msg=k)
     log = (two_processes / "a" / "log.jsonl").read_text().splitlines()
-    assert len(log) == 7  # rank 0 alone writes the log
+    assert len(log) == 7  # rank 0 alone writes the log, and the TensorBoard events
+    assert len(list((two_processes / "a").glob("events.out.tfevents.*"))) == 1

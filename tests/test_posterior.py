@@ -31,7 +31,7 @@ def test_probabilities_are_the_sigmoid_of_the_guide_logits(digits):
     transform = eval_transform(8, digits.channels)
     x = torch.stack([transform(digits.test[i][0]) for i in range(len(digits.test))])
     with torch.no_grad():
-        h, _ = learner.encoder(x)
+        h = learner.backbone(x)
         expected = learner.guide.logits(h).sigmoid()
     assert post.probs.shape == (len(digits.test), 16) and post.draws is None
     torch.testing.assert_close(post.probs, expected)

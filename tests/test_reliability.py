@@ -158,7 +158,7 @@ def signals_during_step(trainer: Trainer, step: int, *signums: int):
             for signum in signums:
                 os.kill(os.getpid(), signum)
 
-    trainer.learner.encoder.register_forward_pre_hook(send)
+    trainer.learner.backbone.register_forward_pre_hook(send)
 
 
 def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
@@ -229,17 +229,17 @@ def _nan_at_step(trainer: Trainer, step: int, where: str):
     def poison(value):
         return value * float("nan") if len(calls) == step else value
 
-    learner.encoder.register_forward_pre_hook(count)
+    learner.backbone.register_forward_pre_hook(count)
     if where == "InfoNCE":
-        learner.encoder.register_forward_hook(lambda m, a, out: (out[0], poison(out[1])))
+        learner.head.projector.register_forward_hook(lambda m, a, out: poison(out))
     else:
-        next(learner.encoder.parameters()).register_hook(poison)
+        next(learner.backbone.parameters()).register_hook(poison)
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
 @pytest.mark.parametrize("where, message", [
     ("InfoNCE", "the InfoNCE term is nan"),
-    ("grad", r"the gradient of encoder\.\S+ \(from InfoNCE\) is not finite"),
+    ("grad", r"the gradient of backbone\.\S+ \(from InfoNCE\) is not finite"),
 ])
 def test_divergence_stops_naming_step_and_term_and_keeps_the_last_good_checkpoint(tmp_path, where, message):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
@@ -405,13 +405,13 @@ def test_checkpoint_of_another_version_is_explained(tmp_path):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
     state = trainer.state_dict()
     weights = state["learner"]
-    weights["encoder.renamed"] = weights.pop(next(iter(weights)))
-    key = next(k for k in weights if k.startswith("guide.") and weights[k].dim() == 2)
+    weights["backbone.renamed"] = weights.pop(next(iter(weights)))
+    key = next(k for k in weights if k.startswith("head.guide.") and weights[k].dim() == 2)
     weights[key] = weights[key][:, :3]
     state["version"] = "0.0.1"
     torch.save(state, tmp_path / "run" / "checkpoint.pt")
     with pytest.raises(UserError, match=f"\\(bayesncl-pyro 0.0.1\\) does not fit the model of bayesncl-pyro "
-                       f".*{key} is .* there but .* here.*missing.*encoder.renamed unexpected; load it with"):
+                       f".*{key} is .* there but .* here.*missing.*backbone.renamed unexpected; load it with"):
         load_learner(tmp_path / "run")
     with pytest.raises(UserError, match="does not fit the model"):
         Trainer(fast(tmp_path / "run"), progress=False)

@@ -1,0 +1,125 @@
+"""A trained run folder as an object: ``load_run("runs/x")``.
+
+    run = load_run("runs/x")
+    probs = run.gate_probs("photos/")          # N x K, q(g_k = 1 | x) of every image in the folder
+    feats = run.representation(pil_images)     # N x K, the representation the method uses
+    post = run.posterior(num_draws=100)        # the gate posterior on the run's test split
+
+Images are given as a folder (its image files, sorted by name: :func:`image_paths` lists them), an image
+file, a PIL image, a uint8 tensor (0-255) or a float tensor (0-1), ``C x H x W`` or ``N x C x H x W``, or a
+list of any of these. Each goes through the run's own evaluation transform (``data.views.eval_transform``
+at the run's image size and channels), as the test split did in training.
+"""
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.images import IMAGE_EXTENSIONS
+from bayesncl_pyro.data.views import eval_transform
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.rundir import load_learner
+
+
+def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> "TrainedRun":
+    """The trained run in ``run_dir`` (a folder written by ``experiments/run_svi.py``), on ``device``."""
+    learner, cfg = load_learner(run_dir, device)
+    return TrainedRun(learner, cfg, Path(run_dir))
+
+
+def image_paths(folder: str | os.PathLike) -> list[Path]:
+    """The image files directly in ``folder``, sorted by name: the order of the rows of a folder's results."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+class TrainedRun:
+    """A run's trained learner, its config (``cfg``) and its evaluation transform (``transform``)."""
+
+    def __init__(self, learner: ContrastiveLearner, cfg: Config, run_dir: Path):
+        self.learner, self.cfg, self.dir = learner, cfg, run_dir
+        self.channels = learner.in_channels
+        self.transform = eval_transform(cfg.image_size, self.channels)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.learner.parameters()).device
+
+    def gate_probs(self, images, batch_size: int = 256) -> torch.Tensor:
+        """N x K exact inclusion probabilities q(g_k = 1 | x) (a BayesNCL run), on the CPU."""
+        if not self.learner.gated:
+            raise UserError(f"{self.dir} is a {self.cfg.method} run: it has no gates")
+        return self._apply(images, batch_size, lambda h, f: self.learner.gate_probs(h))
+
+    def representation(self, images, batch_size: int = 256) -> torch.Tensor:
+        """N x K, the representation the method uses (``BayesNCLHead.representation``), on the CPU."""
+        return self._apply(images, batch_size, lambda h, f: f)
+
+    def backbone_features(self, images, batch_size: int = 256) -> torch.Tensor:
+        """N x D backbone features h (what the linear probe reads), on the CPU."""
+        return self._apply(images, batch_size, lambda h, f: h)
+
+    def posterior(self, data=None, num_draws: int = 0):
+        """The gate posterior on the run's test split (or on ``data``, a ``DataSpec``), as
+        ``bayesncl_pyro.posterior.gate_posterior`` gives it."""
+        from bayesncl_pyro.posterior import gate_posterior  # late: it loads the evaluation code
+
+        return gate_posterior(self.learner, data, num_draws=num_draws)
+
+    def inputs(self, images) -> torch.Tensor:
+        """``images`` (any of the forms in the module docstring) as the model's input, N x C x S x S."""
+        return torch.stack([self.transform(self._one(image)) for image in _items(images)])
+
+    @torch.no_grad()
+    def _apply(self, images, batch_size: int, pick) -> torch.Tensor:
+        self.learner.eval()
+        x = self.inputs(images)
+        out = [pick(*self.learner.representation(chunk.to(self.device))).cpu() for chunk in x.split(batch_size)]
+        return torch.cat(out)
+
+    def _one(self, image):
+        """One image as what the transform takes: a PIL image of the run's mode, or a C x H x W tensor checked
+        against the run's channels (uint8, or float in [0, 1])."""
+        if isinstance(image, (str, os.PathLike)):
+            image = _open(Path(image))
+        if isinstance(image, Image.Image):
+            return image.convert("RGB" if self.channels == 3 else "L")
+        if not torch.is_tensor(image) or image.ndim != 3 or image.shape[0] != self.channels:
+            what = f"a tensor of shape {tuple(image.shape)}" if torch.is_tensor(image) else type(image).__name__
+            raise UserError(f"got {what}; the run takes {self.channels}-channel images: C x H x W (or N x C x H x W) "
+                            "tensors, PIL images, image files or a folder")
+        if image.is_floating_point() and (image.min() < 0 or image.max() > 1):
+            raise UserError("float images must lie in [0, 1] (the run's transform normalises them); divide 0-255 "
+                            "images by 255, or pass them as uint8")
+        if not image.is_floating_point() and image.dtype != torch.uint8:
+            raise UserError(f"integer images must be uint8 (0-255), got {image.dtype}")
+        return image.cpu()
+
+
+def _items(images) -> Iterable:
+    """``images`` split into single images (paths, PIL images or C x H x W tensors)."""
+    if isinstance(images, (str, os.PathLike)) and Path(images).is_dir():
+        paths = image_paths(images)
+        if not paths:
+            raise UserError(f"{images} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        return paths
+    if torch.is_tensor(images) and images.ndim == 4:
+        return images.unbind()
+    if isinstance(images, (list, tuple)):
+        if not images:
+            raise UserError("got an empty list of images")
+        return [one for item in images for one in _items(item)]
+    return [images]
+
+
+def _open(path: Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            image.load()  # decode now, inside the try: a truncated file fails here, with its name
+            return image
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise UserError(f"cannot read image {path} ({err})") from None

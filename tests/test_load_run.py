@@ -1,0 +1,79 @@
+"""load_run: a trained run folder as an object that takes images in any common form."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bayesncl_pyro import load_run
+from bayesncl_pyro.arviz_export import read_gates
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.run import image_paths
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import run_svi  # noqa: E402
+from test_scripts import TINY_RUN  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("load_run") / "run"
+    assert run_svi.main([*TINY_RUN, "--out", str(out)]) == 0  # BayesNCL on digits, with gates.nc
+    return out
+
+
+@pytest.fixture(scope="module")
+def test_images():
+    return load_dataset("digits", seed=0).test.images  # uint8, N x 1 x 8 x 8: the run's test split
+
+
+def test_on_the_test_split_it_gives_the_probabilities_of_gates_nc(run_dir, test_images):
+    run = load_run(run_dir)
+    saved = read_gates(run_dir)["gates"]
+    probs = run.gate_probs(test_images)
+    np.testing.assert_allclose(probs.numpy(), saved["inclusion_prob"].values, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(run.representation(test_images).numpy(), saved["features"].values, rtol=0, atol=1e-6)
+    post = run.posterior(num_draws=2)
+    torch.testing.assert_close(post.probs, probs)
+    assert post.draws.shape == (2, *probs.shape)
+    assert run.backbone_features(test_images[:3]).shape == (3, 256)
+
+
+def test_images_as_files_pil_and_float_tensors_give_the_same(run_dir, test_images, tmp_path):
+    run = load_run(run_dir)
+    first = test_images[:12]
+    expected = run.gate_probs(first)
+    for i, image in enumerate(first):
+        Image.fromarray(image[0].numpy(), mode="L").save(tmp_path / f"{i:02d}.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    assert [p.name for p in image_paths(tmp_path)] == [f"{i:02d}.png" for i in range(12)]
+    torch.testing.assert_close(run.gate_probs(tmp_path), expected)
+    torch.testing.assert_close(run.gate_probs(str(tmp_path / "03.png")), expected[3:4])
+    pil = [Image.open(tmp_path / f"{i:02d}.png").convert("RGB") for i in range(12)]  # converted to the run's mode
+    torch.testing.assert_close(run.gate_probs(pil), expected)
+    torch.testing.assert_close(run.gate_probs(first.float() / 255), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(run.gate_probs(first[0]), expected[:1])
+    torch.testing.assert_close(run.gate_probs([first[0], pil[1]]), expected[:2])
+
+
+@pytest.mark.parametrize("images, message", [
+    (torch.rand(2, 3, 8, 8), "1-channel images"),
+    (torch.full((2, 1, 8, 8), 255.0), r"float images must lie in \[0, 1\]"),
+    (torch.zeros(2, 1, 8, 8, dtype=torch.int32), "integer images must be uint8"),
+    ("missing.png", "cannot read image missing.png"),
+    ([], "empty list"),
+])
+def test_bad_images_are_one_line(run_dir, images, message):
+    with pytest.raises(UserError, match=message):
+        load_run(run_dir).gate_probs(images)
+
+
+def test_a_folder_without_images_and_a_folder_without_a_run(tmp_path, run_dir):
+    with pytest.raises(UserError, match="holds no image files"):
+        load_run(run_dir).gate_probs(tmp_path)
+    with pytest.raises(UserError, match="holds no checkpoint.pt"):
+        load_run(tmp_path)

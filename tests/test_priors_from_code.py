@@ -1,0 +1,105 @@
+"""--prior package.module:Class and --prior-arg: a prior from code outside the repository, its arguments checked
+against its constructor, saved in the config, and rebuilt on resume and by load_learner."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir import load_learner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import run_svi  # noqa: E402
+from test_scripts import TINY_RUN  # noqa: E402
+
+RUN_SVI = Path(run_svi.__file__)
+PRIOR_CODE = '''
+    import torch
+
+    from bayesncl_pyro.models.priors import Prior
+
+
+    class SteppedPrior(Prior):
+        """rho on the first half of the gates, rho * scale on the second."""
+
+        def __init__(self, num_features: int, prior_prob: float = 0.8, scale: float = 0.5, hard: bool = False):
+            super().__init__(num_features, prior_prob)
+            if not 0 < scale <= 1:
+                raise ValueError(f"scale must lie in (0, 1], got {scale}")
+            rate = torch.full((num_features,), self.prior_prob)
+            rate[num_features // 2:] *= scale
+            self.register_buffer("_rate", rate)
+
+        def rate(self):
+            return self._rate
+'''
+
+
+@pytest.fixture
+def prior_code(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "my_priors.py").write_text(textwrap.dedent(PRIOR_CODE))
+    yield code
+    sys.modules.pop("my_priors", None)  # another test's my_priors must not find this one imported
+
+
+def test_a_prior_from_your_own_module_trains_resumes_and_reloads(tmp_path, prior_code, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = [*TINY_RUN, "--prior", "my_priors:SteppedPrior", "--prior-arg", "scale=0.25", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(prior_code), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(RUN_SVI), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "my_priors:SteppedPrior prior rho=0.8 scale=0.25" in proc.stdout.splitlines()[0]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["prior"] == "my_priors:SteppedPrior" and saved["prior_args"] == {"scale": 0.25}
+
+    monkeypatch.syspath_prepend(str(prior_code))
+    learner, cfg = load_learner(out)
+    assert type(learner.model.prior).__name__ == "SteppedPrior" and cfg.prior_args == {"scale": 0.25}
+    torch.testing.assert_close(learner.model.prior.rate(), torch.tensor([0.8] * 8 + [0.2] * 8))
+    # the same command resumes it (here: finds it finished); "2.5e-1" is the same value
+    assert run_svi.main([a.replace("scale=0.25", "scale=2.5e-1") for a in args]) == 0
+    assert "already holds a finished run" in capsys.readouterr().out
+    # another value is another run
+    assert run_svi.main([a.replace("scale=0.25", "scale=0.5") for a in args]) == 2
+    assert "prior_args: {'scale': 0.25} -> {'scale': 0.5}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prior_args, message", [
+    (["scal=0.5"], "--prior-arg scal: prior my_priors:SteppedPrior takes no argument 'scal'; it takes scale, hard"),
+    (["scale=abc"], "--prior-arg scale=abc: prior my_priors:SteppedPrior's scale takes a float"),
+    (["hard=maybe"], "hard takes true or false"),
+    (["scale=2"], r"--prior my_priors:SteppedPrior \(scale=2.0\) refused its arguments: scale must lie in \(0, 1\]"),
+    (["prior_prob=0.5"], "--prior-arg prior_prob: set it with --prior-prob"),
+])
+def test_bad_prior_arguments_are_one_line(prior_code, monkeypatch, capsys, prior_args, message):
+    monkeypatch.syspath_prepend(str(prior_code))
+    argv = [*TINY_RUN, "--prior", "my_priors:SteppedPrior", "--out", "unused"]
+    for a in prior_args:
+        argv += ["--prior-arg", a]
+    assert run_svi.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert re.search(message, err), err
+
+
+def test_registry_priors_take_arguments_and_a_missing_module_is_named():
+    cfg = resolve(Config(dataset="digits", prior="beta-bernoulli", prior_args={"concentration": "5"}))
+    assert cfg.prior_args == {"concentration": 5.0}
+    with pytest.raises(UserError, match="Beta concentration must be positive, got -1.0; pass e.g. --prior-arg"):
+        resolve(Config(dataset="digits", prior="beta-bernoulli", prior_args={"concentration": -1}))
+    with pytest.raises(UserError, match="--prior nowhere:Prior: cannot import nowhere .*PYTHONPATH"):
+        resolve(Config(dataset="digits", prior="nowhere:Prior"))
+    with pytest.raises(UserError, match="--prior torch:Tensor is not a subclass of .*Prior"):
+        resolve(Config(dataset="digits", prior="torch:Tensor"))
+    with pytest.raises(SystemExit):  # argparse: "expected NAME=VALUE"
+        run_svi.parser().parse_args(["--prior-arg", "concentration"])

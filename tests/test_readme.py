@@ -1,0 +1,70 @@
+"""The README's "Use it in your own code" section: every Python snippet runs, in order, in a folder that holds
+what they name (a finished run in runs/default, a folder of photos); the files they define are written where
+they say; every command line parses and its configuration resolves."""
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from bayesncl_pyro.config import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import run_svi  # noqa: E402
+
+TINY = ["--dataset", "compositional", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
+        "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
+
+
+def section_blocks() -> list[tuple[str, str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Use it in your own code\n")[1].split("\n## ")[0]
+    return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+
+
+def test_the_section_has_a_snippet_for_the_head_a_backbone_a_prior_and_load_run():
+    code = "\n".join(block for _, block in section_blocks())
+    for needed in ("BayesNCLHead(", "--encoder timm:", "--encoder my_nets:", "--prior my_priors:", "--prior-arg",
+                   "load_run("):
+        assert needed in code, needed
+
+
+def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("timm", reason="the section names a timm model: pip install -e '.[timm]'")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=. in the commands
+    for name in ("my_nets", "my_priors"):  # the snippets' modules, not another test's of the same name
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert run_svi.main([*TINY, "--out", "runs/default"]) == 0
+    (tmp_path / "my_photos").mkdir()
+    for i in range(2):
+        Image.new("RGB", (50, 40), (40 * i, 90, 200)).save(tmp_path / "my_photos" / f"{i}.jpg")
+    capsys.readouterr()
+
+    namespace: dict = {}
+    for language, code in section_blocks():
+        first = code.splitlines()[0]
+        if language == "python" and first.endswith("in a folder on PYTHONPATH"):
+            (tmp_path / first.split()[1].rstrip(",")).write_text(code)  # "# my_nets.py, in a folder on PYTHONPATH"
+        elif language == "python":
+            exec(compile(code, "README.md", "exec"), namespace)
+        else:
+            assert language == "bash"
+            for line in code.splitlines():
+                command = shlex.split(line.removeprefix("PYTHONPATH=. "))
+                assert command[:2] == ["python", "experiments/run_svi.py"], line
+                cfg, _ = run_svi.config(command[2:])
+                resolve(cfg)  # checks the encoder (importing a module, asking timm) and builds the prior
+
+    assert namespace["probs"].shape == (2, 16)  # load_run's: the run's K for the two photos
+    assert namespace["feats"].shape == (4, 16) and namespace["h"].shape == (4, 256)
+    assert namespace["post"].draws.shape[0] == 10
+    assert isinstance(namespace["head"].model.prior, torch.nn.Module)
+    assert "gate_nce_pull" in capsys.readouterr().out  # the head snippet printed its pulls
+    for name in ("my_nets", "my_priors"):
+        sys.modules.pop(name, None)
