@@ -16,9 +16,15 @@ import torch
 import torch.distributed as dist
 
 
+# the group of the small control messages (stop votes, RNG states at a checkpoint): gloo, on the CPU, so that
+# they never wait on a GPU; None = the default group, already gloo on CPU runs
+_control = None
+
+
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device). Joins the process group that torchrun describes in the
     environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1; a plain run is rank 0 of 1."""
+    global _control
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
@@ -27,6 +33,8 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if dist.get_backend() != "gloo":
+            _control = dist.new_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -44,17 +52,38 @@ def all_gather_objects(obj) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_control)
     return out
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (a plain run: ``flag``)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+class Votes:
+    """Small non-negative integers that each rank posts at every step, combined by max over ranks. Under DDP a
+    step's votes are exchanged on the CPU in the background and read at the next step: the exchange neither
+    waits on the GPU nor stalls a step, and every rank reads the same result at the same step. A single
+    process reads its own votes at once."""
+
+    def __init__(self):
+        self.pending = None
+
+    def __call__(self, *votes: int) -> list[int]:
+        if not dist.is_initialized():
+            return list(votes)
+        posted = torch.tensor(votes, dtype=torch.int64)
+        work = dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=_control, async_op=True)
+        previous, self.pending = self.pending, (work, posted)
+        return self._read(previous) if previous else [0] * len(votes)
+
+    def close(self):
+        """Wait for the last exchange (every rank posted it), so that none is left behind."""
+        if self.pending:
+            self._read(self.pending)
+            self.pending = None
+
+    @staticmethod
+    def _read(pending) -> list[int]:
+        work, result = pending
+        work.wait()
+        return result.tolist()
 
 
 def barrier():
