@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from bayesncl_pyro.errors import UserError
+
 
 # the group of the small control messages (stop votes, RNG states at a checkpoint): gloo, on the CPU, so that
 # they never wait on a GPU; None = the default group, already gloo on CPU runs
@@ -28,6 +30,10 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        raise UserError("torchrun --max-restarts shares its rendezvous store with the workers, so a restarted group may "
+                        "read the previous group's addresses and hang; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                        "before torchrun (each group then gets a store of its own)")
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -88,4 +94,13 @@ class Votes:
 
 def barrier():
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_control)
+
+
+def leave():
+    """Leave the process group: a process that exits still in one may abort at interpreter shutdown (gloo's
+    threads outlive Python), which torchrun reports as a failed worker."""
+    global _control
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control = None

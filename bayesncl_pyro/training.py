@@ -202,10 +202,12 @@ class Trainer:
                              cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
 
     def save(self):
-        """Every rank calls this (it gathers their RNG states); rank 0 writes the file."""
+        """Every rank calls this (it gathers their RNG states); rank 0 writes the file, and no rank goes on (or
+        exits: torchrun then stops the others) before it is written."""
         state = self.state_dict()
         if self.rank == 0:
             atomic_save(state, self.out / CHECKPOINT)
+        distributed.barrier()
         self.saved_step, self.saved_at = self.step, time.monotonic()
 
     def _load_checkpoint(self):

@@ -22,6 +22,7 @@ import sys
 INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
+    from bayesncl_pyro import distributed
     from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped, UserError
@@ -140,13 +141,17 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        distributed.leave()
 
 
 def _stop_at_once(signum, frame):
     """Outside the training loop (which saves, then stops) a scheduler's signal stops the run at once, as Ctrl-C
-    does: nothing is half-written, files are replaced by a rename."""
-    raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command to "
-                  "resume", signum)
+    does: nothing is half-written, files are replaced by a rename. A run already on its way out (torchrun
+    terminates the other workers when one exits) just goes on."""
+    if sys.exc_info()[0] is None:
+        raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command "
+                      "to resume", signum)
 
 
 def announce(trainer) -> str:
