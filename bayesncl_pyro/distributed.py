@@ -8,6 +8,14 @@ InfoNCE_i contrasts against the rows of *all* ranks. The gather's backward sums,
 rows, the gradients of every rank's loss; DDP then averages the parameter gradients over ranks. So
 the update is ``(1 / W) * grad(sum_r L_r) = grad(mean over all W R rows)``: exactly the gradient of
 one process training on the global batch (``tests/test_distributed.py`` checks it).
+
+Several machines, stops and restarts
+------------------------------------
+Nothing here counts machines: torchrun's rendezvous numbers the processes of every node, and two launchers
+train the weights of one launcher of as many processes, bit for bit. The small control messages (each step's
+stop and checkpoint vote, the RNG states a checkpoint gathers, barriers) go over a gloo group on the CPU, so
+they never wait for a GPU. Every rank takes part in a checkpoint, rank 0 writes it, and no rank goes on before
+it is on disk: a stopped, killed or restarted group resumes from a complete one.
 """
 
 import os
@@ -18,9 +26,7 @@ import torch.distributed as dist
 from bayesncl_pyro.errors import UserError
 
 
-# the group of the small control messages (stop votes, RNG states at a checkpoint): gloo, on the CPU, so that
-# they never wait on a GPU; None = the default group, already gloo on CPU runs
-_control = None
+_control = None  # the group of the control messages: gloo, on the CPU, whatever the training backend
 
 
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
@@ -39,8 +45,7 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if dist.get_backend() != "gloo":
-            _control = dist.new_group(backend="gloo")
+        _control = dist.new_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 

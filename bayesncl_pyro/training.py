@@ -342,6 +342,8 @@ class Trainer:
                     # a signal reaches one rank or all, and only rank 0's clock counts: the ranks vote, so that
                     # they stop, and save, at the same step
                     due = self.rank == 0 and bool(minutes) and time.monotonic() - self.saved_at >= 60 * minutes
+                    if due:  # asked once: the save follows when the vote is read
+                        self.saved_at = time.monotonic()
                     stopping, due = votes(stop.signum or 0, due)
                     if self.step % cfg.ckpt_every == 0 or due or stopping:
                         self.save()

@@ -1,5 +1,7 @@
 """DDP on CPU: gloo, 2 processes. One DDP step equals one single-process step on the global batch, the
-sampler shards the single-process batches, and a 2-process run resumes exactly from its checkpoint."""
+sampler shards the single-process batches, a 2-process run resumes exactly from its checkpoint, and the ranks
+checkpoint by rank 0's clock. Then run_svi.py under torchrun: two nodes, a killed worker, signals to one rank or
+to the launcher, another number of processes on resume, and the SLURM script."""
 
 import math
 import os
@@ -20,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.errors import REQUEUE
+from bayesncl_pyro.errors import REQUEUE, UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.training import EpochSampler, Trainer
@@ -48,6 +50,7 @@ def _worker(rank, port, out):
     try:
         _ddp_step(rank, out)
         _train_and_resume(rank, out)
+        _checkpoints_by_the_clock(rank, out)
     finally:
         dist.destroy_process_group()
 
@@ -126,6 +129,29 @@ def _train_and_resume(rank, root):
                    os.path.join(root, "params.pt"))
 
 
+def _checkpoints_by_the_clock(rank, root):
+    """--ckpt-minutes 2 where a step takes 40 s on rank 0's clock and rank 1's clock says that every step is due:
+    the steps at which each rank saves."""
+    trainer = Trainer(Config(out=os.path.join(root, "clock"), ckpt_minutes=2, **{**TINY, "epochs": 2}), progress=False)
+    clock, saved = [0.0], []
+    trainer.learner.encoder.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + (40 if rank == 0
+                                                                                                  else 1e9)))
+    real_save, real_clock = trainer.save, time.monotonic
+    trainer.save = lambda: (saved.append(trainer.step), real_save())
+    time.monotonic = lambda: clock[0]
+    try:
+        trainer.train(9)
+    finally:
+        time.monotonic = real_clock
+    torch.save(saved, os.path.join(root, f"clock{rank}.pt"))
+
+
+def test_checkpoints_by_the_clock_follow_rank_0s_and_every_rank_saves_at_the_same_steps(two_processes):
+    """Rank 0's clock reaches 2 minutes at step 3 and its vote is read one step later: a checkpoint at step 4,
+    the next at step 8 (due again at step 7, 2 minutes after the one at step 4), on both ranks."""
+    assert [torch.load(two_processes / f"clock{r}.pt") for r in range(WORLD)] == [[4, 8], [4, 8]]
+
+
 def test_two_process_run_resumes_exactly(two_processes):
     """Relaxed gates draw noise on every rank: resuming restores each rank's own RNG stream."""
     params = torch.load(two_processes / "params.pt")
@@ -137,12 +163,12 @@ def test_two_process_run_resumes_exactly(two_processes):
 
 # ------------------------------------------------------------------------------ torchrun: nodes, faults, signals
 # Real launches of experiments/run_svi.py under torchrun, 2 CPU processes, gloo on the loopback interface only.
-# Every run trains the same 24 steps (relaxed gates: each rank draws gate noise; views drawn per (step, rank));
+# Every run trains the same 32 steps (relaxed gates: each rank draws gate noise; views drawn per (step, rank));
 # one uninterrupted 1-node run is the reference.
 
 RUN = Config(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5, workers=0,
-             log_every=1, ckpt_every=4, max_steps=24, gate="relaxed", device="cpu")
-STEPS = 24
+             log_every=1, ckpt_every=4, max_steps=32, gate="relaxed", device="cpu")
+STEPS = RUN.max_steps
 
 
 def free_port() -> int:
@@ -216,7 +242,25 @@ def reference(tmp_path_factory) -> dict:
     return dict(params=saved["learner"], log=read_log(out))
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_torchrun_restarts_sharing_the_rendezvous_store_are_refused(monkeypatch):
+    """With --max-restarts, torchrun's shared store would hand a restarted group the previous one's addresses."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(UserError, match="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"):
+        distributed.setup(torch.device("cpu"))
+    assert not dist.is_initialized()
+
+
+def test_a_global_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, monkeypatch):
+    """E.g. a run of batch 32 resumed on 3 processes."""
+    monkeypatch.setattr(distributed, "setup", lambda device: (0, 3, device))
+    with pytest.raises(UserError, match="--batch-size 32 \\(the global batch\\) does not split evenly over 3 "
+                       "processes; pick a multiple of 3"):
+        Trainer(replace(RUN, out=str(tmp_path / "run")), progress=False)
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", pytest.param("static", marks=pytest.mark.slow)])
 def test_two_nodes_on_localhost_train_exactly_as_one(reference, tmp_path, rendezvous):
     """Two torchrun launchers of one process each, as on two machines, meet through a c10d store (the node ranks
     come from the order they join) or a static one (given node ranks), and train the same weights, bit for bit,
@@ -232,12 +276,12 @@ def test_two_nodes_on_localhost_train_exactly_as_one(reference, tmp_path, rendez
 
 
 def test_a_worker_killed_mid_epoch_is_restarted_and_resumes_exactly(reference, tmp_path):
-    """torchrun --max-restarts 1: SIGKILL of rank 1 after step 10 (checkpoints every 4 steps); torchrun stops
-    rank 0, starts both again, they resume from the checkpoint of step 8 and end with the uninterrupted run's
+    """torchrun --max-restarts 1: SIGKILL of rank 1 after step 6 (checkpoints every 4 steps); torchrun stops
+    rank 0, starts both again, they resume from the last checkpoint and end with the uninterrupted run's
     weights."""
     out = tmp_path / "run"
     proc = launch(out, restarts=1)
-    wait_for_step(proc, out, 10, since=0)
+    wait_for_step(proc, out, 6, since=0)
     os.kill(worker(proc, 1), signal.SIGKILL)
     finished(proc, out)
     steps = [rec["step"] for rec in read_log(out)]
@@ -250,11 +294,11 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_resumes_
     says so and exits 75 (requeue me); the same command resumes and ends with the uninterrupted run's weights."""
     out = tmp_path / "run"
     proc = launch(out)
-    wait_for_step(proc, out, 6, since=0)
+    wait_for_step(proc, out, 5, since=0)
     os.kill(worker(proc, 1), signal.SIGUSR1)
     assert proc.wait(timeout=600) != 0  # torchrun reports failed workers
     saved = state(out)
-    assert 6 <= saved["step"] < STEPS and not saved["finished"]
+    assert 5 <= saved["step"] < STEPS and not saved["finished"]
     stopped = [line for line in (tmp_path / "torchrun.err").read_text().splitlines() if "stopped:" in line]
     assert stopped == 2 * [f"stopped: SIGUSR1 received: checkpoint saved at step {saved['step']} of {STEPS} in {out}; "
                            "rerun the same command to resume"]
@@ -263,17 +307,18 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_resumes_
 
 
 def test_resuming_on_2_then_1_then_2_processes_continues_the_run(reference, tmp_path):
-    """SIGTERM to torchrun (which forwards it to both workers) stops the 2-process run; one process resumes it
-    until SIGUSR1 stops it; two processes finish it. The global batch, data order and schedule continue: every
+    """Ctrl-C in torchrun's terminal (SIGINT to its process group: each worker gets it from the terminal and
+    again from torchrun, and takes the two as one) stops the 2-process run; one process resumes it until SIGUSR1
+    stops it; two processes finish it. The global batch, data order and schedule continue: every
     step is trained once, at the reference's learning rate; the per-process random streams restart (said in
     one line), so the weights differ, but the loss stays finite."""
     out = tmp_path / "run"
     proc = launch(out, log="two")
-    wait_for_step(proc, out, 6, since=0)
-    os.kill(proc.pid, signal.SIGTERM)
+    wait_for_step(proc, out, 5, since=0)
+    os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=600)
     first = state(out)["step"]
-    assert (tmp_path / "two.err").read_text().count(f"stopped: SIGTERM received: checkpoint saved at step {first} ") == 2
+    assert (tmp_path / "two.err").read_text().count(f"stopped: SIGINT received: checkpoint saved at step {first} ") == 2
     proc = launch(out, nproc=0, log="one")
     wait_for_step(proc, out, first + 4, since=len(read_log(out)))
     os.kill(proc.pid, signal.SIGUSR1)

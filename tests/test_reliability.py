@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import runpy
 import signal
 import subprocess
 import sys
@@ -198,6 +199,19 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before  # handlers are put back
 
 
+def test_ckpt_minutes_checkpoints_by_the_clock(tmp_path, monkeypatch):
+    """--ckpt-minutes 2 where every step takes 40 s: a checkpoint every third step (a single process reads its
+    own clock at once), none from --ckpt-every."""
+    trainer = Trainer(fast(tmp_path / "run", ckpt_every=100, ckpt_minutes=2), progress=False)
+    clock, saved = [0.0], []
+    trainer.learner.encoder.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 40))
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    real_save = training.atomic_save
+    monkeypatch.setattr(training, "atomic_save", lambda state, path: (saved.append(state["step"]), real_save(state, path)))
+    trainer.train(10)
+    assert saved == [3, 6, 9]
+
+
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
     signals_during_step(trainer, 3, signal.SIGINT, signal.SIGINT)
@@ -255,10 +269,26 @@ def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
     assert capsys.readouterr().err == printed + "\n"
 
 
+def test_ctrl_c_while_run_svi_loads_its_libraries_is_one_line(monkeypatch, capsys):
+    class CtrlC:  # the import system meets the KeyboardInterrupt as run_svi imports bayesncl_pyro.config
+        def find_spec(self, name, path=None, target=None):
+            if name == "bayesncl_pyro.config":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "bayesncl_pyro.config")
+    monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(RUN_SVI), run_name="__main__")
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == "stopped: interrupted; rerun the same command to resume\n"
+
+
 def test_run_svi_flags():
     parser = _run_svi().parser
-    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite"]))
-    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"]
+    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite", "--ckpt-minutes", "30"]))
+    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"] and args["ckpt_minutes"] == 30
+    with pytest.raises(UserError, match="--ckpt-minutes must be positive, got 0"):
+        resolve(Config(ckpt_minutes=0))
     with pytest.raises(SystemExit):
         parser().parse_args(["--on-nan", "ignore"])
     with pytest.raises(UserError, match="unknown --on-nan 'ignore'; choose one of: stop, skip"):
