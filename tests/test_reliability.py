@@ -106,21 +106,21 @@ def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
     """SIGKILL at two points, then Ctrl-C (SIGINT to the whole process group, as from a terminal) with
     2 loader workers, then the same command to the end: the parameters of a 0-worker uninterrupted run.
     Checkpoints every 2 steps, so a kill loses steps, which the resume replays. A run goes on for some
-    steps between its log line and the signal (each step takes milliseconds), hence 80 steps for a
+    steps between its log line and the signal (each step takes milliseconds), hence 40 steps for a
     Ctrl-C at step 8."""
-    cfg = fast(tmp_path / "stopped" / "run", max_steps=80)
+    cfg = fast(tmp_path / "stopped" / "run", max_steps=40)
     for step, workers in ((2, 0), (5, 2)):
         assert signal_after(replace(cfg, workers=workers), step, signal.SIGKILL) == -signal.SIGKILL
     cfg = replace(cfg, workers=2)
     assert signal_after(cfg, 8, signal.SIGINT, to_group=True) == 130
     stderr = (tmp_path / "stopped" / "stderr").read_text()
     saved = load_checkpoint(tmp_path / "stopped" / "run" / "checkpoint.pt")
-    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 80 in {cfg.out}; "
+    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 40 in {cfg.out}; "
                       "rerun the same command to resume\n")
-    assert 8 <= saved["step"] < 80 and not saved["finished"]
+    assert 8 <= saved["step"] < 40 and not saved["finished"]
     state = finish(cfg)
-    assert state["step"] == 80 and state["finished"]
-    assert_same_params(state["learner"], reference(tmp_path / "ref", 80))
+    assert state["step"] == 40 and state["finished"]
+    assert_same_params(state["learner"], reference(tmp_path / "ref", 40))
 
 
 def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
