@@ -85,6 +85,7 @@ class Config:
     compile: bool = False
     log_every: int = 10
     ckpt_every: int = 500
+    ckpt_minutes: float | None = None  # also checkpoint every this many minutes (rank 0's clock); None = off
     on_nan: str = "stop"
     conflict_every: int | None = None  # steps between conflict.jsonl records (about one per epoch), 0 = off
     # evaluation
@@ -107,8 +108,8 @@ class Config:
     # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
         d = self.to_dict()
-        for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "conflict_every", "data_dir",
-                  "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard"):
+        for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "ckpt_minutes", "conflict_every",
+                  "data_dir", "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard"):
             d.pop(k)
         return d
 
@@ -161,6 +162,8 @@ def resolve(cfg: Config) -> Config:
         raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise UserError(f"--max-steps must be at least 1, got {cfg.max_steps}")
+    if cfg.ckpt_minutes is not None and not cfg.ckpt_minutes > 0:
+        raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
     return cfg
 
 

@@ -8,12 +8,25 @@ InfoNCE_i contrasts against the rows of *all* ranks. The gather's backward sums,
 rows, the gradients of every rank's loss; DDP then averages the parameter gradients over ranks. So
 the update is ``(1 / W) * grad(sum_r L_r) = grad(mean over all W R rows)``: exactly the gradient of
 one process training on the global batch (``tests/test_distributed.py`` checks it).
+
+Several machines, stops and restarts
+------------------------------------
+Nothing here counts machines: torchrun's rendezvous numbers the processes of every node, and two launchers
+train the weights of one launcher of as many processes, bit for bit. The small control messages (each step's
+stop and checkpoint vote, the RNG states a checkpoint gathers, barriers) go over a gloo group on the CPU, so
+they never wait for a GPU. Every rank takes part in a checkpoint, rank 0 writes it, and no rank goes on before
+it is on disk: a stopped, killed or restarted group resumes from a complete one.
 """
 
 import os
 
 import torch
 import torch.distributed as dist
+
+from bayesncl_pyro.errors import UserError
+
+
+_control = None  # the group of the control messages: gloo, on the CPU, whatever the training backend
 
 
 def local_rank() -> int | None:
@@ -24,13 +37,20 @@ def local_rank() -> int | None:
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device) for the device ``training.pick_device`` resolved (under torchrun: this
     process's GPU). Makes a GPU the current device of the calling thread, and joins the process group that torchrun
-    describes in the environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1; a plain run is rank 0 of 1."""
+    describes in the environment (nccl on CUDA, gloo on CPU; the control messages' gloo group besides) when
+    WORLD_SIZE > 1; a plain run is rank 0 of 1."""
+    global _control
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1, device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        raise UserError("torchrun --max-restarts shares its rendezvous store with the workers, so a restarted group may "
+                        "read the previous group's addresses and hang; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                        "before torchrun (each group then gets a store of its own)")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _control = dist.new_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -50,19 +70,49 @@ def all_gather_objects(obj) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_control)
     return out
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (a plain run: ``flag``)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+class Votes:
+    """Small non-negative integers that each rank posts at every step, combined by max over ranks. Under DDP a
+    step's votes are exchanged on the CPU in the background and read at the next step: the exchange neither
+    waits on the GPU nor stalls a step, and every rank reads the same result at the same step. A single
+    process reads its own votes at once."""
+
+    def __init__(self):
+        self.pending = None
+
+    def __call__(self, *votes: int) -> list[int]:
+        if not dist.is_initialized():
+            return list(votes)
+        posted = torch.tensor(votes, dtype=torch.int64)
+        work = dist.all_reduce(posted, op=dist.ReduceOp.MAX, group=_control, async_op=True)
+        previous, self.pending = self.pending, (work, posted)
+        return self._read(previous) if previous else [0] * len(votes)
+
+    def close(self):
+        """Wait for the last exchange (every rank posted it), so that none is left behind."""
+        if self.pending:
+            self._read(self.pending)
+            self.pending = None
+
+    @staticmethod
+    def _read(pending) -> list[int]:
+        work, result = pending
+        work.wait()
+        return result.tolist()
 
 
 def barrier():
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_control)
+
+
+def leave():
+    """Leave the process group: a process that exits still in one may abort at interpreter shutdown (gloo's
+    threads outlive Python), which torchrun reports as a failed worker."""
+    global _control
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control = None

@@ -3,8 +3,16 @@
 Anything raised as ``UserError`` is a problem with the user's input (data folder, config, checkpoint)
 and its message says what is wrong and how to fix it. ``experiments/run_svi.py`` prints it as one line
 and exits 2; every other exception is a bug and keeps its traceback. ``Stopped`` is a run that was
-asked to stop (SIGINT/SIGTERM) and saved its checkpoint first; it exits 128 + the signal number.
+asked to stop and saved its checkpoint first: by a user's Ctrl-C (SIGINT, exit 130, the shell's
+convention), or by a scheduler (SIGTERM, SIGUSR1: exit ``REQUEUE``).
 """
+
+import signal
+
+# sysexits.h's EX_TEMPFAIL, "temporary failure, try again later": a run stopped by SIGTERM or SIGUSR1 (pre-emption,
+# a time-limit warning) after saving its checkpoint; a batch script requeues the job on it (and slurm.conf's
+# RequeueExit can name it), and rerunning the same command resumes
+REQUEUE = 75
 
 
 class UserError(Exception):
@@ -22,4 +30,4 @@ class Stopped(Exception):
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
-        self.exit_code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        self.exit_code = 128 + signal.SIGINT if signum == signal.SIGINT else REQUEUE

@@ -95,6 +95,10 @@ def atomic_save(obj, path: Path):
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"{cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
+    except RuntimeError as e:  # torch.save's zip writer, interrupted (a second Ctrl-C), fails on closing: say so
+        if isinstance(e.__context__, KeyboardInterrupt):
+            raise e.__context__ from None
+        raise
 
 
 def write_json(obj, path: Path):

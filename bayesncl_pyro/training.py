@@ -2,13 +2,14 @@
 
 One ``Trainer`` owns a run folder (``rundir.py`` lists its files and does the writing and reading).
 Running the same command again in the same folder resumes from ``checkpoint.pt``; a finished run is
-not retrained (its results are printed again). SIGINT/SIGTERM stop it at the next step boundary with
-a checkpoint; a SIGKILL loses at most the steps since the last one. ``docs/RELIABILITY.md`` lists every
-fault handled and what the user sees.
+not retrained (its results are printed again), and one made by another number of processes continues.
+SIGINT, SIGTERM and SIGUSR1 stop it at a step boundary with a checkpoint; a SIGKILL loses at most the steps
+since the last one. ``docs/RELIABILITY.md`` lists every fault handled and what the user sees.
 """
 
 import contextlib
 import json
+import os
 import random
 import signal
 import sys
@@ -99,22 +100,37 @@ before every checkpoint and after the last step): the only host syncs of the tra
 
 
 class _StopRequest:
-    """Within ``with``: SIGINT and SIGTERM only set ``signum``, so training stops at the next step boundary
-    with a checkpoint; a second signal acts as usual (the first one puts the old handlers back)."""
+    """Within ``with``: SIGINT, SIGTERM and SIGUSR1 only note the signal, so training stops at a step boundary
+    (the same on every rank) with a checkpoint. A second Ctrl-C acts as usual (KeyboardInterrupt), except under
+    torchrun, which forwards the terminal's Ctrl-C to workers that got it already; a repeated SIGTERM or
+    SIGUSR1 is the same request (a cluster signals the launcher, which forwards it, and the workers). Nested
+    ``with`` blocks share one request: ``fit`` holds it over training and the final checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum, self.previous, self.depth = None, {}, 0
 
     def __enter__(self):
-        self.signum, self.previous = None, {}
-        if threading.current_thread() is threading.main_thread():  # only it may set handlers
-            self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+        if not self.depth:
+            self.signum = None
+            if threading.current_thread() is threading.main_thread():  # only it may set handlers
+                self.previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        self.depth += 1
         return self
 
     def _note(self, signum, frame):
-        self.signum = signum  # no printing here: the handler may interrupt a write to the same stream
-        self.__exit__()
+        # no printing here: the handler may interrupt a write to the same stream. Pre-emption outranks Ctrl-C
+        # (the larger number, as in the ranks' vote), since it decides the exit status: requeue
+        self.signum = max(self.signum or 0, signum)
+        if signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
+            signal.signal(signal.SIGINT, self.previous[signal.SIGINT])
 
     def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.depth -= 1
+        if not self.depth:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
 
 
 def _ignore_sigint(worker_id: int):
@@ -192,6 +208,7 @@ class Trainer:
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
+        self._stop = _StopRequest()
         self._degenerate = False
         self._load_checkpoint()
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
@@ -213,13 +230,15 @@ class Trainer:
                              cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
 
     def save(self):
-        """Every rank calls this (it gathers their RNG states); rank 0 writes the file. A step not yet checked for
-        divergence is checked first: no checkpoint holds a bad step."""
+        """Every rank calls this (it gathers their RNG states); rank 0 writes the file, and no rank goes on (or
+        exits: torchrun then stops the others) before it is written. A step not yet checked for divergence is
+        checked first: no checkpoint holds a bad step."""
         self._check_divergence()
         state = self.state_dict()
         if self.rank == 0:
             atomic_save(state, self.out / CHECKPOINT)
-        self.saved_step = self.step
+        distributed.barrier()
+        self.saved_step, self.saved_at = self.step, time.monotonic()
 
     def _load_checkpoint(self):
         path = self.out / CHECKPOINT
@@ -236,15 +255,21 @@ class Trainer:
         rundir.load_weights(self.learner, state, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if len(state["rng"]) != self.world:
-            raise UserError(f"{path} was written by {len(state['rng'])} training process(es), this run has "
-                            f"{self.world}; resume it with torchrun --nproc_per_node={len(state['rng'])}")
-        rng = state["rng"][self.rank]
-        torch.set_rng_state(rng["torch"])
-        random.setstate((3, tuple(rng["python"]), None))
-        if rng["cuda"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step, self.finished = state["step"], state["finished"]
+        self.step = state["step"]
+        if len(state["rng"]) == self.world:
+            rng = state["rng"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            random.setstate((3, tuple(rng["python"]), None))
+            if rng["cuda"] and self.device.type == "cuda":
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        else:  # each process's own streams cannot be split or merged: every rank starts one from (seed, step, rank)
+            pyro.set_rng_seed(((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank) % 2**32)
+            if self.rank == 0:
+                print(f"note: {path} was written by {len(state['rng'])} process(es), this run has {self.world}: the "
+                      f"global batch ({self.cfg.batch_size}), data order and schedule continue; gate noise and "
+                      "device-drawn views come from per-process random streams, which restart, so the numbers "
+                      "differ from an uninterrupted run's", file=sys.stderr, flush=True)
+        self.finished = state["finished"]
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
     # -- training -----------------------------------------------------------------------------
@@ -288,10 +313,14 @@ class Trainer:
                 print(format_table(results))
             return results
         last = self.total_steps if self.cfg.max_steps is None else min(self.total_steps, self.cfg.max_steps)
-        if self.step < last:
-            self.train(last)
-        self.finished = True
-        self.save()
+        with self._stop as stop:  # a signal during the last step or the final write is noted, never lost or raised
+            if self.step < last:
+                self.train(last)
+            self.finished = True
+            self.save()
+        if stop.signum:  # no collective follows: each rank can act on its own
+            raise Stopped(f"{signal.Signals(stop.signum).name} received: training finished, checkpoint saved at step "
+                          f"{self.step} in {self.out}; rerun the same command to evaluate it", stop.signum)
         if self.rank:
             return {}
         results = evaluate(self.learner, self.data, self.cfg, self.device)
@@ -312,14 +341,15 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        stopping = False
-        with pyro.validation_enabled(False), _StopRequest() as stop, self._naming_divergence():
+        stopping, votes, minutes = 0, distributed.Votes(), cfg.ckpt_minutes
+        self.saved_at = time.monotonic()  # rank 0's clock decides --ckpt-minutes; nothing is unsaved yet
+        with pyro.validation_enabled(False), self._stop as stop, self._naming_divergence():
             tic, seen = time.perf_counter(), 0
             while self.step < last_step and not stopping:
                 epoch, start = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, start)
                 for x in self._input(loader):
-                    loss, stats, checked = self._step(x, last_step)
+                    loss, stats = self._step(x, last_step)
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
@@ -338,26 +368,28 @@ class Trainer:
                         bar.update(1)
                     if self.rank == 0 and cfg.conflict_every and self.step % cfg.conflict_every == 0:
                         append_line(self._conflict_line(stats), self.out / CONFLICT_FILE)
-                    # a signal reaches one rank or all; they must stop, and save, at the same step. Agreeing on it
-                    # waits for the GPU, so under DDP they agree at the steps that check for divergence
-                    if self.world == 1 or checked:
-                        stopping = distributed.any_rank(stop.signum is not None, self.device)
-                    if self.step % cfg.ckpt_every == 0 or stopping:
+                    # a signal reaches one rank or all, and only rank 0's clock counts: the ranks vote, so that
+                    # they stop, and save, at the same step
+                    due = self.rank == 0 and bool(minutes) and time.monotonic() - self.saved_at >= 60 * minutes
+                    if due:  # asked once: the save follows when the vote is read
+                        self.saved_at = time.monotonic()
+                    stopping, due = votes(stop.signum or 0, due)
+                    if self.step % cfg.ckpt_every == 0 or due or stopping:
                         self.save()
                     if self.step >= last_step or stopping:
                         break
+            votes.close()
         if bar is not None:
             bar.close()
         learner.eval()
         if stopping:
-            signum = stop.signum or signal.SIGTERM  # a rank that got no signal stops as if terminated
-            raise Stopped(f"{signal.Signals(signum).name} received: checkpoint saved at step {self.step} "
-                          f"of {last_step} in {self.out}; rerun the same command to resume", signum)
+            raise Stopped(f"{signal.Signals(stopping).name} received: checkpoint saved at step {self.step} "
+                          f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
-    def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict, bool]:
-        """One optimizer step on the input rows ``x``; (its loss, the head's monitoring values, whether the steps so far were checked for divergence
-        now). The loss and gradients are judged on the device (``divergence.py``), so a step waits for the GPU only
-        when the verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
+    def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict]:
+        """One optimizer step on the input rows ``x``; (its loss, the head's monitoring values). The loss and gradients
+        are judged on the device (``divergence.py``), so a step waits for the GPU only when the verdicts are read: every
+        ``check_every`` steps, at log steps and at ``last_step``."""
         self.guard.begin()
         loss, stats = self.net(x)
         self.optimizer.zero_grad(set_to_none=True)
@@ -365,10 +397,9 @@ class Trainer:
         self.guard.step(self.step + 1, loss, stats["nce"])
         self.scheduler.step()
         self.step += 1
-        checked = self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step
-        if checked:
+        if self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step:
             self._check_divergence()
-        return loss, stats, checked
+        return loss, stats
 
     def _check_divergence(self):
         """Read the divergence guard's verdicts on the steps since the last check (one host sync). A bad step stops the

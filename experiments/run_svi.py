@@ -2,25 +2,36 @@
 
     python experiments/run_svi.py                                   # BayesNCL on the generated benchmark
     python experiments/run_svi.py --dataset in100 --data-dir /data/imagenet --out runs/in100
-    torchrun --nproc_per_node=4 experiments/run_svi.py --dataset in100 --data-dir ...
+    torchrun --nproc-per-node=4 experiments/run_svi.py --dataset in100 --data-dir ...
 
-Rerunning a command with the same --out resumes it. Defaults marked "dataset" come from the
-dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS).
+Rerunning a command with the same --out resumes it, also on another number of processes. Defaults marked
+"dataset" come from the dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and
+a SLURM job that requeues itself: README.md and experiments/slurm_svi.sh.
 
-Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad input, a full or read-only --out, or a diverged run (one "error:" line);
-130 or 143 stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint (rerun to resume).
+Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad
+input, a full or read-only --out, or a diverged run (one "error:" line); 130 stopped by Ctrl-C (SIGINT);
+75 (EX_TEMPFAIL: requeue me) stopped by SIGTERM or SIGUSR1, a scheduler's pre-emption or time-limit warning.
+Stopped runs saved a checkpoint first (one "stopped:" line); rerunning the command resumes them.
 """
 
 import argparse
 import shlex
+import signal
 import sys
 
-from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
-from bayesncl_pyro.data import DATASETS
-from bayesncl_pyro.encoders import ENCODERS
-from bayesncl_pyro.errors import Stopped, UserError
-from bayesncl_pyro.rundir import GATES_FILE
-from bayesncl_pyro.models.priors import PRIORS
+INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
+
+try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
+    from bayesncl_pyro import distributed
+    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+    from bayesncl_pyro.data import DATASETS
+    from bayesncl_pyro.encoders import ENCODERS
+    from bayesncl_pyro.errors import Stopped, UserError
+    from bayesncl_pyro.rundir import GATES_FILE
+    from bayesncl_pyro.models.priors import PRIORS
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -109,6 +120,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
     g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
                    help="steps between checkpoints (default: %(default)s)")
+    g.add_argument("--ckpt-minutes", type=float, help="also save a checkpoint every this many minutes of wall-clock "
+                   "time, for long epochs (default: off)")
     g.add_argument("--conflict-every", type=int, help="steps between records of the per-dimension InfoNCE "
                    "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
     g.add_argument("--tensorboard", action="store_true", help="also write the log, the per-dimension inclusion "
@@ -134,13 +147,20 @@ def config(argv: list[str]) -> tuple[Config, bool]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg, overwrite = config(argv)
-    from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
-
     try:
+        from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
+
         trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
             print(announce(trainer), flush=True)
         results = trainer.fit()
+        if trainer.rank:
+            return 0
+        status = 0
+        if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
+            status = export(trainer)
+        print(outcome(results), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+        return status
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -148,15 +168,19 @@ def main(argv=None) -> int:
         print(f"stopped: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
-        print("stopped: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
-    if trainer.rank:
-        return 0
-    status = 0
-    if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
-        status = export(trainer)
-    print(outcome(results), "\n" + next_steps(trainer.cfg, argv), sep="\n")
-    return status
+    finally:
+        distributed.leave()
+
+
+def _stop_at_once(signum, frame):
+    """Outside the training loop (which saves, then stops) a scheduler's signal stops the run at once, as Ctrl-C
+    does: nothing is half-written, files are replaced by a rename. A run already on its way out (torchrun
+    terminates the other workers when one exits) just goes on."""
+    if sys.exc_info()[0] is None:
+        raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command "
+                      "to resume", signum)
 
 
 def announce(trainer) -> str:
@@ -178,6 +202,8 @@ def export(trainer) -> int:
         from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
 
         export_gates(trainer.out, trainer.learner, trainer.data)
+    except Stopped:  # a signal (run_svi's handler), not a failed export
+        raise
     except Exception as e:  # training and evaluation are done and saved: explain, never lose them
         cause = str(e).splitlines()[0] if str(e) else ""
         print(f"error: the gate export failed ({e.__class__.__name__}: {cause}); eval.json and the checkpoint are "
@@ -228,4 +254,6 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 if __name__ == "__main__":
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, _stop_at_once)
     sys.exit(main())

@@ -2,10 +2,12 @@
 foreign checkpoints. docs/RELIABILITY.md maps every case to its test here."""
 
 import errno
+import io
 import json
 import os
 import pickle
 import random
+import runpy
 import signal
 import subprocess
 import sys
@@ -16,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import bayesncl_pyro.rundir as rundir
 import bayesncl_pyro.training as training
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import ImageFiles
-from bayesncl_pyro.errors import Stopped, UserError
+from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
 from bayesncl_pyro.rundir import load_checkpoint, load_learner
 from bayesncl_pyro.training import Trainer, pick_device
 from test_data import make_tree, write_image
@@ -65,17 +68,24 @@ def start(cfg: Config) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def logged_step(cfg: Config) -> int:
+def log_lines(cfg: Config) -> list[str]:
     log = Path(cfg.out) / "log.jsonl"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def logged_step(cfg: Config, since: int = 0) -> int:
+    """The last step in the log after its first ``since`` lines (a line being written is not yet one)."""
+    return max((json.loads(line)["step"] for line in log_lines(cfg)[since:] if line.endswith("}")), default=0)
 
 
 def signal_after(cfg: Config, step: int, signum: int, to_group: bool = False) -> int:
-    """Start run_svi, send ``signum`` once the log shows ``step``, and return its exit status."""
+    """Start run_svi, send ``signum`` once it has logged ``step`` itself, and return its exit status. Only this
+    run's lines count: an earlier, killed run may have logged that step already (it runs on between the log line
+    and the kill), and a signal then would land while the interpreter starts."""
+    since = len(log_lines(cfg))
     proc = start(cfg)
     deadline = time.monotonic() + 300
-    while logged_step(cfg) < step:
+    while logged_step(cfg, since) < step:
         assert proc.poll() is None, (Path(cfg.out).parent / "stderr").read_text()
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -95,20 +105,22 @@ def finish(cfg: Config) -> dict:
 def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
     """SIGKILL at two points, then Ctrl-C (SIGINT to the whole process group, as from a terminal) with
     2 loader workers, then the same command to the end: the parameters of a 0-worker uninterrupted run.
-    Checkpoints every 2 steps, so a kill loses steps, which the resume replays."""
-    cfg = fast(tmp_path / "stopped" / "run", max_steps=12)
+    Checkpoints every 2 steps, so a kill loses steps, which the resume replays. A run goes on for some
+    steps between its log line and the signal (each step takes milliseconds), hence 40 steps for a
+    Ctrl-C at step 8."""
+    cfg = fast(tmp_path / "stopped" / "run", max_steps=40)
     for step, workers in ((2, 0), (5, 2)):
         assert signal_after(replace(cfg, workers=workers), step, signal.SIGKILL) == -signal.SIGKILL
     cfg = replace(cfg, workers=2)
     assert signal_after(cfg, 8, signal.SIGINT, to_group=True) == 130
     stderr = (tmp_path / "stopped" / "stderr").read_text()
     saved = load_checkpoint(tmp_path / "stopped" / "run" / "checkpoint.pt")
-    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 12 in {cfg.out}; "
+    assert stderr == (f"stopped: SIGINT received: checkpoint saved at step {saved['step']} of 40 in {cfg.out}; "
                       "rerun the same command to resume\n")
-    assert 8 <= saved["step"] < 12 and not saved["finished"]
+    assert 8 <= saved["step"] < 40 and not saved["finished"]
     state = finish(cfg)
-    assert state["step"] == 12 and state["finished"]
-    assert_same_params(state["learner"], reference(tmp_path / "ref", 12))
+    assert state["step"] == 40 and state["finished"]
+    assert_same_params(state["learner"], reference(tmp_path / "ref", 40))
 
 
 def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
@@ -133,6 +145,21 @@ def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exac
     assert resumed.step == 4
     resumed.train(8)
     assert_same_params(resumed.learner.state_dict(), reference(tmp_path / "ref", 8))
+
+
+def test_ctrl_c_inside_a_checkpoint_write_is_a_keyboard_interrupt(tmp_path, monkeypatch):
+    """torch.save's zip writer, interrupted, fails on closing with a RuntimeError that would hide the Ctrl-C
+    (a traceback instead of run_svi's "stopped: interrupted")."""
+    class Interrupted(io.FileIO):
+        def write(self, data):
+            if self.tell() > 0:  # after the zip writer's first record
+                raise KeyboardInterrupt
+            return super().write(data)
+
+    monkeypatch.setattr(rundir, "open", Interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        rundir.atomic_save({"w": torch.zeros(1000)}, tmp_path / "checkpoint.pt")
+    assert not (tmp_path / "checkpoint.pt").exists()
 
 
 @pytest.mark.slow
@@ -167,9 +194,22 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Stopped, match="SIGTERM received: checkpoint saved at step 3 of 10") as stop:
         trainer.train(10)
-    assert stop.value.exit_code == 143
+    assert stop.value.exit_code == REQUEUE == 75
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 3
     assert signal.getsignal(signal.SIGTERM) is before  # handlers are put back
+
+
+def test_ckpt_minutes_checkpoints_by_the_clock(tmp_path, monkeypatch):
+    """--ckpt-minutes 2 where every step takes 40 s: a checkpoint every third step (a single process reads its
+    own clock at once), none from --ckpt-every."""
+    trainer = Trainer(fast(tmp_path / "run", ckpt_every=100, ckpt_minutes=2), progress=False)
+    clock, saved = [0.0], []
+    trainer.learner.backbone.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 40))
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    real_save = training.atomic_save
+    monkeypatch.setattr(training, "atomic_save", lambda state, path: (saved.append(state["step"]), real_save(state, path)))
+    trainer.train(10)
+    assert saved == [3, 6, 9]
 
 
 def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
@@ -178,6 +218,29 @@ def test_a_second_ctrl_c_interrupts_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         trainer.train(10)
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2  # the last periodic one
+
+
+def test_ctrl_c_during_the_final_checkpoint_is_a_stop_and_a_rerun_evaluates(tmp_path, monkeypatch):
+    """A Ctrl-C that arrives once the last step is done, while the finished run is written, lets the write
+    end and stops before evaluating; rerunning evaluates the trained run."""
+    cfg = fast(tmp_path / "run", max_steps=4)
+    real_save = training.atomic_save
+
+    def interrupted(state, path):
+        if state["finished"]:
+            os.kill(os.getpid(), signal.SIGINT)
+        real_save(state, path)
+
+    monkeypatch.setattr(training, "atomic_save", interrupted)
+    with pytest.raises(Stopped, match="SIGINT received: training finished, checkpoint saved at step 4 in .*; "
+                       "rerun the same command to evaluate it") as stop:
+        Trainer(cfg, progress=False).fit()
+    assert stop.value.exit_code == 130
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["finished"]
+    assert not (tmp_path / "run" / "eval.json").exists()
+    monkeypatch.undo()
+    rerun = Trainer(cfg, progress=False)
+    assert rerun.step == 4 and "linear_probe_top1" in rerun.fit()
 
 
 def _run_svi():
@@ -192,7 +255,8 @@ def _run_svi():
 @pytest.mark.parametrize("raised, code, printed", [
     (UserError("bad value"), 2, "error: bad value"),
     (Stopped("SIGINT received", signal.SIGINT), 130, "stopped: SIGINT received"),
-    (Stopped("SIGTERM received", signal.SIGTERM), 143, "stopped: SIGTERM received"),
+    (Stopped("SIGTERM received", signal.SIGTERM), 75, "stopped: SIGTERM received"),
+    (Stopped("SIGUSR1 received", signal.SIGUSR1), 75, "stopped: SIGUSR1 received"),
     (KeyboardInterrupt(), 130, "stopped: interrupted; rerun the same command to resume"),
 ])
 def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
@@ -205,10 +269,26 @@ def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
     assert capsys.readouterr().err == printed + "\n"
 
 
+def test_ctrl_c_while_run_svi_loads_its_libraries_is_one_line(monkeypatch, capsys):
+    class CtrlC:  # the import system meets the KeyboardInterrupt as run_svi imports bayesncl_pyro.config
+        def find_spec(self, name, path=None, target=None):
+            if name == "bayesncl_pyro.config":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "bayesncl_pyro.config")
+    monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(RUN_SVI), run_name="__main__")
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == "stopped: interrupted; rerun the same command to resume\n"
+
+
 def test_run_svi_flags():
     parser = _run_svi().parser
-    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite"]))
-    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"]
+    args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite", "--ckpt-minutes", "30"]))
+    assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"] and args["ckpt_minutes"] == 30
+    with pytest.raises(UserError, match="--ckpt-minutes must be positive, got 0"):
+        resolve(Config(ckpt_minutes=0))
     with pytest.raises(SystemExit):
         parser().parse_args(["--on-nan", "ignore"])
     with pytest.raises(UserError, match="unknown --on-nan 'ignore'; choose one of: stop, skip"):
