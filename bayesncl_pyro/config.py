@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from bayesncl_pyro.errors import UserError
 
 METHODS = ("cl", "ncl", "bayesncl")
-GATES = ("relaxed", "ste", "gs")
 NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
@@ -51,7 +50,8 @@ class Config:
     prior: str = "bernoulli"
     prior_prob: float = 0.8
     kl_weight: float = 3e-5
-    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"
+    kl_clamp: float = 0.01  # the KL's rates clamped to [c, 1 - c] as the reference; 0 = the exact KL
+    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: guides/gates.py, GATES
     gate_temperature: float = 1.0
     head_depth: int = 2
     logit_bound: float = 5.0
@@ -110,6 +110,7 @@ class Config:
 def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
+    from bayesncl_pyro.guides.gates import GATES  # late, as the priors: the registries import pyro
     from bayesncl_pyro.models.priors import PRIORS
 
     _choice("dataset", cfg.dataset, DATASETS)
@@ -118,7 +119,7 @@ def resolve(cfg: Config) -> Config:
         defaults["nonneg"] = "none"
     cfg = dataclasses.replace(cfg, **defaults)
     _choice("method", cfg.method, METHODS)
-    _choice("gate", cfg.gate, GATES)
+    _choice("gate", cfg.gate, tuple(GATES))
     _choice("nonneg", cfg.nonneg, NONNEG)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _choice("encoder", cfg.encoder, ("resnet18", "cnn"))
@@ -128,6 +129,9 @@ def resolve(cfg: Config) -> Config:
     _choice("augment", cfg.augment, AUGMENT)
     _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
               "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
+    if not 0 <= cfg.kl_clamp < 0.5:
+        raise UserError(f"--kl-clamp must lie in [0, 0.5), got {cfg.kl_clamp}: 0.01 is the reference's clamp, "
+                        "0 the exact KL")
     if not 0 < cfg.prior_prob < 1:
         raise UserError(f"--prior-prob must lie strictly between 0 and 1, got {cfg.prior_prob}")
     if cfg.batch_size < 2:

@@ -35,7 +35,7 @@ class ContrastiveLearner(nn.Module):
         self.guide = GateGuide(
             self.encoder.feat_dim, cfg.proj_hidden, cfg.proj_dim, num_rows, depth=cfg.head_depth,
             estimator=cfg.gate, temperature=cfg.gate_temperature, logit_bound=cfg.logit_bound,
-            kl_weight=cfg.kl_weight, rate_guide=prior.make_guide(),
+            kl_weight=cfg.kl_weight, kl_clamp=cfg.kl_clamp, rate_guide=prior.make_guide(),
         ) if gated else None
         self.elbo = MeanFieldELBO()
 
@@ -71,8 +71,8 @@ class ContrastiveLearner(nn.Module):
         return self.model.features(self.encoder.projector(h))
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """Exact posterior inclusion probabilities q(g_k = 1 | x), R x K."""
-        return self.guide.logits(h).sigmoid()
+        """Exact posterior inclusion probabilities q(g_k = 1 | x) under the run's gate estimator, R x K."""
+        return self.guide.inclusion_probs(h)
 
     def param_groups(self) -> list[dict]:
         """Optimizer groups: encoder at the batch-scaled base lr; gating head at its own lr (0.1 published,

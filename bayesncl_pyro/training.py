@@ -376,7 +376,7 @@ class Trainer:
             g = learner.model.last_g
             if g.grad is not None:
                 rec["gate_nce_pull"], rec["gate_prior_pull"] = gate_pulls(
-                    g.grad, probs, learner.model.prior.mean_rate(), cfg.kl_weight)
+                    g.grad, probs, learner.model.prior.mean_rate(), cfg.kl_weight, cfg.kl_clamp)
         warnings = degeneracy_warnings(rec, cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings

@@ -15,11 +15,12 @@ import argparse
 import shlex
 import sys
 
-from bayesncl_pyro.config import AUGMENT, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+from bayesncl_pyro.config import AUGMENT, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import Stopped, UserError
-from bayesncl_pyro.rundir import GATES_FILE
+from bayesncl_pyro.guides.gates import GATES
 from bayesncl_pyro.models.priors import PRIORS
+from bayesncl_pyro.rundir import GATES_FILE
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,9 +55,14 @@ def parser() -> argparse.ArgumentParser:
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
                    help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
-    g.add_argument("--gate", default=d.gate, choices=GATES,
-                   help="gate estimator: ste (the paper's: threshold 0.5, deterministic, identity "
-                   "backward), relaxed (sampled, straight-through), gs (Gumbel-sigmoid) (default: %(default)s)")
+    g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
+                   help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
+                   "Bernoulli KL (default: %(default)s)")
+    g.add_argument("--gate", default=d.gate, choices=tuple(GATES),
+                   help="gate estimator: ste (the paper's: InfoNCE at the posterior mode, threshold 0.5, identity "
+                   "backward: the reference's deterministic surrogate), relaxed (sampled, straight-through), gs "
+                   "(the reference's Gumbel-sigmoid draw, on with probability 1 + 1e-4 - exp(1e-4 - e^logit)), "
+                   "gs-reference-kl (gs with the reference's KL, taken at sigmoid(logit)) (default: %(default)s)")
     g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
                    help="relaxation temperature of the gates (default: %(default)s)")
     g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
