@@ -132,8 +132,12 @@ class BetaRateGuide(PyroModule):
         self.a = PyroParam(a.clone(), constraint=constraints.positive)
         self.b = PyroParam(b.clone(), constraint=constraints.positive)
 
+    def posterior(self) -> dist.Beta:
+        """q(rate) = Beta(a, b), batch shape K."""
+        return dist.Beta(self.a, self.b)
+
     def forward(self):
-        return pyro.sample("rate", dist.Beta(self.a, self.b).to_event(1))
+        return pyro.sample("rate", self.posterior().to_event(1))
 
     def mean(self) -> torch.Tensor:
         return (self.a / (self.a + self.b)).detach()
