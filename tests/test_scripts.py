@@ -30,6 +30,7 @@ SCRIPTS = {
                                   "--workers", "0"],
     "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
     "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
+    "gate_gradient_bias.py": lambda tmp: [tiny_run(tmp), "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
 }
 
 
