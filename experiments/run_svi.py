@@ -139,8 +139,9 @@ def main(argv=None) -> int:
 def announce(trainer) -> str:
     """What is trained, on what, for how long, and where it is written."""
     cfg = trainer.cfg
+    kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
-            f"rho={cfg.prior_prob}, KL weight {cfg.kl_weight})"}[cfg.method]
+            f"rho={cfg.prior_prob}, KL weight {cfg.kl_weight}, {kl})"}[cfg.method]
     last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
