@@ -90,7 +90,8 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
     ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
 
     For every estimator (the head's weights as trained, only the estimator swapped) returns a dict:
-    ``cosine`` and ``relative_error`` (||mean - unbiased|| / ||unbiased||) of its mean head gradient over
+    ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio`` (||mean|| / ||unbiased||)
+    of its mean head gradient over
     ``draws`` draws (one for the deterministic ``ste``), which removes its noise and leaves its bias;
     ``single_draw_cosine``, the mean cosine of one draw's gradient (one training step); ``split_cosine`` and
     ``reference_split_cosine``, the cosine between the mean gradients of two halves of the estimator's draws
@@ -142,6 +143,7 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
             results.append(dict(
                 estimator=name, cosine=_cosine(mean, ref_head),
                 relative_error=((mean - ref_head).norm() / ref_head.norm()).item(),
+                norm_ratio=(mean.norm() / ref_head.norm()).item(),
                 single_draw_cosine=sum(_cosine(g, ref_head) for g in heads) / len(heads),
                 split_cosine=_cosine(*(torch.stack(part).mean(0) for part in (heads[::2], heads[1::2])))
                 if len(heads) > 1 else 1.0,

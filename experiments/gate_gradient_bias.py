@@ -5,11 +5,13 @@
 
 For each estimator (ste, relaxed, gs, gs-reference-kl; the run's gating head as trained, only the estimator
 swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
-(exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py) and prints the cosine
-and the relative error of the estimator's mean gradient over --draws draws (its bias), the mean cosine of
-a single draw (one training step), and the cosines between the two halves of the estimator's draws and of
-the unbiased estimate's (how precise each mean is: near 1 is needed to read the first two columns). The batch holds the images of the run's first training batch, two SimCLR views
-each (drawn image by image, as --augment workers draws them), through the encoder in eval mode.
+(exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py). It prints, for the
+estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
+error and the norm ratio; the mean cosine of a single draw (one training step); and the cosines between
+the two halves of the estimator's draws and of the unbiased estimate's draws (how precise each mean is:
+read the first columns only when these are near 1). The batch holds the images of the run's first
+training batch, two SimCLR views each (drawn image by image, as --augment workers draws them), through
+the encoder in eval mode.
 """
 
 import argparse
@@ -61,10 +63,12 @@ def main(argv=None) -> int:
         return 2
     print(f"run {args.run_dir} (trained with {cfg.gate}), {x.shape[0]} rows, K = {cfg.proj_dim}, "
           f"lambda = {cfg.kl_weight}, kl clamp {cfg.kl_clamp}")
-    print(f"{'estimator':<16} {'cosine':>8} {'rel. error':>10} {'1-draw cos':>10} {'split cos':>10} {'ref. split cos':>14}")
+    columns = [("cosine", "cosine"), ("rel. error", "relative_error"), ("norm ratio", "norm_ratio"),
+               ("1-draw cos", "single_draw_cosine"), ("split cos", "split_cosine"),
+               ("ref. split cos", "reference_split_cosine")]
+    print(f"{'estimator':<16}" + "".join(f" {title:>14}" for title, _ in columns))
     for r in results:
-        print(f"{r['estimator']:<16} {r['cosine']:>8.4f} {r['relative_error']:>10.4f} {r['single_draw_cosine']:>10.4f} "
-              f"{r['split_cosine']:>10.4f} {r['reference_split_cosine']:>14.4f}")
+        print(f"{r['estimator']:<16}" + "".join(f" {r[key]:>14.4f}" for _, key in columns))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
