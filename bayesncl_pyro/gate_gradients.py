@@ -74,9 +74,25 @@ def flip_differences(features: torch.Tensor, gates: torch.Tensor, temperature: f
     return out
 
 
+def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, gate, rate: torch.Tensor, kl_weight: float,
+                      kl_clamp: float, temperature: float, draws: int) -> torch.Tensor:
+    """Unbiased draws (S x R x K, float64) of the gradient of E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik with
+    respect to the R x K logits, q = ``gate(logits)``'s Bernoulli: one per gate draw from q, each exact in its
+    own gate (module docstring), with the KL's exact gradient; their mean estimates the gradient.
+    """
+    rows = features.shape[0]
+    logits = logits.detach().double().requires_grad_()
+    probs = gate.inclusion(logits)
+    dprob, = torch.autograd.grad(probs.sum(), logits, retain_graph=True)
+    dkl, = torch.autograd.grad(kl_weight * bernoulli_kl(probs, rate.double(), kl_clamp).sum() / rows, logits)
+    q = gate(logits.detach())
+    return torch.stack([dprob * flip_differences(features, q.sample(), temperature) / rows + dkl
+                        for _ in range(draws)])
+
+
 def _head_gradient(logits: torch.Tensor, params: list, upstream: torch.Tensor) -> torch.Tensor:
     """The head's parameter gradient of a loss whose gradient with respect to the logits is ``upstream``."""
-    grads = torch.autograd.grad(logits, params, grad_outputs=upstream, retain_graph=True)
+    grads = torch.autograd.grad(logits, params, grad_outputs=upstream.to(logits.dtype), retain_graph=True)
     return torch.cat([g.reshape(-1) for g in grads]).double()
 
 
@@ -90,9 +106,9 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
     ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
 
     For every estimator (the head's weights as trained, only the estimator swapped) returns a dict:
-    ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio`` (||mean|| / ||unbiased||)
-    of its mean head gradient over
-    ``draws`` draws (one for the deterministic ``ste``), which removes its noise and leaves its bias;
+    ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio``
+    (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
+    ``ste``), which removes its noise and leaves its bias;
     ``single_draw_cosine``, the mean cosine of one draw's gradient (one training step); ``split_cosine`` and
     ``reference_split_cosine``, the cosine between the mean gradients of two halves of the estimator's draws
     and of the unbiased estimate's ``reference_draws`` draws (near 1: the mean is precise enough to judge by;
@@ -113,27 +129,20 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
         h, z = learner.encoder(x)
         h, z = h.float(), z.float()
         features = model.features(z)
-    rows = x.shape[0]
     rate = model.prior.rate().detach()
     params = list(guide.head.parameters())
     logits = guide.logits(h)
-    results, differences = [], {}  # estimators with the same q (ste and relaxed; gs and its variant) share draws
+    results, references = [], {}  # estimators with the same q (ste and relaxed; gs and its variant) share one
     try:
         for name in estimators:
             gate = GATES[name]
             guide.gate = gate
-            # the unbiased gradient, as dloss/dlogit (loss = -ELBO / num_rows, mean over rows) then to the head
-            probs = gate.inclusion(logits)
-            dprob, = torch.autograd.grad(probs.sum(), logits, retain_graph=True)
-            kl = guide.kl_weight * bernoulli_kl(probs, rate, guide.kl_clamp).sum() / rows
-            dkl, = torch.autograd.grad(kl, logits, retain_graph=True)
-            if gate.inclusion not in differences:
-                q = gate(logits.detach(), guide.temperature, guide.kl_clamp)
-                differences[gate.inclusion] = torch.stack(
-                    [flip_differences(features, q.sample(), model.temperature) for _ in range(reference_draws)])
-            diffs = differences[gate.inclusion]
-            ref_head, *halves = (_head_gradient(logits, params, (dprob * d.mean(0) / rows + dkl).float())
-                                 for d in (diffs, *diffs.chunk(2)))
+            if gate.inclusion not in references:
+                per_draw = unbiased_gradient(features, logits, gate, rate, guide.kl_weight, guide.kl_clamp,
+                                             model.temperature, reference_draws)
+                references[gate.inclusion] = [_head_gradient(logits, params, d.mean(0))
+                                              for d in (per_draw, *per_draw.chunk(2))]
+            ref_head, *halves = references[gate.inclusion]
             # the estimator's own gradients, through the training program
             heads = []
             for _ in range(1 if name == "ste" else draws):

@@ -8,10 +8,10 @@ import torch
 
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.gate_gradients import flip_differences, gate_gradient_bias
+from bayesncl_pyro.gate_gradients import flip_differences, gate_gradient_bias, unbiased_gradient
 from bayesncl_pyro.guides.gates import GATES
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import info_nce_rows, normalize
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
 
 
 def _total(features, gates, tau):
@@ -48,6 +48,24 @@ def test_the_unbiased_gradient_is_exact_on_enumeration(name):
     mean_d = sum(w.detach() * flip_differences(features, c, tau) for w, c in zip(weights, configs))
     dprob, = torch.autograd.grad(GATES[name].inclusion(logits).sum(), logits)
     torch.testing.assert_close(dprob * mean_d, expected)
+
+
+def test_unbiased_gradient_matches_enumeration_in_scale_and_direction():
+    """The diagnostic's reference, loss per row and KL included, against the exact gradient of
+    E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik over all 2^8 gate configurations."""
+    torch.manual_seed(2)
+    rows, dims, tau, lam, rate = 4, 2, 0.5, 0.2, torch.tensor([0.6, 0.3])
+    features = torch.rand(rows, dims, dtype=torch.float64) + 0.1
+    logits = torch.randn(rows, dims, dtype=torch.float64, requires_grad=True)
+    gate = GATES["relaxed"]
+    q = gate(logits)
+    configs = torch.tensor(list(itertools.product([0.0, 1.0], repeat=rows * dims)), dtype=torch.float64)
+    nce = sum(q.log_prob(c).sum().exp() * _total(features, c, tau) for c in configs.view(-1, rows, dims)) / rows
+    kl = lam * bernoulli_kl(q.probs, rate.double(), 0.0).sum() / rows
+    expected, = torch.autograd.grad(nce + kl, logits)
+    draws = unbiased_gradient(features, logits, gate, rate, lam, 0.0, tau, 4000)
+    assert draws.shape == (4000, rows, dims)
+    torch.testing.assert_close(draws.mean(0), expected, rtol=0, atol=4 * draws.std(0).max().item() / 4000**0.5)
 
 
 def _learner(**kw):
