@@ -104,6 +104,16 @@ class Gate(dist.Bernoulli):
         return super().expand(batch_shape, _instance=new)
 
 
+@register("relaxed")
+class RelaxedGate(Gate):
+    """A sampled gate: the hard draw of Pyro's ``RelaxedBernoulliStraightThrough`` (on with probability
+    sigmoid(l) at any temperature), backward through its relaxed draw."""
+
+    def rsample(self, sample_shape=torch.Size()):
+        relaxed = dist.RelaxedBernoulliStraightThrough(self.temperature, logits=self.head_logits)
+        return relaxed.rsample(sample_shape)
+
+
 @register("ste")
 class ThresholdGate(Gate):
     """The reference's STE gate: the mode 1[alpha > 0.5] forward, identity to alpha = sigmoid(l) backward.
@@ -114,16 +124,6 @@ class ThresholdGate(Gate):
     def rsample(self, sample_shape=torch.Size()):
         alpha = self.probs.expand(self._extended_shape(sample_shape))
         return (alpha > 0.5).to(alpha) + (alpha - alpha.detach())  # exact 0/1 values
-
-
-@register("relaxed")
-class RelaxedGate(Gate):
-    """A sampled gate: the hard draw of Pyro's ``RelaxedBernoulliStraightThrough`` (on with probability
-    sigmoid(l) at any temperature), backward through its relaxed draw."""
-
-    def rsample(self, sample_shape=torch.Size()):
-        relaxed = dist.RelaxedBernoulliStraightThrough(self.temperature, logits=self.head_logits)
-        return relaxed.rsample(sample_shape)
 
 
 @register("gs")
