@@ -10,11 +10,11 @@ through h5netcdf), so a ``gates.nc`` written under either version reads under th
 Layout of the data (dims ``item``, ``feature``, ``class``, ``step``; every ``item`` coordinate also carries
 its ``class_label``):
 
-    posterior       g (chain, draw, item, feature)   0/1 gate draws from the guide q(g | x)
+    posterior       g (chain, draw, item, feature)   0/1 gate draws from q(g | x) = Bernoulli(inclusion_prob)
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on
                     rate (chain, draw, feature)       global inclusion rate (beta-bernoulli prior only)
     observed_data   label (item)
-    gates           inclusion_prob (item, feature)    exact q(g_k = 1 | x_i) from the logits
+    gates           inclusion_prob (item, feature)    exact q(g_k = 1 | x_i) of the run's gate estimator
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
                     rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from bayesncl_pyro.errors import UserError
 
 METHODS = ("cl", "ncl", "bayesncl")
-GATES = ("relaxed", "ste", "gs")
 NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
@@ -59,7 +58,8 @@ class Config:
     prior_prob: float = 0.8
     prior_args: dict = field(default_factory=dict)  # the prior's other constructor arguments, by name
     kl_weight: float = 3e-5
-    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"
+    kl_clamp: float = 0.01  # the KL's rates clamped to [c, 1 - c] as the reference; 0 = the exact KL
+    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: guides/gates.py, GATES
     gate_temperature: float = 1.0
     head_depth: int = 2
     logit_bound: float = 5.0
@@ -123,6 +123,7 @@ def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
     from bayesncl_pyro.encoders import backbone_builder
+    from bayesncl_pyro.guides.gates import GATES  # late, as the priors: the registries import pyro
     from bayesncl_pyro.models.priors import build_prior, prior_args
     from bayesncl_pyro.probe import REFERENCE_PROBES
 
@@ -132,7 +133,7 @@ def resolve(cfg: Config) -> Config:
         defaults["nonneg"] = "none"
     cfg = dataclasses.replace(cfg, **defaults)
     _choice("method", cfg.method, METHODS)
-    _choice("gate", cfg.gate, GATES)
+    _choice("gate", cfg.gate, tuple(GATES))
     _choice("nonneg", cfg.nonneg, NONNEG)
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
@@ -146,6 +147,9 @@ def resolve(cfg: Config) -> Config:
                         f"which does not include {cfg.dataset}; use --eval-protocol fast")
     _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
               "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
+    if not 0 <= cfg.kl_clamp < 0.5:
+        raise UserError(f"--kl-clamp must lie in [0, 0.5), got {cfg.kl_clamp}: 0.01 is the reference's clamp, "
+                        "0 the exact KL")
     if not 0 < cfg.prior_prob < 1:
         raise UserError(f"--prior-prob must lie strictly between 0 and 1, got {cfg.prior_prob}")
     # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then

@@ -80,19 +80,20 @@ def conflict_scores(pos: np.ndarray, neg: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def gate_pulls(gate_grad: torch.Tensor, probs: torch.Tensor, rate: torch.Tensor,
-               kl_weight: float) -> tuple[float, float]:
+def gate_pulls(gate_grad: torch.Tensor, probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
+               kl_clamp: float) -> tuple[float, float]:
     """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
     the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
     unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
 
     gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
-    w.r.t. the gate values; probs: R x K inclusion probabilities; rate: K prior rates. A prior pull far
+    w.r.t. the gate values; probs: R x K inclusion probabilities; rate: K prior rates; kl_clamp: the KL's
+    clamp (``bernoulli_kl``). A prior pull far
     below the InfoNCE pull means the prior hardly shapes the posterior (the published lambda = 3e-5 gives
     a ratio near 1e-3, docs/RESULTS.md).
     """
     alpha = probs.detach().float().requires_grad_()
-    kl_grad, = torch.autograd.grad(bernoulli_kl(alpha, rate.detach().float()).sum(), alpha)
+    kl_grad, = torch.autograd.grad(bernoulli_kl(alpha, rate.detach().float(), kl_clamp).sum(), alpha)
     return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
             (kl_weight * kl_grad).abs().mean().item())
 

@@ -10,7 +10,8 @@ from torch.distributions import kl_divergence
 
 
 class MeanFieldELBO(TraceMeanField_ELBO):
-    """``TraceMeanField_ELBO`` for programs whose latent sites all have an analytic KL, one particle.
+    """``TraceMeanField_ELBO`` for programs whose latent sites are reparameterised and have an analytic KL,
+    one particle.
 
     The parent also computes every site's log-density and score parts, which an analytic KL leaves
     unused (for R x K gates: two R x K log-probs per step), checks for NaNs, and calls ``.item()``
@@ -34,6 +35,10 @@ class MeanFieldELBO(TraceMeanField_ELBO):
                 scale, mask = site["scale"], site["mask"]
             else:
                 q = guide_trace.nodes[name]
+                if not q["fn"].has_rsample:  # only pathwise gradients are taken here: a score term would be lost
+                    raise NotImplementedError(
+                        f"latent site {name!r} ({type(q['fn']).__name__}) is not reparameterised: its gradient "
+                        "needs a score-function term; train with pyro.infer.TraceGraph_ELBO")
                 try:
                     term = -kl_divergence(q["fn"], site["fn"])
                 except NotImplementedError:

@@ -24,7 +24,7 @@ from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import GATES, GateGuide
-from bayesncl_pyro.losses import normalize
+from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior
@@ -53,8 +53,9 @@ class BayesNCLHead(nn.Module):
         prior: a registry name (``bernoulli``, ``learned``, ``beta-bernoulli``), ``package.module:Class``, a
             :class:`~bayesncl_pyro.models.priors.Prior`, or None for NCL / CL (no gates).
         prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the prior's other arguments.
-        kl_weight: lambda; gate: the gate estimator, ``ste`` | ``relaxed`` | ``gs``; gate_temperature,
-            head_depth, logit_bound: the guide's (``guides/gates.py``).
+        kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
+            exact KL); gate: the gate estimator, a name in ``guides/gates.py``'s ``GATES`` (``ste``, ``relaxed``,
+            ``gs``, ``gs-reference-kl``); gate_temperature, head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
             largest features per row (0: all).
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
@@ -63,7 +64,8 @@ class BayesNCLHead(nn.Module):
 
     def __init__(self, in_dim: int, proj_dim: int = 256, proj_hidden: int = 2048, *, num_train: int,
                  prior: str | Prior | None = "bernoulli", prior_prob: float = 0.8, prior_args: dict | None = None,
-                 kl_weight: float = 3e-5, gate: str = "ste", gate_temperature: float = 1.0, head_depth: int = 2,
+                 kl_weight: float = 3e-5, kl_clamp: float = REFERENCE_KL_CLAMP, gate: str = "ste",
+                 gate_temperature: float = 1.0, head_depth: int = 2,
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
                  gather_distributed: bool = False):
         super().__init__()
@@ -79,7 +81,7 @@ class BayesNCLHead(nn.Module):
         self.model = ContrastiveModel(num_rows, temperature, nonneg, topk, prior, kl_weight)
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, estimator=gate, temperature=gate_temperature,
-            logit_bound=logit_bound, kl_weight=kl_weight, rate_guide=prior.make_guide(),
+            logit_bound=logit_bound, kl_weight=kl_weight, kl_clamp=kl_clamp, rate_guide=prior.make_guide(),
         ) if prior is not None else None
         if gather_distributed:
             self.model.gather = distributed.gather_rows
@@ -111,7 +113,7 @@ class BayesNCLHead(nn.Module):
             seen.update(self.model(z, h))
 
         def guide(z, h):
-            seen["logits"] = self.guide(z, h)
+            seen["probs"] = self.guide(z, h)
 
         dtype = self.projector[0].weight.dtype
         with torch.autocast(h.device.type, enabled=False), own_params():  # the exp and log of the loss in full
@@ -121,7 +123,7 @@ class BayesNCLHead(nn.Module):
             kl = (loss.detach() - nce) / self.model.kl_weight if self.gated else torch.zeros_like(nce)
             stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
             if self.gated:
-                probs = self._inclusion(seen["logits"].detach())
+                probs = seen["probs"]
                 per_dim = probs.mean(0)
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
                              gates=seen["gates"], prior_rate=self.model.prior.mean_rate())
@@ -133,17 +135,14 @@ class BayesNCLHead(nn.Module):
         gates = stats.get("gates")
         if gates is None or gates.grad is None:
             return {}
-        nce, prior = gate_pulls(gates.grad, stats["probs"], stats["prior_rate"], self.model.kl_weight)
+        nce, prior = gate_pulls(gates.grad, stats["probs"], stats["prior_rate"], self.model.kl_weight,
+                                self.guide.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
-    @staticmethod
-    def _inclusion(logits: torch.Tensor) -> torch.Tensor:
-        """q(g_k = 1 | x) from the gating head's logits (the gate distributions' ``probs``)."""
-        return logits.sigmoid()
-
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """Exact posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h."""
-        return self._inclusion(self.guide.logits(h))
+        """The posterior inclusion probabilities q(g_k = 1 | x) under the head's gate estimator, R x K, from
+        backbone features h."""
+        return self.guide.inclusion_probs(h)
 
     @torch.no_grad()
     def representation(self, h: torch.Tensor) -> torch.Tensor:

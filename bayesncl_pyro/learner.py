@@ -63,7 +63,7 @@ class ContrastiveLearner(nn.Module):
         return self.head.ungated_features(h)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """Exact posterior inclusion probabilities q(g_k = 1 | x), R x K."""
+        """Exact posterior inclusion probabilities q(g_k = 1 | x) under the run's gate estimator, R x K."""
         return self.head.gate_probs(h)
 
     def param_groups(self) -> list[dict]:

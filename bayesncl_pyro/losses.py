@@ -7,8 +7,8 @@ so row ``i`` and row ``(i + B) % R`` are the positive pair. K is the feature wid
 import torch
 import torch.nn.functional as F
 
-#: the reference clamps both the posterior and the prior inclusion rate before its KL
-KL_CLAMP = (0.01, 0.99)
+#: the reference clamps both the posterior and the prior inclusion rate to [0.01, 0.99] before its KL
+REFERENCE_KL_CLAMP = 0.01
 
 
 def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | None = None,
@@ -48,14 +48,18 @@ def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Te
     return info_nce_rows(torch.cat([z1, z2]), temperature).mean()
 
 
-def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float) -> torch.Tensor:
-    """Elementwise KL(Bernoulli(alpha) || Bernoulli(rho)), both clamped to [0.01, 0.99] as the reference.
+def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -> torch.Tensor:
+    """Elementwise KL(Bernoulli(alpha) || Bernoulli(rho)), both rates clamped to [clamp, 1 - clamp].
 
-    The clamp bounds the KL's pull on a gate that is nearly always on or off, so the prior can never
-    push a gate's logit to infinity.
+    ``clamp = 0`` is the exact KL (to float precision: the rates are kept one float eps inside (0, 1), as
+    torch's own Bernoulli KL does, so that a gate that is surely on has a finite KL and a zero, not NaN,
+    gradient). The reference clamps at 0.01 (:data:`REFERENCE_KL_CLAMP`): that bounds the KL, so the prior
+    can never push a logit to infinity, but it is not the KL: KL(0.5 || 0.999) is 1.61 clamped against 2.76,
+    and a rate past the clamp (sigmoid(l) > 0.99 at l > 4.6) gets no gradient from it.
     """
-    alpha = alpha.clamp(*KL_CLAMP)
-    rho = torch.as_tensor(rho, dtype=alpha.dtype, device=alpha.device).clamp(*KL_CLAMP)
+    lo = max(clamp, torch.finfo(alpha.dtype).eps)
+    alpha = alpha.clamp(lo, 1 - lo)
+    rho = torch.as_tensor(rho, dtype=alpha.dtype, device=alpha.device).clamp(lo, 1 - lo)
     return alpha * (alpha / rho).log() + (1 - alpha) * ((1 - alpha) / (1 - rho)).log()
 
 

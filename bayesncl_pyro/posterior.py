@@ -1,9 +1,11 @@
 """The gate posterior of a trained BayesNCL run, on the test split, as plain tensors.
 
 ``gate_posterior(run_dir_or_learner)`` answers "which dimensions does each test image use, and how
-sure is the model?": exact inclusion probabilities q(g_k = 1 | x) read from the guide's logits,
-optionally posterior draws of the gates through ``pyro.infer.Predictive``, the labels, and the
-class x dimension mean inclusion. ``bayesncl_pyro/arviz_export.py`` turns the result into ArviZ data.
+sure is the model?": the exact inclusion probabilities q(g_k = 1 | x) of the run's gate estimator, read
+from the guide's logits, optionally draws of the gates from the variational posterior q(g | x) (a
+Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the
+labels, and the class x dimension mean inclusion. ``bayesncl_pyro/arviz_export.py`` turns the result into
+ArviZ data.
 """
 
 import os
@@ -11,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pyro.infer import Predictive
 
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
@@ -28,8 +29,8 @@ class GatePosterior:
     features: torch.Tensor  # N x K, the representation F the metrics judge (gated by the posterior mode)
     labels: torch.Tensor  # N, class index
     classes: list[str]  # C names, index = label
-    draws: torch.Tensor | None = None  # S x N x K, 0/1 gates sampled from the guide
-    rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate (beta-bernoulli prior only)
+    draws: torch.Tensor | None = None  # S x N x K, 0/1 gates drawn from q(g | x) = Bernoulli(probs)
+    rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate from q(rate) (beta-bernoulli only)
     rate_beta: tuple[torch.Tensor, torch.Tensor] | None = None  # (a, b), K each: q(rate_k) = Beta(a_k, b_k)
 
     @property
@@ -47,9 +48,9 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     Args:
         source: a run folder holding ``checkpoint.pt``, or a :class:`ContrastiveLearner`.
         data: the dataset; by default the run's own (``cfg.dataset``, ``cfg.data_dir``, ``cfg.seed``).
-        num_draws: gate samples per item from the guide; 0 = only the exact probabilities. With the
-            ``ste`` estimator draws are the posterior mode (that gate is deterministic), with ``gs``
-            they follow its Gumbel noise, so their mean is not exactly ``probs``.
+        num_draws: gate draws per item from q(g | x), independent Bernoulli(probs) gates, whatever the
+            estimator (training's value is another matter: ``ste`` trains on the mode); 0 = only the
+            exact probabilities.
         device: where to compute; by default the learner's own device (cpu for a run folder).
     """
     if isinstance(source, ContrastiveLearner):
@@ -65,16 +66,14 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     h, features, labels = extract(learner, data.test, cfg, data.channels, device)
     h = h.to(device)
-    post = GatePosterior(probs=learner.gate_probs(h).cpu(), features=features, labels=labels,
-                         classes=list(data.classes))
-    guide = learner.guide
-    if guide.rate_guide is not None:
-        post.rate_beta = (guide.rate_guide.a.detach().cpu(), guide.rate_guide.b.detach().cpu())
+    q = learner.guide.posterior(h)
+    post = GatePosterior(probs=q.probs.cpu(), features=features, labels=labels, classes=list(data.classes))
+    rate_guide = learner.guide.rate_guide
+    if rate_guide is not None:
+        post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
     if num_draws:
-        sites = ["g"] + (["rate"] if guide.rate_guide is not None else [])
-        # the guide alone is the posterior: run it forward, vectorised over draws; its z argument is unused
-        samples = Predictive(guide, num_samples=num_draws, return_sites=sites, parallel=True)(None, h)
-        post.draws = samples["g"].reshape(num_draws, *post.probs.shape).cpu()
-        if "rate" in samples:
-            post.rate_draws = samples["rate"].reshape(num_draws, -1).cpu()
+        # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
+        post.draws = q.sample((num_draws,)).cpu()
+        if rate_guide is not None:
+            post.rate_draws = rate_guide.posterior().sample((num_draws,)).cpu()
     return post

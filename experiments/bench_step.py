@@ -45,9 +45,9 @@ def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     h, z = h.float(), z.float()
     u, kl = model.features(z), 0.0
     if guide is not None:
-        logits = guide.logits(h)
-        u = normalize(u * guide.gate(guide.temperature, logits=logits).rsample())
-        kl = bernoulli_kl(logits.sigmoid(), model.prior.rate()).sum(1).mean()
+        q = guide.posterior(h)
+        u = normalize(u * q.rsample())
+        kl = bernoulli_kl(q.kl_probs(), model.prior.rate(), guide.kl_clamp).sum(1).mean()
     return info_nce_rows(u, model.temperature).mean() + model.kl_weight * kl
 
 

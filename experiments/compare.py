@@ -50,9 +50,9 @@ from pathlib import Path
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import GATES
 
-GATED = ("relaxed", "ste", "gs")
-METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATED))
+METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"
 CPU_RECIPE = dict(encoder="cnn", epochs=15, optimizer="sgd", lr=0.06, warmup_epochs=1, batch_size=256,
                   eval_protocol="fast")

@@ -258,7 +258,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         post = gate_posterior(learner, data)
         features, labels, probs = post.features, post.labels, post.probs.numpy()
         rate = learner.model.prior.mean_rate() if post.rate_beta is None else post.rate_beta[0] / sum(post.rate_beta)
-        kl = bernoulli_kl(post.probs, rate).mean(0).numpy()
+        kl = bernoulli_kl(post.probs, rate, cfg.kl_clamp).mean(0).numpy()
         plot_kl_per_dim(kl, out / "kl_per_dim.png")
         plot_inclusion(probs, float(rate.mean()), out / "inclusion.png")
         plot_class_heatmap(post.class_means.numpy(), data.classes, out / "class_heatmap.png")

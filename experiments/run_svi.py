@@ -23,12 +23,13 @@ INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
-    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, GATES, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped, UserError
-    from bayesncl_pyro.rundir import GATES_FILE
+    from bayesncl_pyro.guides.gates import GATES
     from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.rundir import GATES_FILE
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
@@ -70,9 +71,14 @@ def parser() -> argparse.ArgumentParser:
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
                    help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
-    g.add_argument("--gate", default=d.gate, choices=GATES,
-                   help="gate estimator: ste (the paper's: threshold 0.5, deterministic, identity "
-                   "backward), relaxed (sampled, straight-through), gs (Gumbel-sigmoid) (default: %(default)s)")
+    g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
+                   help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
+                   "Bernoulli KL (default: %(default)s)")
+    g.add_argument("--gate", default=d.gate, choices=tuple(GATES),
+                   help="gate estimator: ste (the paper's: InfoNCE at the posterior mode, threshold 0.5, identity "
+                   "backward: the reference's deterministic surrogate), relaxed (sampled, straight-through), gs "
+                   "(the reference's Gumbel-sigmoid draw, on with probability 1 + 1e-4 - exp(1e-4 - e^logit)), "
+                   "gs-reference-kl (gs with the reference's KL, taken at sigmoid(logit)) (default: %(default)s)")
     g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
                    help="relaxation temperature of the gates (default: %(default)s)")
     g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
@@ -187,8 +193,9 @@ def announce(trainer) -> str:
     """What is trained, on what, for how long, and where it is written."""
     cfg = trainer.cfg
     args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
+    kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
-            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight})"}[cfg.method]
+            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight}, {kl})"}[cfg.method]
     last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "

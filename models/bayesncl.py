@@ -3,16 +3,36 @@
 How lambda, the factor and the plate scaling fit together
 ---------------------------------------------------------
 The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch holds R = 2B of them.
-Inside ``pyro.plate("rows", 2N, subsample=R rows)`` every site is scaled by 2N / R. Per row i:
+Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it scaled by 2N / R):
 
-* ``pyro.factor("nce", -l_i)`` adds the row's InfoNCE loss l_i as a log-likelihood;
 * ``g_i ~ Bernoulli(rate)`` (K gates) sits under ``poutine.scale(lambda)`` in the model *and* the
-  guide, so TraceMeanField_ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)), the exact Bernoulli KL.
+  guide, so TraceMeanField_ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): the Bernoulli KL with the
+  guide's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact).
+
+and once for the batch, *outside* the plate but with the plate's scaling 2N / R:
+
+* ``pyro.factor("nce", -sum_i l_i)`` adds the rows' InfoNCE losses l_i as a log-likelihood.
 
 So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(global latents)``, and the
 trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
-global-latent KL of hierarchical priors spread over the data set. Read lambda as the temperature of a
-Gibbs posterior, p(g | x) proportional to p(g) exp(-InfoNCE / lambda).
+global-latent KL of hierarchical priors once per data set (``models/priors.py`` says why that is the
+right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) proportional to
+p(g) exp(-InfoNCE / lambda). With the ``ste`` gate the likelihood term is InfoNCE at the posterior mode,
+not its expectation under q: the reference's deterministic surrogate (``guides/gates.py``).
+
+Why the factor is outside the rows plate
+----------------------------------------
+A plate is a conditional-independence statement. The gates are independent across rows (given the rate)
+in the prior and in the guide, so they belong in it. InfoNCE is not: l_i depends on every row of the batch
+through the negatives, so row i's gates change the other rows' losses. Inside the plate the factor would
+claim that l_i depends on row i's gates only, and estimators that use the plate structure would act on
+that claim: ``TraceGraph_ELBO`` would weight row i's score-function term by l_i alone (a biased
+gradient), and enumeration would sum out each row's gates separately. Under the mean-field ELBO with
+analytic KLs (what training uses) the plate contributes nothing but its scaling, so both placements give
+the same loss and gradients; outside it, the program also says what it computes, and every Pyro
+estimator sees the true dependence (``tests/test_model.py`` checks ``TraceGraph_ELBO`` against exact
+enumeration). The 2N / R scaling is itself the paper's objective: the expected InfoNCE of a minibatch,
+per row, times the number of rows (InfoNCE has no per-row likelihood of the whole data set).
 
 NCL is this program without the gate site, and CL (SimCLR) also without non-negativity.
 """
@@ -71,18 +91,18 @@ class ContrastiveModel(PyroModule):
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight):
                 rate = self.prior.rate()
-        with rows_plate(self.num_rows, rows, u.device):
-            if self.prior is not None:
-                with poutine.scale(scale=self.kl_weight):
+                with rows_plate(self.num_rows, rows, u.device):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
-                if g.requires_grad:
-                    g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (diagnostics.gate_pulls)
-                u = normalize(u * g)
-            if self.gather is None:
-                nce = info_nce_rows(u, self.temperature)
-            else:
-                columns, offset = self.gather(u)
-                nce = info_nce_rows(u, self.temperature, columns, offset)
-            pyro.factor("nce", -nce)
+            if g.requires_grad:
+                g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (diagnostics.gate_pulls)
+            u = normalize(u * g)
+        if self.gather is None:
+            nce = info_nce_rows(u, self.temperature)
+        else:
+            columns, offset = self.gather(u)
+            nce = info_nce_rows(u, self.temperature, columns, offset)
+        # one factor for the batch: InfoNCE couples the rows (module docstring), scaled as the plate scales
+        with poutine.scale(scale=self.num_rows / rows):
+            pyro.factor("nce", -nce.sum())
         out = dict(nce=nce, features=u.detach())
         return out if g is None else dict(out, gates=g)

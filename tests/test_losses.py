@@ -57,10 +57,11 @@ def test_bernoulli_kl_hand_values_and_clamp():
     alpha, rho = torch.tensor([0.5, 0.9]), 0.8
     expected = [0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2),
                 0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2)]
-    torch.testing.assert_close(bernoulli_kl(alpha, rho), torch.tensor(expected))
+    torch.testing.assert_close(bernoulli_kl(alpha, rho, 0.01), torch.tensor(expected))
     # alpha = 0 is clamped to 0.01: finite, and equal to the KL at 0.01
-    assert bernoulli_kl(torch.tensor([0.0]), rho).item() == pytest.approx(bernoulli_kl(torch.tensor([0.01]), rho).item())
-    assert bernoulli_kl(torch.tensor([0.8]), 0.8).item() == pytest.approx(0.0, abs=1e-7)
+    assert bernoulli_kl(torch.tensor([0.0]), rho, 0.01).item() == pytest.approx(
+        bernoulli_kl(torch.tensor([0.01]), rho, 0.01).item())
+    assert bernoulli_kl(torch.tensor([0.8]), 0.8, 0.01).item() == pytest.approx(0.0, abs=1e-7)
 
 
 def test_rep_relu_forward_is_relu_backward_is_gelu():

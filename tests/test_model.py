@@ -1,17 +1,22 @@
+import itertools
+
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
-from pyro.infer import TraceMeanField_ELBO
+from pyro import poutine
+from pyro.infer import TraceGraph_ELBO, TraceMeanField_ELBO
+from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.head import BayesNCLHead
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows
-from bayesncl_pyro.guides.gates import GATES, GateGuide, GumbelSigmoidGate, ThresholdGate
-from bayesncl_pyro.models.bayesncl import ContrastiveModel
+from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.guides.gates import GATES, GateGuide, GumbelSigmoidGate, RelaxedGate, ThresholdGate
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
 from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 
 R, K, D, N = 12, 8, 10, 1000
@@ -32,9 +37,9 @@ def _program(estimator="ste", prior="bernoulli", kl_weight=3e-5, rho=0.8):
 @pytest.mark.parametrize("gate", sorted(GATES))
 def test_kl_is_registered_and_is_the_discrete_bernoulli_kl(gate):
     logits = torch.randn(5, K)
-    q = GATES[gate](torch.tensor(1.0), logits=logits)
+    q = GATES[gate](logits)
     kl = torch.distributions.kl_divergence(q, dist.Bernoulli(torch.full((5, K), 0.8)))
-    torch.testing.assert_close(kl, bernoulli_kl(logits.sigmoid(), 0.8))
+    torch.testing.assert_close(kl, bernoulli_kl(q.kl_probs(), 0.8, 0.01))
 
 
 def test_parity_with_reference_formula_ste():
@@ -44,7 +49,7 @@ def test_parity_with_reference_formula_ste():
     loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
     alpha = guide.logits(h).sigmoid()
     u = F.normalize(F.normalize(F.relu(z), dim=1) * (alpha > 0.5).float(), dim=1)
-    reference = info_nce_rows(u, 0.2).mean() + 3e-5 * bernoulli_kl(alpha, 0.8).sum(1).mean()
+    reference = info_nce_rows(u, 0.2).mean() + 3e-5 * bernoulli_kl(alpha, 0.8, 0.01).sum(1).mean()
     assert abs(loss.item() - reference.item()) < 1e-5
 
 
@@ -105,18 +110,18 @@ def test_kl_weight_scales_only_the_kl():
 
 def test_gate_estimators_forward_hard_and_backward_to_alpha():
     logits = torch.randn(4, K, requires_grad=True)
-    g = ThresholdGate(torch.tensor(1.0), logits=logits).rsample()
+    g = ThresholdGate(logits).rsample()
     torch.testing.assert_close(g, (logits.sigmoid() > 0.5).float())
     g.sum().backward()
     torch.testing.assert_close(logits.grad, (logits.sigmoid() * (1 - logits.sigmoid())).detach())
-    for cls in (GumbelSigmoidGate, dist.RelaxedBernoulliStraightThrough):
-        v = cls(torch.tensor(1.0), logits=torch.randn(4, K)).rsample()
+    for cls in (GumbelSigmoidGate, RelaxedGate):
+        v = cls(torch.randn(4, K)).rsample()
         assert set(v.unique().tolist()) <= {0.0, 1.0}
 
 
 def test_relaxed_gate_on_rate_matches_sigmoid_of_logits():
     logits = torch.tensor([-1.0, 0.0, 2.0]).expand(20000, 3)
-    g = dist.RelaxedBernoulliStraightThrough(torch.tensor(0.5), logits=logits).rsample()
+    g = RelaxedGate(logits, torch.tensor(0.5)).rsample()
     torch.testing.assert_close(g.mean(0), torch.tensor([-1.0, 0.0, 2.0]).sigmoid(), atol=0.015, rtol=0)
 
 
@@ -194,3 +199,87 @@ def test_all_methods_train_through_one_svi_path(method):
         assert (feats < 0).any()
     else:
         assert (feats >= 0).all()
+
+
+def test_beta_bernoulli_rates_follow_the_data_to_the_conjugate_posterior():
+    """The global rate's KL is weighted lambda / 2N per row, yet the data move the rates: they reach q(rate)
+    through the gates' KL, summed over all 2N rows, so q(rate_k) goes to the conjugate posterior
+    Beta(a + sum_i alpha_ik, b + sum_i (1 - alpha_ik)). Gates that are on with probability 0.3 in 40 rows,
+    a Beta(8, 2) hyperprior (mean 0.8): Beta(20, 30), mean 0.4, trained as the learner trains the rates
+    (SGD with momentum at gate_lr / lambda)."""
+    rows, lam = 40, 3e-5
+    prior = BetaBernoulliPrior(K, 0.8, concentration=10.0)
+    model = ContrastiveModel(rows, 0.2, "relu", prior=prior, kl_weight=lam)
+    guide = GateGuide(D, 16, K, rows, estimator="ste", kl_weight=lam, rate_guide=prior.make_guide())
+    with torch.no_grad():
+        guide.head[-1].weight.zero_()
+        guide.head[-1].bias.fill_(torch.tensor(0.3).logit().item())
+    rates = guide.rate_guide
+    opt = torch.optim.SGD(rates.parameters(), lr=0.1 / lam, momentum=0.9)
+    z, h = torch.randn(rows, K), torch.randn(rows, D)
+    a, b = [], []
+    with pyro.validation_enabled(False):
+        for step in range(600):
+            opt.zero_grad()
+            (MeanFieldELBO().differentiable_loss(model, guide, z, h) / rows).backward()
+            opt.step()
+            if step >= 300:  # the iterates scatter around the optimum (one Beta draw per step)
+                a.append(rates.a.detach().clone())
+                b.append(rates.b.detach().clone())
+    a, b = torch.stack(a).mean(0), torch.stack(b).mean(0)
+    torch.testing.assert_close(a / (a + b), torch.full((K,), 0.4), atol=0.03, rtol=0)
+    torch.testing.assert_close(a + b, torch.full((K,), 50.0), rtol=0.2, atol=0)
+
+
+def _in_plate_model(model):
+    """The program as it would read with the InfoNCE factor inside the rows plate (a false independence)."""
+
+    def program(z, h):
+        u = model.features(z)
+        rows = u.shape[0]
+        with poutine.scale(scale=model.kl_weight):
+            rate = model.prior.rate()
+        with rows_plate(model.num_rows, rows, u.device):
+            with poutine.scale(scale=model.kl_weight):
+                g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
+            pyro.factor("nce", -info_nce_rows(normalize(u * g), model.temperature))
+
+    return program
+
+
+def test_score_function_estimator_sees_that_infonce_couples_the_rows():
+    """TraceGraph_ELBO with a score-function (plain Bernoulli) gate guide, its single-particle gradient averaged
+    exactly over all 2^8 gate configurations of 4 rows x 2 dims, equals the exact ELBO gradient: the program
+    tells Pyro that every row's gates reach every row's InfoNCE. With the factor inside the rows plate the same
+    estimator weights row i's score by row i's loss only, and is biased."""
+    rows, dims, lam = 4, 2, 0.3
+    torch.manual_seed(1)
+    z, h = torch.rand(rows, dims) + 0.1, torch.randn(rows, D)
+    theta = torch.randn(rows, dims, requires_grad=True)
+    model = ContrastiveModel(rows, 0.5, "relu", prior=build_prior("bernoulli", dims, 0.6), kl_weight=lam)
+
+    def guide(z, h):
+        with poutine.scale(scale=lam), rows_plate(rows, rows, z.device):
+            pyro.sample("g", dist.Bernoulli(logits=theta).to_event(1))
+
+    configs = torch.tensor(list(itertools.product([0.0, 1.0], repeat=rows * dims))).view(-1, rows, dims)
+    q = dist.Bernoulli(logits=theta).to_event(2)
+    p = dist.Bernoulli(torch.full((rows, dims), 0.6)).to_event(2)
+    u = model.features(z)
+    exact = sum(q.log_prob(c).exp() * (-info_nce_rows(normalize(u * c), 0.5).sum() + lam * (p.log_prob(c) - q.log_prob(c)))
+                for c in configs)
+    exact_grad, = torch.autograd.grad(exact, theta)
+
+    def expected_tracegraph_gradient(program):
+        elbo, total = TraceGraph_ELBO(max_plate_nesting=1), 0.0
+        template = poutine.trace(guide).get_trace(z, h)
+        for c in configs:
+            template.nodes["g"]["value"] = c
+            model_trace, guide_trace = elbo._get_trace(program, poutine.replay(guide, trace=template), (z, h), {})
+            surrogate_loss = _compute_elbo(model_trace, guide_trace)[1]
+            total = total - q.log_prob(c).exp().detach() * surrogate_loss
+        return torch.autograd.grad(total, theta)[0]
+
+    torch.testing.assert_close(expected_tracegraph_gradient(model), exact_grad, rtol=1e-4, atol=1e-5)
+    biased = expected_tracegraph_gradient(_in_plate_model(model))
+    assert (biased - exact_grad).norm() > 0.1 * exact_grad.norm()

@@ -335,7 +335,7 @@ def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
     import bayesncl_pyro.guides.gates
 
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    monkeypatch.setattr(bayesncl_pyro.guides.gates, "bernoulli_kl", lambda q, p: torch.full_like(q, float("inf")))
+    monkeypatch.setattr(bayesncl_pyro.guides.gates, "bernoulli_kl", lambda q, p, clamp: torch.full_like(q, float("inf")))
     with pytest.raises(UserError, match="diverged at step 1: the KL term is (inf|nan); no checkpoint is kept"):
         trainer.train(3)
 

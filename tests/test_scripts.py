@@ -30,6 +30,7 @@ SCRIPTS = {
                                   "--workers", "0"],
     "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
     "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
+    "gate_gradient_bias.py": lambda tmp: [tiny_run(tmp), "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
 }
 
 
@@ -117,7 +118,7 @@ def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     out = tmp_path / "cmp"
     proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    methods = ["cl", "ncl", "ncl+topk", "bayesncl-relaxed", "bayesncl-ste", "bayesncl-gs"]
+    methods = ["cl", "ncl", "ncl+topk", "bayesncl-relaxed", "bayesncl-ste", "bayesncl-gs", "bayesncl-gs-reference-kl"]
     assert {f"{m}-seed0" for m in methods} <= {p.name for p in out.iterdir()}
     assert {"comparison.md", "comparison.json", "consistency_vs_probe.png"} <= {p.name for p in out.iterdir()}
     md = (out / "comparison.md").read_text()

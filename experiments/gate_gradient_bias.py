@@ -1,0 +1,78 @@
+"""How biased is each gate estimator's gradient? On one training batch of a trained BayesNCL run.
+
+    python experiments/gate_gradient_bias.py runs/default                  # the default run: compositional, ste
+    python experiments/gate_gradient_bias.py runs/default --draws 256 --reference-draws 256 --json bias.json
+
+For each estimator (ste, relaxed, gs, gs-reference-kl; the run's gating head as trained, only the estimator
+swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
+(exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py). It prints, for the
+estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
+error and the norm ratio; the mean cosine of a single draw (one training step); and the cosines between
+the two halves of the estimator's draws and of the unbiased estimate's draws (how precise each mean is:
+read the first columns only when these are near 1). The batch holds the images of the run's first
+training batch, two SimCLR views each (drawn image by image, as --augment workers draws them), through
+the encoder in eval mode.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data.views import TwoViews, simclr_transform
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.gate_gradients import gate_gradient_bias
+from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.rundir import load_learner
+
+
+def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
+    """2B rows [view 1; view 2] of the first B images of epoch 0's order (EpochSampler's permutation)."""
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(cfg.seed * 100_003))
+    views = TwoViews(data.train, simclr_transform(cfg.image_size, data.channels), cfg.seed)
+    items = [views[i] for i in order[:batch_size].tolist()]
+    return torch.cat([torch.stack([item[0] for item in items]), torch.stack([item[1] for item in items])])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
+    p.add_argument("--estimators", default=",".join(GATES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--draws", type=int, default=64, help="gradient draws per sampled estimator (default: %(default)s)")
+    p.add_argument("--reference-draws", type=int, default=64,
+                   help="gate draws of the unbiased gradient (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, help="images in the batch (default: the run's)")
+    p.add_argument("--seed", type=int, default=0, help="of the gate draws (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    try:
+        learner, cfg = load_learner(args.run_dir)
+        names = args.estimators.split(",")
+        for name in names:
+            if name not in GATES:
+                raise UserError(f"unknown estimator {name!r}; choose from {', '.join(GATES)}")
+        data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+        x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
+        torch.manual_seed(args.seed)
+        results = gate_gradient_bias(learner, x, names, args.draws, args.reference_draws)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"run {args.run_dir} (trained with {cfg.gate}), {x.shape[0]} rows, K = {cfg.proj_dim}, "
+          f"lambda = {cfg.kl_weight}, kl clamp {cfg.kl_clamp}")
+    columns = [("cosine", "cosine"), ("rel. error", "relative_error"), ("norm ratio", "norm_ratio"),
+               ("1-draw cos", "single_draw_cosine"), ("split cos", "split_cosine"),
+               ("ref. split cos", "reference_split_cosine")]
+    print(f"{'estimator':<16}" + "".join(f" {title:>14}" for title, _ in columns))
+    for r in results:
+        print(f"{r['estimator']:<16}" + "".join(f" {r[key]:>14.4f}" for _, key in columns))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
