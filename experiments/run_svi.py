@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         status = 0
         if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
             status = export(trainer)
-        print(outcome(results), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+        print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
         return status
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
