@@ -97,6 +97,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        if "kl_clamp" not in d:  # written by bayesncl-pyro 0.1: the settings that reproduce what it computed
+            d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

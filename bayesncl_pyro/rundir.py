@@ -139,10 +139,19 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
+# bayesncl-pyro 0.1 named the learner's parts encoder.{backbone,projector}, model and guide; the head holds the
+# projector, model and guide since 0.2
+_RENAMED = (("encoder.backbone.", "backbone."), ("encoder.projector.", "head.projector."), ("model.", "head.model."),
+            ("guide.", "head.guide."))
+
+
 def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
-    """Load a checkpoint's weights, explaining a mismatch (another version's model) in one line instead
-    of torch's state_dict error."""
+    """Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
+    version's model) in one line instead of torch's state_dict error."""
     mine, theirs = learner.state_dict(), state["learner"]
+    if any(k.startswith("encoder.") for k in theirs):
+        theirs = {next((new + k[len(old):] for old, new in _RENAMED if k.startswith(old)), k): v
+                  for k, v in theirs.items()}
     problems = [f"{k} is {tuple(theirs[k].shape)} there but {tuple(v.shape)} here"
                 for k, v in mine.items() if k in theirs and theirs[k].shape != v.shape]
     problems += [f"{k} missing" for k in mine if k not in theirs]

@@ -140,3 +140,34 @@ def test_degenerate_gates_are_warned_about_in_the_log(tmp_path, capsys):
     assert "warnings" not in first
     assert any("closed" in w for w in second["warnings"]) and any("KL collapse" in w for w in second["warnings"])
     assert "warning: step 2: nearly all gates are closed" in capsys.readouterr().err
+
+
+def test_a_run_of_version_0_1_loads_and_resumes_as_it_was(tmp_path):
+    """A 0.1 run folder (the learner's parts named encoder.*, model.*, guide.*; a config without kl_clamp,
+    eval_protocol and prior_args; `gs` meaning the reference's loss) reloads with its weights and resumes with
+    the command it was made with: the settings that reproduce what 0.1 computed fill what the config lacks."""
+    first = Trainer(tiny(tmp_path, gate="gs-reference-kl", eval_protocol="fast", max_steps=4), progress=False)
+    first.train(4)
+    first.save()
+    run = tmp_path / "run"
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    old = {"backbone.": "encoder.backbone.", "head.projector.": "encoder.projector.", "head.model.": "model.",
+           "head.guide.": "guide."}
+    state["learner"] = {next(o + k[len(n):] for n, o in old.items() if k.startswith(n)): v
+                        for k, v in state["learner"].items()}
+    config = {k: v for k, v in state["config"].items()
+              if k not in ("kl_clamp", "eval_protocol", "prior_args", "ckpt_minutes", "tensorboard")}
+    state.update(version="0.1.0", config=dict(config, gate="gs"))
+    torch.save(state, run / "checkpoint.pt")
+    (run / "config.json").write_text(json.dumps(dict(config, gate="gs")))
+
+    learner, cfg = load_learner(run)
+    assert cfg.gate == "gs-reference-kl" and cfg.eval_protocol == "fast" and cfg.kl_clamp == 0.01
+    for k, v in first.learner.state_dict().items():
+        torch.testing.assert_close(learner.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    # the 0.1 command (--gate gs) now means another loss: the difference is named
+    with pytest.raises(UserError, match="gate: 'gs-reference-kl' -> 'gs'"):
+        Trainer(tiny(tmp_path, gate="gs", max_steps=6), progress=False)
+    resumed = Trainer(tiny(tmp_path, gate="gs-reference-kl", eval_protocol="fast", max_steps=6), progress=False)
+    assert resumed.step == 4
+    resumed.train(6)
