@@ -23,24 +23,15 @@ import torch
 from torch import nn
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.plugins import import_spec, is_spec
+from bayesncl_pyro.plugins import Registry, import_spec, is_spec
 
 TIMM = "timm:"
 #: a backbone below this resolution is a CIFAR-sized one: torchvision ResNets get the CIFAR stem
 CIFAR_STEM_BELOW = 64
 
 #: the project's own backbones, by name: (in_channels, image_size) -> module
-ENCODERS: dict[str, Callable[[int, int], nn.Module]] = {}
-
-
-def register(name: str):
-    """Decorator adding a backbone builder ``(in_channels, image_size) -> nn.Module`` to ``ENCODERS``."""
-
-    def add(fn):
-        ENCODERS[name] = fn
-        return fn
-
-    return add
+ENCODERS: Registry = Registry()  # the project's own backbone builders, (in_channels, image_size) -> nn.Module
+register = ENCODERS.register
 
 
 def mlp(in_dim: int, hidden: int, out_dim: int, depth: int = 2) -> nn.Sequential:

@@ -11,6 +11,20 @@ from bayesncl_pyro.errors import UserError
 _TYPES = {t.__name__: t for t in (int, float, bool, str)}
 
 
+class Registry(dict):
+    """Name -> the class or builder of one kind (priors, gate estimators, backbones) that a command-line flag
+    names; ``@registry.register("name")`` adds one (a class also gets ``name`` as its ``.name``)."""
+
+    def register(self, name: str):
+        def add(obj):
+            if isinstance(obj, type):
+                obj.name = name
+            self[name] = obj
+            return obj
+
+        return add
+
+
 def is_spec(name: str) -> bool:
     """Whether ``name`` is a ``package.module:name`` reference rather than a registry name."""
     return ":" in name

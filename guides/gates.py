@@ -48,19 +48,10 @@ from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, bernoulli_kl
 from bayesncl_pyro.models.bayesncl import rows_plate
+from bayesncl_pyro.plugins import Registry
 
-GATES: dict[str, type["Gate"]] = {}  # the one home of the estimator names: config, run_svi and compare read it
-
-
-def register(name: str):
-    """Class decorator adding a gate estimator under ``name`` (``--gate name``)."""
-
-    def add(cls):
-        cls.name = name
-        GATES[name] = cls
-        return cls
-
-    return add
+GATES: Registry = Registry()  # the one home of the estimator names (``--gate``): config, run_svi and compare read it
+register = GATES.register
 
 
 def gate_class(name: str) -> type["Gate"]:

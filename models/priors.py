@@ -21,20 +21,10 @@ from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.plugins import import_spec, is_spec, typed_kwargs
+from bayesncl_pyro.plugins import Registry, import_spec, is_spec, typed_kwargs
 
-PRIORS: dict[str, type["Prior"]] = {}
-
-
-def register(name: str):
-    """Class decorator adding a prior to the registry under ``name``."""
-
-    def add(cls):
-        cls.name = name
-        PRIORS[name] = cls
-        return cls
-
-    return add
+PRIORS: Registry = Registry()  # the registry names of ``--prior``
+register = PRIORS.register
 
 
 def prior_class(spec: str) -> type["Prior"]:
