@@ -64,6 +64,32 @@ def test_the_stand_in_checks_arguments_as_cuda_does(fake_cuda):
         event.record(torch.cuda.current_stream(0))
 
 
+def test_the_stand_in_takes_a_cpu_scalar_only_as_an_element_wise_input(fake_cuda):
+    x, scalar = torch.ones(3, device="cuda:0"), torch.tensor(2.0)
+    assert torch.where(x > 0, x, scalar).device == CUDA0  # read by an element-wise kernel: fine
+    for written_into_cpu_scalar in (lambda: torch.where(x[0] > 0, scalar, scalar, out=scalar),
+                                    lambda: scalar.add_(x[0]), lambda: torch.mul(x[0], 2, out=scalar)):
+        with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
+            written_into_cpu_scalar()
+    for joined in (torch.cat, torch.stack):
+        with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
+            joined([x[:1], scalar.view(1)] if joined is torch.cat else [x[0], scalar])
+
+
+def test_the_stand_in_keeps_an_rng_state_per_device(fake_cuda):
+    state = torch.arange(16, dtype=torch.uint8)
+    torch.cuda.set_rng_state(state, CUDA1)
+    assert torch.equal(torch.cuda.get_rng_state(1), state) and not torch.equal(torch.cuda.get_rng_state(0), state)
+    assert len(torch.cuda.get_rng_state_all()) == 2
+    torch.cuda.set_device(1)
+    assert torch.equal(torch.cuda.get_rng_state(), state)  # "cuda": the current device's
+    with pytest.raises(IndexError):
+        torch.cuda.get_rng_state(2)
+    with pytest.raises(IndexError):
+        torch.cuda.set_rng_state_all([state] * 3)  # a state for each of 3 GPUs where 2 are visible
+    assert torch.accelerator.current_stream().is_capturing() is False
+
+
 def test_the_stand_in_catches_a_read_that_races_a_write(fake_cuda):
     torch.cuda.set_device(1)
     side, main = Stream(1), torch.cuda.current_stream(1)
@@ -264,11 +290,13 @@ def _state(trainer: Trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")
+@pytest.mark.parametrize("optimizer", ["sgd", "lars", "adamw"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device):
+def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device, optimizer):
     if device == "cuda":
         request.getfixturevalue("fake_cuda")
-    trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100), progress=False)
+    trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100, optimizer=optimizer),
+                      progress=False)
     _poison_grad_at(trainer, 1)  # the first step: it would create the momentum buffers
     trainer.train(1)
     kept = len(list(trainer.learner.parameters())) + len(list(trainer.learner.buffers()))
