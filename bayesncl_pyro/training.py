@@ -36,7 +36,7 @@ from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.optim import build_optimizer, build_scheduler
+from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
 from bayesncl_pyro.tensorboard_log import TensorBoardLog
 
@@ -253,7 +253,7 @@ class Trainer:
             raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
         rundir.load_weights(self.learner, state, path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         if len(state["rng"]) == self.world:

@@ -312,6 +312,31 @@ def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")
+@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_an_adamw_checkpoint_resumes_on_the_other_device_type(fake_cuda, tmp_path, first, then):
+    """torch's load_state_dict restores the saved ``capturable`` and, with it, where AdamW's step counts are: on the CPU
+    on a GPU (which the guard's masked step cannot write), or capturable on a CPU (which AdamW refuses)."""
+    config = lambda device: _digits(tmp_path, device=device, optimizer="adamw", on_nan="skip", log_every=100)  # noqa: E731
+    saved = Trainer(config(first), progress=False)
+    saved.train(2)
+    saved.save()
+    resumed = Trainer(config(then), progress=False)
+    assert resumed.step == 2
+    on_gpu = then == "cuda"
+    for group in resumed.optimizer.param_groups:
+        assert group["capturable"] is on_gpu
+        for p in group["params"]:
+            step = resumed.optimizer.state[p]["step"]
+            assert step.device == (p.device if on_gpu else torch.device("cpu")) and step.dtype == torch.float32
+    _poison_grad_at(resumed, 2)  # step 4: undone on the device, step counts included
+    resumed.train(3)
+    before = _state(resumed)
+    resumed.train(4)
+    assert resumed.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, _state(resumed), strict=True))
+    assert all(s["step"].item() == 3 for s in resumed.optimizer.state.values())
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")
 def test_a_bad_step_read_late_is_named_before_a_later_failure_and_never_saved(tmp_path):
     trainer = Trainer(_digits(tmp_path, device="cpu", log_every=5, ckpt_every=100), progress=False)
     _poison_grad_at(trainer, 2)
