@@ -227,7 +227,7 @@ class Trainer:
                     scheduler=self.scheduler.state_dict(), skipped_steps=self.skipped_steps,
                     rng=distributed.all_gather_objects(  # one entry per rank
                         dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
-                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
+                             cuda=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)))
 
     def save(self):
         """Every rank calls this (it gathers their RNG states); rank 0 writes the file, and no rank goes on (or
@@ -260,8 +260,8 @@ class Trainer:
             rng = state["rng"][self.rank]
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
-            if rng["cuda"] and self.device.type == "cuda":
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            if self.device.type == "cuda":
+                self._restore_cuda_rng(rng["cuda"], path)
         else:  # each process's own streams cannot be split or merged: every rank starts one from (seed, step, rank)
             pyro.set_rng_seed(((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank) % 2**32)
             if self.rank == 0:
@@ -271,6 +271,20 @@ class Trainer:
                       "differ from an uninterrupted run's", file=sys.stderr, flush=True)
         self.finished = state["finished"]
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
+
+    def _restore_cuda_rng(self, saved: torch.Tensor | list | None, path: Path):
+        """Continue the CUDA random stream (gate noise) of the GPU that wrote the checkpoint on this run's GPU, whatever
+        its index. ``saved``: that GPU's state; None from a run on the CPU; in older checkpoints a list of the states of
+        every GPU that process saw, of which this device's index is taken."""
+        if isinstance(saved, list):
+            index = self.device.index
+            if saved and index >= len(saved):
+                print(f"note: {path} holds the CUDA random states of {len(saved)} GPU(s), none for {self.device}: its "
+                      "CUDA random stream (gate noise) restarts, so the numbers differ from an uninterrupted run's",
+                      file=sys.stderr, flush=True)
+            saved = saved[index] if index < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved, self.device)
 
     # -- training -----------------------------------------------------------------------------
     def _loader(self, sampler: EpochSampler):

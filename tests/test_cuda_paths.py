@@ -163,6 +163,34 @@ def test_a_run_on_the_second_gpu_keeps_everything_there(fake_cuda, tmp_path):
     assert all(p.device == CUDA1 for p in trainer.learner.parameters())
 
 
+def test_the_cuda_random_stream_continues_on_whichever_gpu_resumes(fake_cuda, tmp_path, capsys):
+    """Every visible GPU's state was saved and restored by index: a resume on another GPU got another GPU's stream, one
+    where fewer GPUs are visible raised IndexError."""
+    drawn = torch.arange(16, dtype=torch.uint8)  # the state of cuda:1's stream after the run's draws
+    first = Trainer(_digits(tmp_path, device="cuda:1", max_steps=2), progress=False)
+    first.train(2)
+    torch.cuda.set_rng_state(drawn, CUDA1)
+    first.save()
+    fake_cuda.count = 1  # resumed where one GPU is visible
+    resumed = Trainer(_digits(tmp_path, device="cuda:0"), progress=False)
+    assert resumed.step == 2 and torch.equal(torch.cuda.get_rng_state(CUDA0), drawn)
+
+    # a checkpoint of an older version holds the states of every GPU its process saw: this device's index is taken
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    other = torch.full((16,), 7, dtype=torch.uint8)
+    state["rng"][0]["cuda"] = [other, drawn]
+    torch.save(state, path)
+    fake_cuda.count = 2
+    Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
+    assert torch.equal(torch.cuda.get_rng_state(CUDA1), drawn) and "random stream" not in capsys.readouterr().err
+    state["rng"][0]["cuda"] = [other]  # none for cuda:1: its stream restarts, and the user is told
+    torch.save(state, path)
+    Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
+    assert not torch.equal(torch.cuda.get_rng_state(CUDA1), other)
+    assert "holds the CUDA random states of 1 GPU(s), none for cuda:1" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- the prefetcher
 
 
