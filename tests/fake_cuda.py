@@ -26,9 +26,9 @@ Stricter than CUDA, to catch what CUDA lets pass silently (and what this project
   must have waited for that write (``wait_event`` on an event recorded after it), or the host must have synchronized the
   writer since: otherwise the read races the write;
 - torchvision's ``decode_jpeg`` on CUDA (replaced by ``decode_jpeg`` here, which decodes on the CPU) requires the current
-  stream to have no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does
-  not wait for the current one), the thread's current device to be the target (its decoder makes the current stream of
-  the device current when it was created wait for it), and refuses to run under the ``cudaMallocAsync`` backend; after
+  stream of the target device (torchvision switches to that device itself, whatever the thread's current one) to have
+  no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does not wait for
+  the current one), and refuses to run under the ``cudaMallocAsync`` backend; after
   a decode that failed part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the
   decoder's stream may still write into the outputs it freed).
 
@@ -491,9 +491,6 @@ class FakeCuda:
         if self.backend != "native":
             raise RuntimeError("fake CUDA: nvJPEG under the cudaMallocAsync backend: its outputs may get memory other "
                                "streams still use")
-        if self.current_device() != index:
-            raise RuntimeError(f"fake CUDA: decode_jpeg on cuda:{index} from a thread whose current device is "
-                               f"cuda:{self.current_device()}")
         stream = self.current_stream(index)
         if stream.clock > stream.done:
             raise RuntimeError(f"fake CUDA: decode_jpeg with work queued on {stream} that the host has not waited for: "

@@ -244,6 +244,39 @@ def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cu
     assert skipping.bad_files == [str(bad)]
 
 
+def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fake_cuda, tmp_path, monkeypatch, capsys):
+    """Any RuntimeError fell back to decoding image by image, then to PIL, silently: an out-of-memory error and a
+    torchvision without nvJPEG too."""
+    from bayesncl_pyro.data import decode
+
+    root = photo_tree(tmp_path)
+    bad = _truncate(root / "train" / "a" / "3.jpg")
+    spec = load_dataset("imagefolder", root, skip_bad=True)
+    encoded = EncodedImages(spec.train)
+    batch = [encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]]
+    for _ in range(2):
+        assert [image.device for image in encoded.decode(batch, CUDA0)] == [CUDA0] * 3
+    err = capsys.readouterr().err
+    assert err.count("warning: nvJPEG failed on a batch of 3 JPEGs") == 1 and "the 1 that failed alone too" in err
+
+    calls = []
+    for error, raised, match in (
+            (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), torch.OutOfMemoryError, "memory"),
+            (RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"),
+             RuntimeError, "out of memory"),  # torchvision's wrapping of an out-of-memory error inside its decoder
+            (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
+             r"cannot decode JPEGs on cuda:0 \(it was built without nvJPEG\); install a CUDA build of torchvision")):
+        def failing(*args, error=error, **kwargs):
+            calls.append(1)
+            raise error
+
+        monkeypatch.setattr(decode, "decode_jpeg", failing)
+        calls.clear()
+        with pytest.raises(raised, match=match):
+            encoded.decode(batch[::2], CUDA0)
+        assert len(calls) == 1  # no image-by-image retry
+
+
 def test_under_cudamallocasync_the_workers_decode(fake_cuda, tmp_path, capsys):
     fake_cuda.backend = "cudaMallocAsync"
     photo_tree(tmp_path / "data")
