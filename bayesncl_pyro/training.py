@@ -96,7 +96,8 @@ def pick_device(name: str) -> torch.device:
 
 CHECK_EVERY = 100
 """The most training steps between two reads of the divergence guard's verdicts (it also reads them at every log step,
-before every checkpoint and after the last step): the only host syncs of the training loop besides logging."""
+before every checkpoint and after the last step): the only host syncs of the training loop besides logging, and under
+DDP on GPUs, SyncBatchNorm's (one per BatchNorm layer and step: docs/PERFORMANCE.md)."""
 
 
 class _StopRequest:
@@ -196,7 +197,7 @@ class Trainer:
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.preserve_format
         self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(
             self.device, memory_format=self.memory_format)
-        if self.world > 1 and self.device.type == "cuda":
+        if self.world > 1 and self.device.type == "cuda":  # a host sync per layer and step (docs/PERFORMANCE.md)
             self.learner = nn.SyncBatchNorm.convert_sync_batchnorm(self.learner)
         if self.rank:  # same initial weights everywhere, then each rank its own gate noise
             pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
