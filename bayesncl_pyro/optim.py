@@ -22,26 +22,38 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        # foreach ops: a few kernels for all of a group's tensors, where one op per parameter would launch hundreds
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             wd, lr = group["weight_decay"], group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d_p = p.grad
-                if p.ndim > 1:
-                    p_norm, g_norm = p.norm(), d_p.norm()
-                    trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
-                    if group["clip_lr"]:
-                        trust = (trust / lr).clamp(max=1.0)
-                    # tensors, not Python branches: no host sync per parameter
-                    trust = torch.where((p_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
-                    d_p = d_p.add(p, alpha=wd) * trust
+            updates = [p.grad for p in params]
+            scaled = [k for k, p in enumerate(params) if p.ndim > 1]
+            if scaled:
+                weights, grads = [params[k] for k in scaled], [updates[k] for k in scaled]
+                p_norm, g_norm = torch.stack(torch._foreach_norm(weights)), torch.stack(torch._foreach_norm(grads))
+                trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
+                if group["clip_lr"]:
+                    trust = (trust / lr).clamp(max=1.0)
+                # tensors, not Python branches: no host sync per parameter
+                trust = torch.where((p_norm > 0) & (g_norm > 0), trust, 1.0)
+                decayed = torch._foreach_add(grads, weights, alpha=wd)
+                torch._foreach_mul_(decayed, list(trust.unbind()))
+                for k, update in zip(scaled, decayed):
+                    updates[k] = update
+            buffers, their_updates = [], []
+            for p, update in zip(params, updates):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = d_p.clone()
+                    state["momentum_buffer"] = update.clone()
                 else:
-                    state["momentum_buffer"].mul_(group["momentum"]).add_(d_p)
-                p.add_(state["momentum_buffer"], alpha=-lr)
+                    buffers.append(state["momentum_buffer"])
+                    their_updates.append(update)
+            if buffers:
+                torch._foreach_mul_(buffers, group["momentum"])
+                torch._foreach_add_(buffers, their_updates)
+            torch._foreach_add_(params, [self.state[p]["momentum_buffer"] for p in params], alpha=-lr)
 
 
 def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float):
@@ -56,6 +68,24 @@ def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay
         on_gpu = any(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=groups[0]["lr"], capturable=on_gpu)
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
+    """``optimizer.load_state_dict(state)``, keeping this optimizer's ``capturable`` (AdamW's: True on CUDA, above).
+    torch restores the saved flag and places the step counts by it, so a checkpoint written on a CPU would resume on a
+    GPU with its step counts on the CPU, which the divergence guard's masked step cannot write into, and one written on
+    a GPU would resume on a CPU as capturable, which AdamW refuses. Each step count goes where the kept flag wants it:
+    float32 on its parameter's device when capturable, else on the CPU."""
+    kept = [group.get("capturable") for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, capturable in zip(optimizer.param_groups, kept):
+        if capturable is None:  # an optimizer without the flag (SGD, LARS)
+            continue
+        group["capturable"] = capturable
+        for p in group["params"]:
+            saved = optimizer.state.get(p, {})
+            if torch.is_tensor(saved.get("step")):
+                saved["step"] = saved["step"].to(p.device if capturable else "cpu", torch.float32)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float) -> float:

@@ -36,7 +36,7 @@ from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.optim import build_optimizer, build_scheduler
+from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
 from bayesncl_pyro.tensorboard_log import TensorBoardLog
 
@@ -96,7 +96,8 @@ def pick_device(name: str) -> torch.device:
 
 CHECK_EVERY = 100
 """The most training steps between two reads of the divergence guard's verdicts (it also reads them at every log step,
-before every checkpoint and after the last step): the only host syncs of the training loop besides logging."""
+before every checkpoint and after the last step): the only host syncs of the training loop besides logging, and under
+DDP on GPUs, SyncBatchNorm's (one per BatchNorm layer and step: docs/PERFORMANCE.md)."""
 
 
 class _StopRequest:
@@ -196,7 +197,7 @@ class Trainer:
         self.memory_format = torch.channels_last if self.device.type == "cuda" else torch.preserve_format
         self.learner = ContrastiveLearner(cfg, self.data.channels, len(self.data.train)).to(
             self.device, memory_format=self.memory_format)
-        if self.world > 1 and self.device.type == "cuda":
+        if self.world > 1 and self.device.type == "cuda":  # a host sync per layer and step (docs/PERFORMANCE.md)
             self.learner = nn.SyncBatchNorm.convert_sync_batchnorm(self.learner)
         if self.rank:  # same initial weights everywhere, then each rank its own gate noise
             pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
@@ -227,7 +228,7 @@ class Trainer:
                     scheduler=self.scheduler.state_dict(), skipped_steps=self.skipped_steps,
                     rng=distributed.all_gather_objects(  # one entry per rank
                         dict(torch=torch.get_rng_state(), python=list(random.getstate()[1]),
-                             cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [])))
+                             cuda=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)))
 
     def save(self):
         """Every rank calls this (it gathers their RNG states); rank 0 writes the file, and no rank goes on (or
@@ -253,15 +254,15 @@ class Trainer:
             raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
         rundir.load_weights(self.learner, state, path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         if len(state["rng"]) == self.world:
             rng = state["rng"][self.rank]
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
-            if rng["cuda"] and self.device.type == "cuda":
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            if self.device.type == "cuda":
+                self._restore_cuda_rng(rng["cuda"], path)
         else:  # each process's own streams cannot be split or merged: every rank starts one from (seed, step, rank)
             pyro.set_rng_seed(((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank) % 2**32)
             if self.rank == 0:
@@ -271,6 +272,20 @@ class Trainer:
                       "differ from an uninterrupted run's", file=sys.stderr, flush=True)
         self.finished = state["finished"]
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
+
+    def _restore_cuda_rng(self, saved: torch.Tensor | list | None, path: Path):
+        """Continue the CUDA random stream (gate noise) of the GPU that wrote the checkpoint on this run's GPU, whatever
+        its index. ``saved``: that GPU's state; None from a run on the CPU; in older checkpoints a list of the states of
+        every GPU that process saw, of which this device's index is taken."""
+        if isinstance(saved, list):
+            index = self.device.index
+            if saved and index >= len(saved):
+                print(f"note: {path} holds the CUDA random states of {len(saved)} GPU(s), none for {self.device}: its "
+                      "CUDA random stream (gate noise) restarts, so the numbers differ from an uninterrupted run's",
+                      file=sys.stderr, flush=True)
+            saved = saved[index] if index < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved, self.device)
 
     # -- training -----------------------------------------------------------------------------
     def _loader(self, sampler: EpochSampler):

@@ -5,14 +5,17 @@
 #   bash experiments/gpu_check.sh [python] [out-folder] [wheel-folder]           # from the repository root
 #   GPU_CHECK_SMOKE=1 bash experiments/gpu_check.sh .venv/bin/python /tmp/smoke   # CPU, tiny sizes: runs every section
 #
-# python: default python3. out-folder: default /tmp/gpu_check, and never inside the repository (it gets thousands of
-# generated JPEGs; only <out-folder>/gpu_check.txt, everything printed, is worth bringing back). wheel-folder: wheels
+# python: default python3. out-folder: default /tmp/gpu_check, never inside the repository; it gets gpu_check.txt
+# (everything printed, written as it is printed: a run cut short leaves what it printed) and a few small text files,
+# nothing else: the generated JPEGs and the runs' folders go to a temporary folder, removed at the end, so an out-folder
+# that is brought back whole (the device tool's $OUT) stays small. wheel-folder: wheels
 # installed first, with the project itself, into a temporary folder that alone goes on PYTHONPATH (models/ and guides/
 # install as bayesncl_pyro.models and bayesncl_pyro.guides, so the repository on PYTHONPATH is not enough); without it
 # the python must have the project installed (pip install -e .).
 #
 # Sections, each under its own timeout (seconds; below), all under a 6-minute budget that no section may overrun:
-# 0. install and environment: GPU, torch, the allocator backend, where bayesncl_pyro is imported from.
+# 0. install and environment: GPU, torch, the allocator backend, where bayesncl_pyro is imported from; that
+#    torchvision decodes JPEGs on the GPU (nvJPEG), which data/decode.py refuses to replace by a silent fallback.
 # 1. model only, ImageNet-100 recipe (ResNet-18, 224 px, K=2048, bf16 autocast, channels_last), batch 256, data
 #    already on the GPU: the float32/bf16 loss against a float64 CPU reference and the BayesNCL paths against each
 #    other (fails if off); images/s, Pyro/plain, BayesNCL/NCL (and its FLOPs floor), peak memory.
@@ -24,13 +27,16 @@
 # 3. end to end on the 224 px folder (images of varied sizes: not held on the GPU, so nvJPEG decodes every batch),
 #    batch 256: data pipeline alone and feeding BayesNCL steps, views drawn in the loader workers and on the GPU, and
 #    the ratios; fails unless the device path ran on files.
-# 4. the CIFAR recipe (ResNet-18, 32 px, batch 256) on the 32 px folder held on the GPU (resident), end to end.
+# 4. the CIFAR recipe (ResNet-18, 32 px, batch 256) on the 32 px folder held on the GPU (resident), end to end; fails
+#    unless the training set was held there.
 # 5. correctness at 32 px: 300 steps of NCL and BayesNCL with --augment device (resident set), with the file path
 #    forced (nvJPEG decoding each batch) and with --augment workers; every loss must be finite and the device curves
 #    must track the workers curve (mean loss over the last third within 10 %; the smoke run's 6 steps, 50 %), or
 #    it fails.
 # 6. with 2 GPUs or more and time left: torchrun DDP, 20 steps.
 #
+# A section's timeout sends SIGTERM (a training run stops at its next step with a checkpoint, and the section ends
+# there), then SIGKILL 15 s later to whatever is left; either fails the check.
 # Timeouts: each is the section's CPU-smoke time (GPU_CHECK_SMOKE=1 on 2 shared CPU cores, measured 2026-12-01) times
 # a stated factor; docs/PERFORMANCE.md tabulates them with what each allows per step on the GPU.
 # Exit status 1 on any correctness failure, a timeout, or the budget running out.
@@ -45,6 +51,8 @@ case "$OUT/" in
                exit 1 ;;
 esac
 mkdir -p "$OUT" || exit 1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_work.XXXXXX") || exit 1
+trap 'rm -rf "$WORK"' EXIT
 exec > >(tee "$OUT/gpu_check.txt") 2>&1
 TEE=$!
 T0=$SECONDS
@@ -58,15 +66,16 @@ limited() {
     (( limit > left )) && limit=$left
     if (( limit < 5 )); then echo "FAILED: the ${BUDGET} s budget is spent"; return 1; fi
     echo "(timeout $limit s)"
-    timeout "$limit" "$@"
+    timeout -k 15 "$limit" "$@"
     local rc=$?
-    (( rc == 124 )) && echo "FAILED: timed out after $limit s"
+    (( rc == 124 || rc == 137 )) && echo "FAILED: timed out after $limit s"
     return $rc
 }
 
 section "0. install and environment"
 # the installed project only: no repository on the path, not even as the current folder of `python -`
 export PYTHONPATH= PYTHONSAFEPATH=1
+export PYTHONUNBUFFERED=1  # gpu_check.txt holds what was printed when the run is cut short
 if [ -n "$WHEELS" ]; then
     SITE=$(mktemp -d)
     deps=()
@@ -94,6 +103,19 @@ if torch.cuda.is_available():
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
           f"allocator backend {torch.cuda.get_allocator_backend()}")
 EOF
+"$PY" - <<'EOF' || status=1
+import sys, torch, torchvision
+from torchvision.io import decode_jpeg, encode_jpeg
+
+if torch.cuda.is_available():  # what data/decode.py raises on instead of decoding around it
+    image = (torch.arange(3 * 16 * 16) % 251).to(torch.uint8).view(3, 16, 16)
+    try:
+        (decoded,) = decode_jpeg([encode_jpeg(image)], device="cuda")
+    except RuntimeError as err:
+        sys.exit(f"torchvision {torchvision.__version__}: decode_jpeg on cuda: FAILED: {err}")
+    print(f"torchvision {torchvision.__version__}: decode_jpeg on cuda (nvJPEG) decodes a 16x16 JPEG to "
+          f"{tuple(decoded.shape)} on {decoded.device}: ok")
+EOF
 date -u
 # sizes, and each section's timeout: the smoke figure of that section times the factor stated beside it
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then  # CPU, tiny: every command runs, no figure means anything
@@ -112,7 +134,7 @@ section "1. model only, ImageNet-100 recipe, batch 256"
 limited $T1 "$PY" experiments/bench_step.py --device $DEV --dataset in100 "${BIG[@]}" "${REP[@]}" || status=1
 
 section "2. generated JPEG folders; the decoder race; GPU vs CPU decoding"
-limited $T2 "$PY" - "$OUT" "$N224" "$N32" "$DEV" "$DECODES" "$CHURN" <<'EOF' || status=1
+limited $T2 "$PY" - "$WORK" "$N224" "$N32" "$DEV" "$DECODES" "$CHURN" <<'EOF' || status=1
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -201,21 +223,29 @@ sys.exit(1 if failed else 0)
 EOF
 
 section "3. end to end, 224 px JPEG folder of varied sizes (files: nvJPEG per batch), batch 256, both data paths"
-limited $T3 "$PY" experiments/bench_step.py --device $DEV --dataset imagefolder --data-dir "$OUT/jpeg224" \
+limited $T3 "$PY" experiments/bench_step.py --device $DEV --dataset imagefolder --data-dir "$WORK/jpeg224" \
     --image-size 224 --encoder resnet18 --proj-hidden 16384 --proj-dim 2048 "${BIG[@]}" --repeats 1 --steps 3 \
-    --warmup 1 --pipeline-batches $PB --workers "$W" --augment both | tee "$OUT/section3.txt"
+    --warmup 1 --pipeline-batches $PB --workers "$W" --augment both 2>&1 | tee "$OUT/section3.txt"
 rc=$?
 if (( rc )); then status=1
+elif grep -q "warning: nvJPEG failed" "$OUT/section3.txt"; then
+    echo "section 3: nvJPEG failed on generated JPEGs (decoded around, image by image): FAILED"; status=1
 elif grep -q "device augmentation (device, files decoded per batch" "$OUT/section3.txt"; then
     echo "section 3 drew the device views from files decoded per batch: ok"
 else echo "section 3 did not run the file path: FAILED"; status=1; fi
 
 section "4. CIFAR recipe on a 32 px JPEG folder held on the device, batch 256"
-limited $T4 "$PY" experiments/bench_step.py --device $DEV --dataset cifar10 --data-dir "$OUT/jpeg32" "${SMALL[@]}" \
-    --repeats 1 --steps 3 --warmup 1 --pipeline-batches $(( PB * 2 )) --workers "$W" --augment device || status=1
+limited $T4 "$PY" experiments/bench_step.py --device $DEV --dataset cifar10 --data-dir "$WORK/jpeg32" "${SMALL[@]}" \
+    --repeats 1 --steps 3 --warmup 1 --pipeline-batches $(( PB * 2 )) --workers "$W" --augment device 2>&1 \
+    | tee "$OUT/section4.txt"
+rc=$?
+if (( rc )); then status=1
+elif grep -q "device augmentation (device, training set held there" "$OUT/section4.txt"; then
+    echo "section 4 held the training set on the device: ok"
+else echo "section 4 did not hold the training set on the device: FAILED"; status=1; fi
 
 section "5. $STEPS steps at 32 px: device (resident), device (files, nvJPEG per batch) and workers loss curves"
-limited $T5 "$PY" - "$OUT" "$DEV" "$STEPS" "$W" "$GAP" "${SMALL[@]}" <<'EOF' || status=1
+limited $T5 "$PY" - "$WORK" "$DEV" "$STEPS" "$W" "$GAP" "${SMALL[@]}" <<'EOF' || status=1
 import contextlib
 import json
 import math
@@ -225,6 +255,7 @@ from unittest import mock
 
 from bayesncl_pyro import training
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.errors import Stopped
 from bayesncl_pyro.training import Trainer
 
 out, device, steps, workers, limit = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -245,6 +276,8 @@ for method in ("ncl", "bayesncl"):
             start = time.perf_counter()
             try:
                 trainer.train(steps)
+            except Stopped:  # the section's timeout (SIGTERM): the checkpoint is written, the section ends here
+                raise
             except Exception as err:  # noqa: BLE001 -- a divergence is the failure this looks for
                 print(f"{method} {path}: FAILED: {err}")
                 failed = True
@@ -270,8 +303,8 @@ NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if (( NGPU >= 2 )); then
     section "6. torchrun DDP on $NGPU GPUs"
     limited $T6 "$PY" -m torch.distributed.run --nproc_per_node="$NGPU" experiments/run_svi.py --dataset imagefolder \
-        --data-dir "$OUT/jpeg224" --image-size 224 --batch-size 256 --epochs 1 --warmup-epochs 0 --max-steps 20 \
-        --log-every 5 --workers 4 --out "$OUT/ddp_run" --overwrite || status=1
+        --data-dir "$WORK/jpeg224" --image-size 224 --batch-size 256 --epochs 1 --warmup-epochs 0 --max-steps 20 \
+        --log-every 5 --workers 4 --out "$WORK/ddp_run" --overwrite || status=1
 fi
 echo
 echo "gpu_check: exit status $status after $(( SECONDS - T0 )) s (budget $BUDGET s)"

@@ -8,8 +8,12 @@ the fake devices and checks what CUDA checks:
 - device arguments go through torch.cuda's own ``_get_device_index``: ``set_device(torch.device("cuda"))`` raises
   ``ValueError`` as it does on a GPU; an index past the count raises; ``current_stream("cpu")`` raises;
 - the current device and the current stream are per thread, and a new thread starts on device 0, as in CUDA's runtime;
-- an op whose tensors sit on two devices raises, as CUDA kernels do (a CPU 0-dim tensor, CPU indices of ``x[i]`` and the
-  source of a copy are allowed); ``numpy()`` of a CUDA tensor raises; ``pin_memory`` of a CUDA tensor raises;
+- an op whose tensors sit on two devices raises, as CUDA kernels do (CPU indices of ``x[i]`` and the source of a copy
+  are allowed, and a CPU 0-dim tensor as an input, as TensorIterator's element-wise kernels take it: never as what the
+  op writes, ``out=`` or the tensor an in-place op changes, nor inside ``cat``/``stack``); ``numpy()`` of a CUDA tensor
+  raises; ``pin_memory`` of a CUDA tensor raises;
+- the RNG state functions take a device index below the count (``IndexError`` past it, as CUDA's per-device generators);
+  each device has its own state;
 - an event records on a stream of its own device (after its first record); ``record_stream`` takes a stream, of a CUDA
   tensor;
 - a forked worker process that touches CUDA raises, as CUDA's runtime cannot be used after a fork.
@@ -22,9 +26,9 @@ Stricter than CUDA, to catch what CUDA lets pass silently (and what this project
   must have waited for that write (``wait_event`` on an event recorded after it), or the host must have synchronized the
   writer since: otherwise the read races the write;
 - torchvision's ``decode_jpeg`` on CUDA (replaced by ``decode_jpeg`` here, which decodes on the CPU) requires the current
-  stream to have no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does
-  not wait for the current one), the thread's current device to be the target (its decoder makes the current stream of
-  the device current when it was created wait for it), and refuses to run under the ``cudaMallocAsync`` backend; after
+  stream of the target device (torchvision switches to that device itself, whatever the thread's current one) to have
+  no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does not wait for
+  the current one), and refuses to run under the ``cudaMallocAsync`` backend; after
   a decode that failed part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the
   decoder's stream may still write into the outputs it freed).
 
@@ -127,6 +131,9 @@ class Stream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:  # what the optimizers' graph-capture check asks torch.accelerator's stream
+        return False
+
 
 class Event:
     """``torch.cuda.Event``: ``record`` notes the stream and its clock."""
@@ -187,6 +194,8 @@ _METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel
              "is_contiguous", "data_ptr", "element_size", "untyped_storage", "storage_offset", "__len__",
              "is_floating_point", "is_complex", "requires_grad_", "register_hook", "retain_grad", "__hash__", "type",
              "is_leaf", "_is_view", "backward", "_has_compatible_shallow_copy_type", "is_same_size", "__repr__", "__reduce_ex__", "__deepcopy__", "as_subclass"}
+# ops that take no CPU tensor with CUDA ones, not even a 0-dim one (no TensorIterator, which alone takes CPU scalars)
+_NO_CPU_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 # ops whose result the host waits for
 _SYNCING = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
             torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal, torch.Tensor.equal,
@@ -224,6 +233,7 @@ class FakeCuda:
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
         self.default_streams = []
         self.trace = None  # a list: where each host sync happened
+        self.rng_states = [self._seeded(0) for _ in range(count)]  # per device, as CUDA's default generators
         global RUNTIME
         RUNTIME = self
         self.default_streams = [Stream(i, name=f"default stream of cuda:{i}") for i in range(count)]
@@ -278,6 +288,33 @@ class FakeCuda:
                 stream.done = stream.clock
         self.dirty.pop(index, None)
         self.syncs[threading.current_thread().name] += 1
+
+    # -------------------------------------------------------------------------------------------------- RNG states
+    @staticmethod
+    def _seeded(seed: int) -> torch.Tensor:
+        """A CUDA generator's state: its seed and its offset, 8 bytes each."""
+        return torch.tensor([seed % 2**63, 0], dtype=torch.int64).view(torch.uint8)
+
+    def generator(self, device) -> int:
+        """The index of the generator that torch.cuda's RNG state functions take for ``device``:
+        ``default_generators[index]``, an IndexError past the count."""
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        index = self.current_device() if device.index is None else device.index
+        if index >= self.count:
+            raise IndexError("tuple index out of range")
+        return index
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return self.rng_states[self.generator(device)].clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device="cuda"):
+        if new_state.dtype != torch.uint8 or new_state.shape != (16,):
+            raise RuntimeError("RNG state is wrong size")
+        self.rng_states[self.generator(device)] = new_state.clone()
+
+    def manual_seed(self, seed: int, all_devices: bool = False):
+        for index in range(self.count) if all_devices else [self.current_device()]:
+            self.rng_states[index] = self._seeded(int(seed))
 
     # ---------------------------------------------------------------------------------------------------- tensors
     def index_of(self, device) -> int:
@@ -336,9 +373,17 @@ class FakeCuda:
             out = func(*args, **kwargs)
             stream = self.current_stream(index)
             return self.wrap(out, index, stream, tensors)
-        if func not in _CROSS_DEVICE and any(not isinstance(t, CudaTensor) and t.dim() > 0 for t in tensors):
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                               f"cuda:{index} and cpu! ({getattr(func, '__name__', func)})")
+        written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
+        written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
+        if func not in _CROSS_DEVICE:
+            # a CPU scalar may be read by an element-wise kernel, never written (a foreach op's lists pair up their
+            # tensors one by one, each pair on one device: only its CPU tensors of more than 0 dims are refused)
+            outputs = written if not (args and isinstance(args[0], (list, tuple))) else []
+            for t in tensors:
+                if not isinstance(t, CudaTensor) and (t.dim() > 0 or func in _NO_CPU_SCALARS
+                                                      or any(t is w for w in outputs)):
+                    raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                                       f"devices, cuda:{index} and cpu! ({getattr(func, '__name__', func)})")
         with self.lock:
             stream = self.current_stream(index)
             self.reads(stream, [t for t in tensors if isinstance(t, CudaTensor)])
@@ -347,8 +392,6 @@ class FakeCuda:
                 self.host_waits(stream, why=func.__name__)
             if _is_cpu_device(device):
                 return out
-            written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
-            written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
             for t in written:
                 if isinstance(t, torch.Tensor):
                     t._writer = (stream, stream.clock)
@@ -448,9 +491,6 @@ class FakeCuda:
         if self.backend != "native":
             raise RuntimeError("fake CUDA: nvJPEG under the cudaMallocAsync backend: its outputs may get memory other "
                                "streams still use")
-        if self.current_device() != index:
-            raise RuntimeError(f"fake CUDA: decode_jpeg on cuda:{index} from a thread whose current device is "
-                               f"cuda:{self.current_device()}")
         stream = self.current_stream(index)
         if stream.clock > stream.done:
             raise RuntimeError(f"fake CUDA: decode_jpeg with work queued on {stream} that the host has not waited for: "
@@ -479,8 +519,10 @@ class FakeCuda:
             memory_allocated=lambda device=None: 0, max_memory_allocated=lambda device=None: 0,
             reset_peak_memory_stats=lambda device=None: None, is_bf16_supported=lambda *a, **k: True,
             is_current_stream_capturing=lambda: False, is_initialized=lambda: True, _lazy_init=lambda: None,
-            get_rng_state_all=lambda: [torch.zeros(8, dtype=torch.uint8) for _ in range(self.count)],
-            set_rng_state_all=lambda states: None, manual_seed_all=lambda seed: None, manual_seed=lambda seed: None,
+            get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
+            get_rng_state_all=lambda: [self.get_rng_state(i) for i in range(self.count)],
+            set_rng_state_all=lambda states: [self.set_rng_state(state, i) for i, state in enumerate(states)] and None,
+            manual_seed=self.manual_seed, manual_seed_all=lambda seed: self.manual_seed(seed, all_devices=True),
         ).items():
             monkeypatch.setattr(cuda, name, value)
         # its argument parser takes a real torch.Stream only, before any torch function could see the call
@@ -491,6 +533,7 @@ class FakeCuda:
         monkeypatch.setattr(acc, "current_device_index", self.current_device)
         monkeypatch.setattr(acc, "set_device_index", self.set_device)
         monkeypatch.setattr(acc, "device_count", lambda: self.count)
+        monkeypatch.setattr(acc, "current_stream", self.current_stream)  # the optimizers' graph-capture check
         # nn.Module.to replaces each parameter by the moved tensor (a CudaTensor), instead of setting .data
         monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
         from bayesncl_pyro.data import decode

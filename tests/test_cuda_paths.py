@@ -64,6 +64,32 @@ def test_the_stand_in_checks_arguments_as_cuda_does(fake_cuda):
         event.record(torch.cuda.current_stream(0))
 
 
+def test_the_stand_in_takes_a_cpu_scalar_only_as_an_element_wise_input(fake_cuda):
+    x, scalar = torch.ones(3, device="cuda:0"), torch.tensor(2.0)
+    assert torch.where(x > 0, x, scalar).device == CUDA0  # read by an element-wise kernel: fine
+    for written_into_cpu_scalar in (lambda: torch.where(x[0] > 0, scalar, scalar, out=scalar),
+                                    lambda: scalar.add_(x[0]), lambda: torch.mul(x[0], 2, out=scalar)):
+        with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
+            written_into_cpu_scalar()
+    for joined in (torch.cat, torch.stack):
+        with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
+            joined([x[:1], scalar.view(1)] if joined is torch.cat else [x[0], scalar])
+
+
+def test_the_stand_in_keeps_an_rng_state_per_device(fake_cuda):
+    state = torch.arange(16, dtype=torch.uint8)
+    torch.cuda.set_rng_state(state, CUDA1)
+    assert torch.equal(torch.cuda.get_rng_state(1), state) and not torch.equal(torch.cuda.get_rng_state(0), state)
+    assert len(torch.cuda.get_rng_state_all()) == 2
+    torch.cuda.set_device(1)
+    assert torch.equal(torch.cuda.get_rng_state(), state)  # "cuda": the current device's
+    with pytest.raises(IndexError):
+        torch.cuda.get_rng_state(2)
+    with pytest.raises(IndexError):
+        torch.cuda.set_rng_state_all([state] * 3)  # a state for each of 3 GPUs where 2 are visible
+    assert torch.accelerator.current_stream().is_capturing() is False
+
+
 def test_the_stand_in_catches_a_read_that_races_a_write(fake_cuda):
     torch.cuda.set_device(1)
     side, main = Stream(1), torch.cuda.current_stream(1)
@@ -137,6 +163,34 @@ def test_a_run_on_the_second_gpu_keeps_everything_there(fake_cuda, tmp_path):
     assert all(p.device == CUDA1 for p in trainer.learner.parameters())
 
 
+def test_the_cuda_random_stream_continues_on_whichever_gpu_resumes(fake_cuda, tmp_path, capsys):
+    """Every visible GPU's state was saved and restored by index: a resume on another GPU got another GPU's stream, one
+    where fewer GPUs are visible raised IndexError."""
+    drawn = torch.arange(16, dtype=torch.uint8)  # the state of cuda:1's stream after the run's draws
+    first = Trainer(_digits(tmp_path, device="cuda:1", max_steps=2), progress=False)
+    first.train(2)
+    torch.cuda.set_rng_state(drawn, CUDA1)
+    first.save()
+    fake_cuda.count = 1  # resumed where one GPU is visible
+    resumed = Trainer(_digits(tmp_path, device="cuda:0"), progress=False)
+    assert resumed.step == 2 and torch.equal(torch.cuda.get_rng_state(CUDA0), drawn)
+
+    # a checkpoint of an older version holds the states of every GPU its process saw: this device's index is taken
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    other = torch.full((16,), 7, dtype=torch.uint8)
+    state["rng"][0]["cuda"] = [other, drawn]
+    torch.save(state, path)
+    fake_cuda.count = 2
+    Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
+    assert torch.equal(torch.cuda.get_rng_state(CUDA1), drawn) and "random stream" not in capsys.readouterr().err
+    state["rng"][0]["cuda"] = [other]  # none for cuda:1: its stream restarts, and the user is told
+    torch.save(state, path)
+    Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
+    assert not torch.equal(torch.cuda.get_rng_state(CUDA1), other)
+    assert "holds the CUDA random states of 1 GPU(s), none for cuda:1" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- the prefetcher
 
 
@@ -188,6 +242,39 @@ def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cu
     images = encoded.decode([encoded[0], encoded[index[bad]], encoded[1]], CUDA0)
     assert [image.device for image in images] == [CUDA0] * 3
     assert skipping.bad_files == [str(bad)]
+
+
+def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fake_cuda, tmp_path, monkeypatch, capsys):
+    """Any RuntimeError fell back to decoding image by image, then to PIL, silently: an out-of-memory error and a
+    torchvision without nvJPEG too."""
+    from bayesncl_pyro.data import decode
+
+    root = photo_tree(tmp_path)
+    bad = _truncate(root / "train" / "a" / "3.jpg")
+    spec = load_dataset("imagefolder", root, skip_bad=True)
+    encoded = EncodedImages(spec.train)
+    batch = [encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]]
+    for _ in range(2):
+        assert [image.device for image in encoded.decode(batch, CUDA0)] == [CUDA0] * 3
+    err = capsys.readouterr().err
+    assert err.count("warning: nvJPEG failed on a batch of 3 JPEGs") == 1 and "the 1 that failed alone too" in err
+
+    calls = []
+    for error, raised, match in (
+            (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), torch.OutOfMemoryError, "memory"),
+            (RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"),
+             RuntimeError, "out of memory"),  # torchvision's wrapping of an out-of-memory error inside its decoder
+            (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
+             r"cannot decode JPEGs on cuda:0 \(it was built without nvJPEG\); install a CUDA build of torchvision")):
+        def failing(*args, error=error, **kwargs):
+            calls.append(1)
+            raise error
+
+        monkeypatch.setattr(decode, "decode_jpeg", failing)
+        calls.clear()
+        with pytest.raises(raised, match=match):
+            encoded.decode(batch[::2], CUDA0)
+        assert len(calls) == 1  # no image-by-image retry
 
 
 def test_under_cudamallocasync_the_workers_decode(fake_cuda, tmp_path, capsys):
@@ -264,11 +351,13 @@ def _state(trainer: Trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")
+@pytest.mark.parametrize("optimizer", ["sgd", "lars", "adamw"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device):
+def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device, optimizer):
     if device == "cuda":
         request.getfixturevalue("fake_cuda")
-    trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100), progress=False)
+    trainer = Trainer(_digits(tmp_path, device=device, on_nan="skip", log_every=100, optimizer=optimizer),
+                      progress=False)
     _poison_grad_at(trainer, 1)  # the first step: it would create the momentum buffers
     trainer.train(1)
     kept = len(list(trainer.learner.parameters())) + len(list(trainer.learner.buffers()))
@@ -281,6 +370,31 @@ def test_on_nan_skip_undoes_the_bad_step_on_the_device(request, tmp_path, device
     trainer.train(3)
     assert trainer.skipped_steps == 2
     assert all(torch.equal(a, b) for a, b in zip(before, _state(trainer), strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:Encountered NaN")
+@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_an_adamw_checkpoint_resumes_on_the_other_device_type(fake_cuda, tmp_path, first, then):
+    """torch's load_state_dict restores the saved ``capturable`` and, with it, where AdamW's step counts are: on the CPU
+    on a GPU (which the guard's masked step cannot write), or capturable on a CPU (which AdamW refuses)."""
+    config = lambda device: _digits(tmp_path, device=device, optimizer="adamw", on_nan="skip", log_every=100)  # noqa: E731
+    saved = Trainer(config(first), progress=False)
+    saved.train(2)
+    saved.save()
+    resumed = Trainer(config(then), progress=False)
+    assert resumed.step == 2
+    on_gpu = then == "cuda"
+    for group in resumed.optimizer.param_groups:
+        assert group["capturable"] is on_gpu
+        for p in group["params"]:
+            step = resumed.optimizer.state[p]["step"]
+            assert step.device == (p.device if on_gpu else torch.device("cpu")) and step.dtype == torch.float32
+    _poison_grad_at(resumed, 2)  # step 4: undone on the device, step counts included
+    resumed.train(3)
+    before = _state(resumed)
+    resumed.train(4)
+    assert resumed.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, _state(resumed), strict=True))
+    assert all(s["step"].item() == 3 for s in resumed.optimizer.state.values())
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")

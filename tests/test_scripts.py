@@ -183,5 +183,7 @@ def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
     imported_from = log.split("bayesncl_pyro from ", 1)[1].split(";")[0]
     assert not imported_from.startswith(str(EXPERIMENTS.parent))  # the copy installed into the temporary folder
     assert "section 3 drew the device views from files decoded per batch: ok" in log
+    assert "section 4 held the training set on the device: ok" in log
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.txt", "section3.txt", "section4.txt"]
     assert log.count("bit-identical") == 2 and log.count("vs workers: all finite True") == 4
     assert "FAILED" not in log and "gpu_check: exit status 0" in log

@@ -123,6 +123,56 @@ def test_lars_trust_ratio_and_excluded_biases():
     torch.testing.assert_close(b.detach(), torch.full((2,), -9.0))
 
 
+def _lars_step_one_parameter_at_a_time(params, groups, state):
+    """LARS's step as it was written before its foreach form: the formula, parameter by parameter."""
+    for group in groups:
+        wd, lr = group["weight_decay"], group["lr"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d_p = p.grad
+            if p.ndim > 1:
+                p_norm, g_norm = p.norm(), d_p.norm()
+                trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
+                if group["clip_lr"]:
+                    trust = (trust / lr).clamp(max=1.0)
+                trust = torch.where((p_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+                d_p = d_p.add(p, alpha=wd) * trust
+            if p not in state:
+                state[p] = d_p.clone()
+            else:
+                state[p].mul_(group["momentum"]).add_(d_p)
+            p.add_(state[p], alpha=-lr)
+
+
+@pytest.mark.parametrize("clip_lr", [True, False])
+def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr):
+    torch.manual_seed(0)
+    shapes = [(8, 4, 3, 3), (8,), (8,), (16, 8), (16,), (5, 16), (3, 3)]
+    made = [torch.randn(s) for s in shapes]
+    made[-1].zero_()  # a zero weight: trust 1
+    ours, theirs = [[torch.nn.Parameter(t.clone()) for t in made] for _ in range(2)]
+
+    def groups(params):  # a decayed group with a large lr (clipping bites), and one without decay
+        return [dict(params=params[:5], lr=2.0, weight_decay=1e-4), dict(params=params[5:], lr=0.05, weight_decay=0.0)]
+
+    opt = LARS(groups(ours), lr=0.1, momentum=0.9, clip_lr=clip_lr)
+    reference = [dict(g, momentum=0.9, eta=0.02, clip_lr=clip_lr, eps=1e-8) for g in groups(theirs)]
+    buffers = {}
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        grads[3].zero_()  # a zero gradient: trust 1
+        grads[5] *= 1e-3  # trust / lr > 1: clip_lr caps it
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            a.grad = b.grad = None if k == 2 and step == 1 else grads[k].clone()  # a step without a gradient
+        opt.step()
+        with torch.no_grad():
+            _lars_step_one_parameter_at_a_time(theirs, reference, buffers)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(opt.state[a]["momentum_buffer"], buffers[b], rtol=1e-6, atol=1e-7)
+
+
 def test_training_writes_the_conflict_diagnostic(tmp_path):
     trainer = Trainer(tiny(tmp_path, epochs=1, warmup_epochs=0, conflict_every=2), progress=False)
     trainer.train(5)

@@ -4,15 +4,18 @@ the training process decodes the batch together on its device (nvJPEG on CUDA)."
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import torch
+import torchvision
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.images import image_files, open_rgb
+from bayesncl_pyro.errors import UserError
 
 
 class EncodedImages(Dataset):
@@ -31,6 +34,7 @@ class EncodedImages(Dataset):
         self.files = image_files(dataset)
         self.indices = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
         self.read = _read_encoded if jpegs_as_bytes else _read_decoded
+        self.warned = False  # about a batch nvJPEG failed on (decode)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -47,7 +51,15 @@ class EncodedImages(Dataset):
         # a blocking copy: it waits for the current stream only, which on CUDA is the input pipeline's own
         images = [data.to(device) if data.ndim == 3 else None for data, _ in batch]
         jpegs = [k for k, image in enumerate(images) if image is None]
-        for k, image in zip(jpegs, _decode_jpegs([batch[k][0] for k in jpegs], device), strict=True):
+        decoded, failure = _decode_jpegs([batch[k][0] for k in jpegs], device)
+        if failure is not None and device.type == "cuda" and not self.warned:
+            self.warned = True
+            failed = sum(image is None for image in decoded)
+            print(f"warning: nvJPEG failed on a batch of {len(jpegs)} JPEGs ({failure.splitlines()[0]}); they were "
+                  f"decoded one at a time, a wait for the GPU each, and the {failed} that failed alone too with PIL "
+                  "(a corrupt file does this; should every batch fail, decoding is slow: pass --augment workers). "
+                  "Said once", file=sys.stderr, flush=True)
+        for k, image in zip(jpegs, decoded, strict=True):
             if image is None:
                 image = pil_to_tensor(self.files.read(batch[k][1], open_rgb)[0]).to(device)
             images[k] = image
@@ -82,30 +94,59 @@ def nvjpeg_is_safe(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_allocator_backend() == "native"
 
 
-def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """``decode_jpeg`` of a list on ``device``; if that fails, one by one, with None for each that fails.
+def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor | None], str | None]:
+    """(``decode_jpeg`` of a list on ``device``, None); if that fails, (the JPEGs decoded one by one, with None for each
+    that fails, the batch's error). Running out of memory, or a torchvision that cannot decode on ``device``, raises
+    instead: neither is a bad file, and the fallback would hide them.
 
-    On CUDA this first waits until the current stream has run all its queued work. torchvision allocates the
-    decoded images on the current stream, and nvJPEG's hardware decoder writes them from its own stream
-    without waiting for that one; the caching allocator
-    hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG can
-    overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks
-    of the current stream are at risk under the native allocator (other streams' blocks are not handed to it,
-    and a block used on another stream via ``record_stream`` comes back only after that use has run), so the
-    wait is on this stream alone: the input pipeline's, in its own thread, never the training step's
-    (``pipeline.py``). decode_jpeg waits for its own stream before returning anyway, so this moves a wait, and
-    adds none. Under cudaMallocAsync the reasoning fails (``nvjpeg_is_safe``): the trainer has the loader workers
-    decode instead. The calling thread's current device must be ``device``: torchvision's decoder makes the current
-    stream of the device that was current when it was created wait for its own.
+    On CUDA each decode first waits until the current stream has run all its queued work. torchvision allocates the
+    decoded images on the current stream of ``device`` (it switches to ``device`` itself, whatever the calling thread's
+    current device), and nvJPEG's hardware decoder writes them from its own stream without waiting for that one; the
+    caching allocator hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG
+    can overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks of the
+    current stream are at risk under the native allocator (other streams' blocks are not handed to it, and a block used
+    on another stream via ``record_stream`` comes back only after that use has run), so the wait is on this stream
+    alone: the input pipeline's, in its own thread, never the training step's (``pipeline.py``). decode_jpeg waits for
+    its own stream before returning anyway, so this moves a wait, and adds none. Under cudaMallocAsync the reasoning
+    fails (``nvjpeg_is_safe``): the trainer has the loader workers decode instead.
 
     A decode that fails part-way may leave nvJPEG's stream writing into outputs torchvision has already freed onto
-    the current stream; the fallback allocates there, so it first waits for the whole device, the decoder's stream
-    included (a rare path: a corrupt file)."""
-    if encoded and device.type == "cuda":
+    the current stream, so after a failure the whole device is waited for, the decoder's stream included, before
+    anything is allocated there: a batch that fails costs a wait for the GPU per JPEG and one more per failing one
+    (rare for corrupt files; ``EncodedImages.decode`` says once when it happens)."""
+    if not encoded:
+        return [], None
+    try:
+        return _decode(encoded, device), None
+    except _Undecodable as err:
+        failure = str(err)
+    images = []
+    for data in encoded:
+        try:
+            images.append(_decode([data], device)[0])
+        except _Undecodable:
+            images.append(None)
+    return images, failure
+
+
+class _Undecodable(Exception):
+    """``decode_jpeg`` failed on the data: the failures ``_decode_jpegs`` falls back from."""
+
+
+def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``decode_jpeg`` of a non-empty list on ``device`` (``_decode_jpegs``); its failures are ``_Undecodable``,
+    except those the fallback must not hide."""
+    if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     try:
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else []
-    except RuntimeError:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError as err:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return [None] if len(encoded) == 1 else [image for data in encoded for image in _decode_jpegs([data], device)]
+            torch.cuda.synchronize(device)  # before anything allocates where the decoder may still write
+        # torchvision turns an out-of-memory error inside the decoder into a RuntimeError saying so
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
+            raise
+        if "not compiled with nvJPEG" in str(err):
+            raise UserError(f"this torchvision ({torchvision.__version__}) cannot decode JPEGs on {device} (it was "
+                            "built without nvJPEG); install a CUDA build of torchvision, or pass --augment workers") from None
+        raise _Undecodable(str(err)) from None

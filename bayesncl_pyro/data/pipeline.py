@@ -131,7 +131,8 @@ class _Prefetcher:
                 for k, batch in enumerate(batches):
                     x = make(batch, k)
                     done = None
-                    if cuda:
+                    if cuda:  # one event per batch: a wait is for an event's latest record, so an event shared by
+                        # the batches, once recorded for the next one, would hold the step back until that is drawn too
                         done = torch.cuda.Event()
                         done.record(stream)
                     if not self._put((x, done)):
