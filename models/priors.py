@@ -17,6 +17,7 @@ from typing import ClassVar
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
@@ -57,6 +58,31 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
         raise UserError(f"--prior {spec}{f' ({given})' if given else ''} refused its arguments: {e}") from None
 
 
+def checked_guide(prior: "Prior") -> PyroModule | None:
+    """``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
+    exactly the latent sites that ``rate()`` samples, and ``rate()`` gives the K gates' rates in (0, 1). Otherwise
+    the ELBO would fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp
+    hides) train without a word. Runs the prior once on a forked random stream: building a head draws nothing."""
+    guide, name = prior.make_guide(), type(prior).__name__
+    with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
+        model_trace = poutine.trace(prior.rate).get_trace()
+        guide_sites = set(poutine.trace(guide).get_trace().stochastic_nodes) if guide is not None else set()
+    model_sites = set(model_trace.stochastic_nodes)
+    if model_sites != guide_sites:
+        given = "returns no guide" if guide is None else f"returns a guide that samples {sorted(guide_sites) or 'nothing'}"
+        raise UserError(f"{name}.rate() samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
+                        f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, "
+                        "as BetaBernoulliPrior's does")
+    rate, k = model_trace.nodes["_RETURN"]["value"], prior.num_features
+    if not torch.is_tensor(rate) or rate.shape != (k,):
+        what = f"shape {tuple(rate.shape)}" if torch.is_tensor(rate) else type(rate).__name__
+        raise UserError(f"{name}.rate() returned {what}; it must return the {k} gates' inclusion rates, shape ({k},)")
+    if not ((rate > 0) & (rate < 1)).all():
+        raise UserError(f"{name}.rate() returned rates outside (0, 1) (from {rate.min().item():.3g} to "
+                        f"{rate.max().item():.3g}): each is the probability that a gate is on")
+    return guide
+
+
 def _check_rate(prior_prob: float) -> float:
     if not 0.0 < prior_prob < 1.0:
         raise UserError(f"prior inclusion rate must lie strictly between 0 and 1, got {prior_prob}; "
@@ -79,11 +105,14 @@ class Prior(PyroModule):
         raise NotImplementedError
 
     def make_guide(self) -> PyroModule | None:
-        """Variational posterior for this prior's global latents, or None if it has none."""
+        """Variational posterior for this prior's global latents, or None if it has none. It must sample exactly
+        the latent sites that :meth:`rate` samples (checked when a head is built: :func:`checked_guide`)."""
         return None
 
-    def mean_rate(self) -> torch.Tensor:
-        """A point summary of the inclusion rate (K,), for logs and reports."""
+    def mean_rate(self, guide: PyroModule | None = None) -> torch.Tensor:
+        """The one point summary of the inclusion rate (K,), for reports: the rate itself for a prior without
+        global latents; with them, its mean under ``guide`` (the trained posterior q, ``make_guide()``'s) or, with
+        no guide, under the prior. A prior with global latents overrides it."""
         return self.rate().detach()
 
 
@@ -151,8 +180,8 @@ class BetaBernoulliPrior(Prior):
     def make_guide(self):
         return BetaRateGuide(self.a, self.b)
 
-    def mean_rate(self):
-        return self.a / (self.a + self.b)
+    def mean_rate(self, guide=None):
+        return (guide.posterior() if guide is not None else dist.Beta(self.a, self.b)).mean.detach()
 
 
 class BetaRateGuide(PyroModule):
@@ -169,6 +198,3 @@ class BetaRateGuide(PyroModule):
 
     def forward(self):
         return pyro.sample("rate", self.posterior().to_event(1))
-
-    def mean(self) -> torch.Tensor:
-        return (self.a / (self.a + self.b)).detach()
