@@ -97,6 +97,10 @@ def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
     if prior == "beta-bernoulli":
         np.testing.assert_array_equal(idata.gates["rate_b"].values, post.rate_beta[1].numpy())
         np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.rate_draws.numpy())
+        # an untrained q(rate) is the hyperprior, concentration 10 against 10 + 2N: marked as not converged
+        optimum = 10 + 2 * len(digits.train)
+        for var in (idata.gates["rate_a"], idata.gates["rate_b"], idata.posterior["rate"]):
+            assert var.attrs["converged"] == "no" and f"a + b 10 (mean over features) against {optimum}" in var.attrs["note"]
     else:
         assert "rate" not in idata.posterior
 
