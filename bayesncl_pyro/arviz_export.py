@@ -18,6 +18,11 @@ its ``class_label``):
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
                     rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)
+
+The rate variables carry the attributes ``converged`` ("yes" or "no") and ``note``: q(rate) is trained by SGD,
+whose steps move its mean to the data quickly but its concentration a + b only slowly towards the conjugate
+posterior's (models/priors.py, BetaBernoulliPrior), so after a run on a large data set its spread says how far
+training got, not how uncertain the rates are.
     training_log    every numeric field of log.jsonl (step): -ELBO per row (loss), nce, kl, ...
 
 The run configuration is in the attributes of the root and of every group: ``config`` (JSON) and one
@@ -66,6 +71,8 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     if post.rate_beta is not None:
         gates.update(rate_a=("feature", post.rate_beta[0].numpy()), rate_b=("feature", post.rate_beta[1].numpy()))
     dt["gates"] = xr.Dataset(gates, coords={**coords, "class_label": class_label})
+    if post.rate_beta is not None:
+        _mark_rate_convergence(dt, post)
     if log:
         numeric = sorted({k for rec in log for k, v in rec.items() if type(v) in (int, float) and k != "step"})
         dt["training_log"] = xr.Dataset(
@@ -77,6 +84,21 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     for node in dt.subtree:  # the root and every group
         node.attrs.update(attrs)
     return dt
+
+
+def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
+    """Say on every rate variable whether q(rate) reached the concentration of the posterior it tends to (within
+    10 %); the mean of q follows the data long before."""
+    concentration = float((post.rate_beta[0] + post.rate_beta[1]).mean())
+    optimum = post.rate_optimum_concentration
+    converged = concentration >= 0.9 * optimum
+    note = (f"q(rate) as SGD left it: concentration a + b {concentration:.0f} (mean over features) against "
+            f"{optimum:.0f} (a0 + b0 + 2N) for the conjugate posterior it tends to; "
+            + ("reached" if converged else "its mean follows the data, but its spread is how far training got, "
+               "not the rates' uncertainty (models/priors.py, BetaBernoulliPrior)"))
+    for group, name in (("gates", "rate_a"), ("gates", "rate_b"), ("posterior", "rate")):
+        if name in dt[group]:
+            dt[group][name].attrs.update(converged="yes" if converged else "no", note=note)
 
 
 def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS) -> Path:

@@ -125,8 +125,8 @@ def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
     from bayesncl_pyro.encoders import backbone_builder
-    from bayesncl_pyro.guides.gates import GATES  # late, as the priors: the registries import pyro
-    from bayesncl_pyro.models.priors import build_prior, prior_args
+    from bayesncl_pyro.head import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
+    from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
     from bayesncl_pyro.probe import REFERENCE_PROBES
 
     _choice("dataset", cfg.dataset, DATASETS)
@@ -135,8 +135,7 @@ def resolve(cfg: Config) -> Config:
         defaults["nonneg"] = "none"
     cfg = dataclasses.replace(cfg, **defaults)
     _choice("method", cfg.method, METHODS)
-    _choice("gate", cfg.gate, tuple(GATES))
-    _choice("nonneg", cfg.nonneg, NONNEG)
+    check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
@@ -147,21 +146,14 @@ def resolve(cfg: Config) -> Config:
     if cfg.eval_protocol == "reference" and cfg.dataset not in REFERENCE_PROBES:
         raise UserError(f"--eval-protocol reference is the paper's protocol for {', '.join(REFERENCE_PROBES)}, "
                         f"which does not include {cfg.dataset}; use --eval-protocol fast")
-    _positive(cfg, "temperature", "lr", "gate_lr", "gate_temperature", "image_size", "logit_bound", "kl_weight",
-              "epochs", "proj_hidden", "proj_dim", "head_depth", "log_every", "ckpt_every")
-    if not 0 <= cfg.kl_clamp < 0.5:
-        raise UserError(f"--kl-clamp must lie in [0, 0.5), got {cfg.kl_clamp}: 0.01 is the reference's clamp, "
-                        "0 the exact KL")
-    if not 0 < cfg.prior_prob < 1:
-        raise UserError(f"--prior-prob must lie strictly between 0 and 1, got {cfg.prior_prob}")
+    _positive(cfg, "lr", "gate_lr", "image_size", "epochs", "log_every", "ckpt_every")
     # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
-    # the prior built once: its own checks of the values fail now rather than when training starts
+    # the prior built once (it checks --prior-prob) and its guide checked against it: they fail now rather than
+    # when training starts
     cfg = dataclasses.replace(cfg, prior_args=prior_args(cfg.prior, cfg.prior_args))
-    build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args)
+    checked_guide(build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args))
     if cfg.batch_size < 2:
         raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
-    if not 0 <= cfg.topk <= cfg.proj_dim:
-        raise UserError(f"--topk must lie in [0, --proj-dim={cfg.proj_dim}], got {cfg.topk}")
     if cfg.weight_decay < 0 or cfg.warmup_epochs < 0 or cfg.workers < 0 or cfg.conflict_every < 0:
         raise UserError("--weight-decay, --warmup-epochs, --workers and --conflict-every must not be negative")
     if cfg.warmup_epochs >= cfg.epochs:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bayesncl_pyro.losses import bernoulli_kl
+from bayesncl_pyro.losses import bernoulli_kl_grad, partner_rows
 from bayesncl_pyro.metrics import ACTIVE_EPS
 
 CONFLICT_FILE = "conflict.jsonl"
@@ -38,8 +38,7 @@ def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, t
     rows = u.shape[0]
     logits = (u @ u.T / temperature).fill_diagonal_(float("-inf"))
     p = logits.softmax(dim=1)
-    partner = (torch.arange(rows, device=u.device) + rows // 2) % rows
-    return -2 * u[partner] / temperature, (p + p.T) @ u / temperature
+    return -2 * u[partner_rows(rows, u.device)] / temperature, (p + p.T) @ u / temperature
 
 
 def conflict_record(u: torch.Tensor, temperature: float) -> dict[str, torch.Tensor]:
@@ -80,20 +79,20 @@ def conflict_scores(pos: np.ndarray, neg: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def gate_pulls(gate_grad: torch.Tensor, probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
+def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
                kl_clamp: float) -> tuple[float, float]:
     """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
     the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
     unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
 
     gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
-    w.r.t. the gate values; probs: R x K inclusion probabilities; rate: K prior rates; kl_clamp: the KL's
-    clamp (``bernoulli_kl``). A prior pull far
-    below the InfoNCE pull means the prior hardly shapes the posterior (the published lambda = 3e-5 gives
-    a ratio near 1e-3, docs/RESULTS.md).
+    w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
+    ``kl_probs()``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
+    step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
+    the prior hardly shapes the posterior (the published lambda = 3e-5 gives a ratio near 1e-3,
+    docs/RESULTS.md).
     """
-    alpha = probs.detach().float().requires_grad_()
-    kl_grad, = torch.autograd.grad(bernoulli_kl(alpha, rate.detach().float(), kl_clamp).sum(), alpha)
+    kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)
     return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
             (kl_weight * kl_grad).abs().mean().item())
 

@@ -79,34 +79,35 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
     recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed)
     results = interpretability_metrics(f_te, y_te)
-    ungated = probs = None
+    ungated = gates = None
     if learner.gated:
         ungated = learner.ungated_features(h_te.to(device)).cpu()
-        probs = learner.gate_probs(h_te.to(device)).cpu()
+        gates = learner.head.gate_mask(h_te.to(device)).cpu()
         results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
     ks = tuple(k for k in (1, 3, 5, 10) if k < len(f_te))  # a tiny test split has fewer neighbours
     results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te, ks, num_dims).items()})
     if learner.gated:
-        results["gate_rate"] = (probs > 0.5).float().mean().item()
+        results["gates_open"] = gates.float().mean().item()  # at the evaluation mask (F's), not the mean P(on)
     factors = getattr(data.test, "factors", None)
     if factors is not None:
-        results.update(factor_report(f_te, factors, ungated, probs))
+        results.update(factor_report(f_te, factors, ungated, gates))
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results)
 
 
-def factor_report(features, factors: dict, ungated=None, probs=None) -> dict:
+def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
     """How many dims of the representation F (N x K) track each ground-truth factor, and for a gated
-    learner (``ungated``: its N x K features before gating, ``probs``: its N x K gate inclusion probabilities),
-    how many dims of the ungated features track each factor and which share of those the gates switch off.
+    learner (``ungated``: its N x K features before gating, ``gates``: its N x K 0/1 evaluation mask, the gates
+    F uses), how many dims of the ungated features track each factor and which share of those the gates switch
+    off.
 
     A dim counts as switched off when its gate is closed in more than half of the samples where its
     ungated feature is active.
     """
     results = {f"dims_tracking_{name}": int(mask.sum()) for name, mask in factor_tracking(features, factors).items()}
     if ungated is not None:
-        closed = (probs <= 0.5).double()
+        closed = 1 - gates.double()
         active = (ungated.abs() > ACTIVE_EPS).double()
         closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
         for name, mask in factor_tracking(ungated, factors).items():

@@ -26,10 +26,9 @@ import math
 
 import torch
 
-from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import GATES
-from bayesncl_pyro.losses import bernoulli_kl, normalize
+from bayesncl_pyro.losses import bernoulli_kl_grad, normalize, partner_rows
 
 _CHUNK_ELEMENTS = 2**22  # rows of flips are processed in chunks of about this many R x K x R entries
 
@@ -49,7 +48,7 @@ def flip_differences(features: torch.Tensor, gates: torch.Tensor, temperature: f
     lse = sim.logsumexp(1)  # R: each row's log-partition over the other rows
     dots = w @ u.T  # R x R: w_i . u_j
     sq = (w * w).sum(1)  # R: ||w_i||^2
-    partner = (torch.arange(rows, device=f.device) + rows // 2) % rows
+    partner = partner_rows(rows, f.device)
     out = torch.empty(rows, dims, dtype=torch.float64, device=f.device)
     chunk = max(1, _CHUNK_ELEMENTS // (dims * rows))
     for start in range(0, rows, chunk):
@@ -83,8 +82,8 @@ def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, gate, rate: 
     rows = features.shape[0]
     logits = logits.detach().double().requires_grad_()
     probs = gate.inclusion(logits)
-    dprob, = torch.autograd.grad(probs.sum(), logits, retain_graph=True)
-    dkl, = torch.autograd.grad(kl_weight * bernoulli_kl(probs, rate.double(), kl_clamp).sum() / rows, logits)
+    dprob, = torch.autograd.grad(probs.sum(), logits)  # each probability depends on its own logit only
+    dkl = kl_weight / rows * bernoulli_kl_grad(probs, rate.double(), kl_clamp) * dprob
     q = gate(logits.detach())
     return torch.stack([dprob * flip_differences(features, q.sample(), temperature) / rows + dkl
                         for _ in range(draws)])
@@ -146,7 +145,7 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
             # the estimator's own gradients, through the training program
             heads = []
             for _ in range(1 if name == "ste" else draws):
-                loss = MeanFieldELBO().differentiable_loss(model, guide, z, h) / model.num_rows
+                loss = learner.head.elbo_terms(z, h)[0]
                 heads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).double())
             mean = torch.stack(heads).mean(0)
             results.append(dict(

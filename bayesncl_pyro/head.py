@@ -11,7 +11,13 @@ The head takes the backbone's features h, not projections: it owns the projector
 and the ELBO, so the backbone is all a training loop brings. Its loss is ``-ELBO / 2N``, the paper's
 InfoNCE + lambda * KL per row (``models/bayesncl.py``). With ``prior=None`` the same head is NCL (no gates),
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
+
+In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
+on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
+not need.
 """
+
+import functools
 
 import pyro
 import torch
@@ -27,7 +33,7 @@ from bayesncl_pyro.guides.gates import GATES, GateGuide
 from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
-from bayesncl_pyro.models.priors import Prior, build_prior
+from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 
 
 def own_params():
@@ -42,6 +48,33 @@ def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
 
 
+# the head's arguments that :func:`check_arguments` checks, with what to pass instead of a value that is not positive
+_POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature="0.2 (the reference's)",
+                 gate_temperature="1.0", logit_bound="5.0",
+                 kl_weight="3e-5 (the published lambda); for no gates at all, no prior (NCL)")
+HEAD_ARGUMENTS = (*_POSITIVE, "kl_clamp", "gate", "nonneg", "topk")
+
+
+def check_arguments(flags: bool = False, **args):
+    """The one check of the head's arguments (``HEAD_ARGUMENTS``, named as the Config's fields): the head calls it,
+    and ``config.resolve`` with ``flags=True``, which names them as run_svi.py's flags. A value that would give a
+    wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0; a logit bound of 0: every gate closed)
+    or fail deep inside Pyro is refused in one line that names the argument and the fix."""
+    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
+    for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
+        if args[arg] not in valid:
+            raise UserError(f"unknown {name(arg)} {args[arg]!r}; choose one of: {', '.join(valid)}")
+    for arg, example in _POSITIVE.items():
+        if not args[arg] > 0:
+            raise UserError(f"{name(arg)} must be positive, got {args[arg]}; pass e.g. {example}")
+    if not 0 <= args["kl_clamp"] < 0.5:
+        raise UserError(f"{name('kl_clamp')} must lie in [0, 0.5), got {args['kl_clamp']} (from 0.5 on the clamped "
+                        "KL is 0): 0.01 is the reference's clamp, 0 the exact KL")
+    if not 0 <= args["topk"] <= args["proj_dim"]:
+        raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
+                        "(0 keeps every feature)")
+
+
 class BayesNCLHead(nn.Module):
     """Backbone features of 2B view-rows -> (loss, monitoring values).
 
@@ -52,7 +85,8 @@ class BayesNCLHead(nn.Module):
         num_train: N, images in the training set (the ELBO's rows plate is 2N).
         prior: a registry name (``bernoulli``, ``learned``, ``beta-bernoulli``), ``package.module:Class``, a
             :class:`~bayesncl_pyro.models.priors.Prior`, or None for NCL / CL (no gates).
-        prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the prior's other arguments.
+        prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
+            by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
             exact KL); gate: the gate estimator, a name in ``guides/gates.py``'s ``GATES`` (``ste``, ``relaxed``,
             ``gs``, ``gs-reference-kl``); gate_temperature, head_depth, logit_bound: the guide's.
@@ -60,6 +94,10 @@ class BayesNCLHead(nn.Module):
             largest features per row (0: all).
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
             of every rank (global negatives; a plain run is unaffected).
+
+    The prior's global parameters (a learned rate, the Beta posterior of ``beta-bernoulli``) get their gradient
+    divided by lambda (a hook on each): their whole objective sits inside the lambda-weighted KL, so this makes
+    their step independent of lambda under any optimiser (:meth:`param_groups`).
     """
 
     def __init__(self, in_dim: int, proj_dim: int = 256, proj_hidden: int = 2048, *, num_train: int,
@@ -69,23 +107,35 @@ class BayesNCLHead(nn.Module):
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
                  gather_distributed: bool = False):
         super().__init__()
-        if gate not in GATES or nonneg not in NONNEG:
-            raise UserError(f"unknown gate {gate!r} or nonneg {nonneg!r}; gate is one of {', '.join(GATES)}, "
-                            f"nonneg one of {', '.join(NONNEG)}")
+        check_arguments(proj_dim=proj_dim, proj_hidden=proj_hidden, head_depth=head_depth, temperature=temperature,
+                        gate_temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
+                        kl_clamp=kl_clamp, gate=gate, nonneg=nonneg, topk=topk)
+        if not num_train >= 2:
+            raise UserError(f"num_train must be the number of images in the training set (at least 2), got {num_train}")
+        if prior_args and not isinstance(prior, str):
+            raise UserError("prior_args are the arguments of a prior given by name; " + (
+                "prior=None has no prior to take them" if prior is None else
+                f"a {type(prior).__name__} is built already: pass them to its constructor"))
         self.projector = mlp(in_dim, proj_hidden, proj_dim)
-        if prior is not None and not isinstance(prior, Prior):
+        if isinstance(prior, str):
             prior = build_prior(prior, proj_dim, prior_prob, **(prior_args or {}))
+        elif prior is not None and not isinstance(prior, Prior):
+            raise UserError(f"prior must be a registry name, package.module:Class, a Prior or None, not a "
+                            f"{type(prior).__name__}")
         if prior is not None and prior.num_features != proj_dim:
-            raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features")
+            raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
+                            f"prior with num_features={proj_dim} (the head's proj_dim)")
         num_rows = 2 * num_train
         self.model = ContrastiveModel(num_rows, temperature, nonneg, topk, prior, kl_weight)
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, estimator=gate, temperature=gate_temperature,
-            logit_bound=logit_bound, kl_weight=kl_weight, kl_clamp=kl_clamp, rate_guide=prior.make_guide(),
+            logit_bound=logit_bound, kl_weight=kl_weight, kl_clamp=kl_clamp, rate_guide=checked_guide(prior),
         ) if prior is not None else None
         if gather_distributed:
             self.model.gather = distributed.gather_rows
         self.elbo = MeanFieldELBO()
+        self._unweight = functools.partial(torch.div, other=kl_weight)  # the hook on the prior's gradients
+        self._unweight_prior_gradients()
 
     @property
     def gated(self) -> bool:
@@ -98,60 +148,111 @@ class BayesNCLHead(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
 
-        Returns ``-ELBO / 2N`` and a dict of detached values: 0-d ``nce`` (mean InfoNCE), ``kl`` (per row, summed
-        over the gates), ``active`` (share of feature entries that take part in the loss) and with gates
-        ``gate_rate``, ``incl_min``, ``incl_max`` (mean inclusion probability q(g = 1 | x) over all entries,
-        and of the least and most included dimension); R x K ``features`` (the rows InfoNCE saw) and with gates
-        ``probs`` (q(g = 1 | x)) and ``gates`` (the gate values, whose gradient :meth:`pulls` reads after
-        ``loss.backward()``), K ``prior_rate`` (the prior's mean inclusion rate at this step). The 0-d values
-        stay on the device: ``.item()`` them when you log.
+        Returns ``-ELBO / 2N`` and a dict of detached values: 0-d ``nce`` (mean InfoNCE), ``kl`` (the KL term
+        per row: summed over the gates and averaged over the rows, plus for a prior with global latents their KL
+        / 2N), ``active`` (share of feature entries that take part in the loss) and with gates ``gate_rate``,
+        ``incl_min``, ``incl_max`` (mean inclusion probability q(g = 1 | x) over all entries, and of the least
+        and most included dimension); R x K ``features`` (the rows InfoNCE saw) and with gates ``probs``
+        (q(g = 1 | x)), ``kl_probs`` (the probabilities the KL is taken at: ``probs``, but sigmoid(l) for
+        ``gs-reference-kl``) and ``gates`` (the gate values, whose gradient :meth:`pulls` reads after
+        ``loss.backward()``), K ``prior_rate`` (the rates the gates were drawn with at this step: for a
+        hierarchical prior, this step's draw from q(rate)). The 0-d values stay on the device: ``.item()``
+        them when you log.
         """
+        self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
+        dtype = self.projector[0].weight.dtype
+        with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss in full precision
+            loss, kl, seen = self.elbo_terms(z.to(dtype), h.to(dtype))
+            nce, u = seen["nce"].detach().mean(), seen["features"]
+            stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
+            if self.gated:
+                q = seen["q"]
+                probs = q.probs.detach()
+                per_dim = probs.mean(0)
+                stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
+                             kl_probs=q.kl_probs().detach(), gates=seen["gates"], prior_rate=seen["rate"])
+        return loss, stats
+
+    def program(self):
+        """The head's Pyro program for one batch: ``(model, guide, seen)``, the model and guide as Pyro callables of
+        (z, h) (projector outputs and backbone features) and the dict they fill with what they saw (the model's
+        ``nce``, ``features``, ``gates``, ``rate``; the guide's q(g | x) as ``q``). Run them inside
+        :func:`own_params`, as :meth:`elbo_terms` does; this is also the way to give them to another Pyro
+        inference algorithm."""
         seen = {}
 
         def model(z, h):
             seen.update(self.model(z, h))
 
         def guide(z, h):
-            seen["probs"] = self.guide(z, h)
+            seen["q"] = self.guide(z, h)
 
-        dtype = self.projector[0].weight.dtype
-        with torch.autocast(h.device.type, enabled=False), own_params():  # the exp and log of the loss in full
-            loss = self.elbo.differentiable_loss(model, guide if self.gated else _no_guide, z.to(dtype), h.to(dtype))
-            loss = loss / self.num_rows
-            nce, u = seen["nce"].detach().mean(), seen["features"]
-            kl = (loss.detach() - nce) / self.model.kl_weight if self.gated else torch.zeros_like(nce)
-            stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
-            if self.gated:
-                probs = seen["probs"]
-                per_dim = probs.mean(0)
-                stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             gates=seen["gates"], prior_rate=self.model.prior.mean_rate())
-        return loss, stats
+        return model, guide if self.gated else _no_guide, seen
+
+    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The one place the head's Pyro program runs (training, and the diagnostics that swap the gate estimator):
+        ``-ELBO / 2N``, its KL term per row (detached, see :meth:`forward`) and what the program saw
+        (:meth:`program`), for projector outputs z and backbone features h. It runs inside :func:`own_params`, so
+        no parameter reaches Pyro's global param store."""
+        self._unweight_prior_gradients()
+        model, guide, seen = self.program()
+        with own_params():
+            loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
+        return loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), seen
+
+    def _check_rows(self, h: torch.Tensor):
+        """A batch the loss would get wrong without a word (Python integers only: no device sync)."""
+        if h.ndim != 2:
+            raise UserError(f"the head takes R x D backbone features, got a tensor of shape {tuple(h.shape)}")
+        rows = h.shape[0]
+        if rows % 2:
+            raise UserError(f"got {rows} rows, an odd number: the head takes the rows of both views of B images, "
+                            "[view 1 of the B images; view 2 of the same B] (torch.cat([view1, view2]))")
+        if rows < 4:
+            raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
+                            "negative; pass a batch of at least 2 images (4 rows)")
+        if rows > self.num_rows:
+            raise UserError(f"a batch of {rows // 2} images, but num_train={self.num_rows // 2}: num_train is the "
+                            "number of images in the training set (the ELBO scales each batch up to it); pass "
+                            "len(train_set)")
+
+    def _need_gates(self):
+        if not self.gated:
+            raise UserError("this head has no gates (prior=None: NCL or CL); build it with a prior for BayesNCL")
 
     def pulls(self, stats: dict) -> dict[str, float]:
         """After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of that step
-        (``gate_nce_pull``, ``gate_prior_pull``: ``diagnostics.gate_pulls``); empty before, or without gates."""
+        (``gate_nce_pull``, ``gate_prior_pull``: ``diagnostics.gate_pulls``, the prior's at the probabilities and the
+        rates the step's KL used); empty before, or without gates."""
         gates = stats.get("gates")
         if gates is None or gates.grad is None:
             return {}
-        nce, prior = gate_pulls(gates.grad, stats["probs"], stats["prior_rate"], self.model.kl_weight,
+        nce, prior = gate_pulls(gates.grad, stats["kl_probs"], stats["prior_rate"], self.model.kl_weight,
                                 self.guide.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
         """The posterior inclusion probabilities q(g_k = 1 | x) under the head's gate estimator, R x K, from
         backbone features h."""
+        self._need_gates()
         return self.guide.inclusion_probs(h)
 
     @torch.no_grad()
+    def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
+        """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode
+        1[q(g = 1 | x) > 0.5] (for ``gs-reference-kl`` the reference's mask, 1[sigmoid(l) > 0.5])."""
+        self._need_gates()
+        return self.guide.posterior(h).mask()
+
+    @torch.no_grad()
     def representation(self, h: torch.Tensor) -> torch.Tensor:
-        """F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the posterior
-        mode 1[q(g = 1 | x) > 0.5] with gates, features(z) without (normalise(relu(z)) for NCL, normalise(z) for
+        """F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the evaluation
+        mask (:meth:`gate_mask`) with gates, features(z) without (normalise(relu(z)) for NCL, normalise(z) for
         CL)."""
         feats = self.model.features(self.projector(h))
         if self.gated:
-            feats = normalize(feats * (self.gate_probs(h) > 0.5).to(feats))
+            feats = normalize(feats * self.gate_mask(h).to(feats))
         return feats
 
     @torch.no_grad()
@@ -159,19 +260,31 @@ class BayesNCLHead(nn.Module):
         """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
         return self.model.features(self.projector(h))
 
-    def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None,
-                     adam: bool = False) -> list[dict]:
+    def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: the backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
-        (0.1 published, not batch-scaled); the prior's global parameters, whose whole objective sits inside the
-        lambda-weighted KL, at gate_lr / lambda so that their step size does not depend on lambda (at gate_lr for
-        ``adam``, which is scale-free)."""
+        (0.1 published, not batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay.
+        Their gradients arrive divided by lambda (``grad_scale`` in their group says by what), so that their step
+        does not depend on lambda with SGD or LARS (Adam is scale-free either way)."""
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
         if self.gated:
-            glob = [*self.model.parameters(),
-                    *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
             groups.append(dict(name="gate_head", params=list(self.guide.head.parameters()), lr=gate_lr))
-            if glob:
-                scale = 1.0 if adam else 1.0 / self.model.kl_weight
-                groups.append(dict(name="prior", params=glob, lr=gate_lr * scale, weight_decay=0.0))
+            prior = self._prior_parameters()
+            if prior:
+                groups.append(dict(name="prior", params=prior, lr=gate_lr, weight_decay=0.0,
+                                   grad_scale=1.0 / self.model.kl_weight))
         return groups
+
+    def _prior_parameters(self) -> list[nn.Parameter]:
+        """The prior's global parameters, the model's and the guide's but the gating head's."""
+        if not self.gated:
+            return []
+        return [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
+
+    def _unweight_prior_gradients(self):
+        """Hook ``_unweight`` onto every prior parameter that lacks it. Called at construction and at every step: a
+        tensor hook does not travel with a deep copy, a pickle, or a module conversion that replaces the
+        parameter."""
+        for p in self._prior_parameters():
+            if p.requires_grad and self._unweight not in (p._backward_hooks or {}).values():
+                p.register_hook(self._unweight)

@@ -29,7 +29,8 @@ class ContrastiveLearner(nn.Module):
         self.cfg, self.in_channels = cfg, in_channels
         self.backbone, feat_dim = build_backbone(cfg.encoder, in_channels, cfg.image_size)
         args = {name: getattr(cfg, name) for name in _HEAD_FIELDS}
-        args["prior"] = cfg.prior if cfg.method == "bayesncl" else None
+        if cfg.method != "bayesncl":
+            args.update(prior=None, prior_args=None)
         self.head = BayesNCLHead(feat_dim, num_train=num_train, gather_distributed=True, **args)
 
     @property
@@ -69,5 +70,4 @@ class ContrastiveLearner(nn.Module):
     def param_groups(self) -> list[dict]:
         """Optimizer groups (``BayesNCLHead.param_groups``): backbone and projector at the batch-scaled base lr."""
         cfg = self.cfg
-        return self.head.param_groups(cfg.lr * cfg.batch_size / 256, cfg.gate_lr, self.backbone,
-                                      adam=cfg.optimizer == "adamw")
+        return self.head.param_groups(cfg.lr * cfg.batch_size / 256, cfg.gate_lr, self.backbone)

@@ -11,6 +11,12 @@ import torch.nn.functional as F
 REFERENCE_KL_CLAMP = 0.01
 
 
+def partner_rows(rows: int, device=None) -> torch.Tensor:
+    """The index of each row's positive, the other view of its image: ``(i + R / 2) % R`` for rows
+    ``[view 1 of B images; view 2 of the same B images]``."""
+    return (torch.arange(rows, device=device) + rows // 2) % rows
+
+
 def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | None = None,
                   offset: int = 0) -> torch.Tensor:
     """Per-row NT-Xent loss of SimCLR.
@@ -29,10 +35,8 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
     logits = u @ cols.T / temperature                                   # R x C
     idx = torch.arange(rows, device=u.device)
     self_col = idx + offset
-    # columns hold [view 1 of all images; view 2 of all images] per rank; the partner of a row is
-    # half a rank-block away, inside the same rank block
-    half = rows // 2
-    pos_col = offset + (idx + half) % rows
+    # columns hold [view 1 of all images; view 2 of all images] per rank: the partner is in the same rank block
+    pos_col = offset + partner_rows(rows, u.device)
     logits = logits.masked_fill(F.one_hot(self_col, total).bool(), float("-inf"))
     return torch.logsumexp(logits, dim=1) - logits[idx, pos_col]
 
@@ -61,6 +65,16 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -
     alpha = alpha.clamp(lo, 1 - lo)
     rho = torch.as_tensor(rho, dtype=alpha.dtype, device=alpha.device).clamp(lo, 1 - lo)
     return alpha * (alpha / rho).log() + (1 - alpha) * ((1 - alpha) / (1 - rho)).log()
+
+
+def bernoulli_kl_grad(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -> torch.Tensor:
+    """d bernoulli_kl(alpha, rho, clamp) / d alpha, elementwise, at detached alpha and rho (zero past the clamp):
+    how hard the prior pulls each gate (``diagnostics.gate_pulls``, the KL part of ``gate_gradients``)."""
+    alpha = alpha.detach().requires_grad_()
+    rho = rho.detach() if torch.is_tensor(rho) else rho
+    with torch.enable_grad():
+        grad, = torch.autograd.grad(bernoulli_kl(alpha, rho, clamp).sum(), alpha)
+    return grad
 
 
 def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

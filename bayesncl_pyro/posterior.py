@@ -32,6 +32,9 @@ class GatePosterior:
     draws: torch.Tensor | None = None  # S x N x K, 0/1 gates drawn from q(g | x) = Bernoulli(probs)
     rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate from q(rate) (beta-bernoulli only)
     rate_beta: tuple[torch.Tensor, torch.Tensor] | None = None  # (a, b), K each: q(rate_k) = Beta(a_k, b_k)
+    # a0 + b0 + 2N, the concentration of the conjugate posterior that q(rate) tends to (and is far from after a
+    # training run: models/priors.py, BetaBernoulliPrior)
+    rate_optimum_concentration: float | None = None
 
     @property
     def class_means(self) -> torch.Tensor:
@@ -71,6 +74,8 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     rate_guide = learner.guide.rate_guide
     if rate_guide is not None:
         post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
+        prior = learner.model.prior
+        post.rate_optimum_concentration = (prior.a + prior.b).mean().item() + learner.head.num_rows
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
         post.draws = q.sample((num_draws,)).cpu()

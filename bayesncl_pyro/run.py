@@ -23,13 +23,14 @@ from bayesncl_pyro.data.images import IMAGE_EXTENSIONS
 from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.rundir import load_learner
+from bayesncl_pyro.rundir import load_learner, run_folder
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> "TrainedRun":
-    """The trained run in ``run_dir`` (a folder written by ``experiments/run_svi.py``), on ``device``."""
+    """The trained run in ``run_dir`` (a folder written by ``experiments/run_svi.py``, or its ``checkpoint.pt``), on
+    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``)."""
     learner, cfg = load_learner(run_dir, device)
-    return TrainedRun(learner, cfg, Path(run_dir))
+    return TrainedRun(learner, cfg, run_folder(run_dir))
 
 
 def image_paths(folder: str | os.PathLike) -> list[Path]:
@@ -76,6 +77,8 @@ class TrainedRun:
 
     @torch.no_grad()
     def _apply(self, images, batch_size: int, pick) -> torch.Tensor:
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise UserError(f"batch_size must be a positive number of images, got {batch_size!r}")
         self.learner.eval()
         x = self.inputs(images)
         out = [pick(*self.learner.representation(chunk.to(self.device))).cpu() for chunk in x.split(batch_size)]
@@ -92,9 +95,9 @@ class TrainedRun:
             what = f"a tensor of shape {tuple(image.shape)}" if torch.is_tensor(image) else type(image).__name__
             raise UserError(f"got {what}; the run takes {self.channels}-channel images: C x H x W (or N x C x H x W) "
                             "tensors, PIL images, image files or a folder")
-        if image.is_floating_point() and (image.min() < 0 or image.max() > 1):
-            raise UserError("float images must lie in [0, 1] (the run's transform normalises them); divide 0-255 "
-                            "images by 255, or pass them as uint8")
+        if image.is_floating_point() and not ((image >= 0) & (image <= 1)).all():  # NaN fails too
+            raise UserError("float images must lie in [0, 1], without NaN (the run's transform normalises them); "
+                            "divide 0-255 images by 255, or pass them as uint8")
         if not image.is_floating_point() and image.dtype != torch.uint8:
             raise UserError(f"integer images must be uint8 (0-255), got {image.dtype}")
         return image.cpu()

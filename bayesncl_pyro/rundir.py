@@ -127,6 +127,15 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def read_eval(run_dir: str | os.PathLike) -> dict:
+    """A run's ``eval.json``; an earlier version's, which named the share of gates open at the evaluation mask
+    ``gate_rate`` (the log's name for the mean inclusion probability), reads with it as ``gates_open``."""
+    results = json.loads((Path(run_dir) / EVAL).read_text())
+    if "gate_rate" in results:
+        results["gates_open"] = results.pop("gate_rate")
+    return results
+
+
 def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint without executing code from it (weights-only unpickling)."""
     try:
@@ -136,7 +145,34 @@ def load_checkpoint(path: Path) -> dict:
                         "it is corrupt or not a bayesncl-pyro checkpoint (move it away to start afresh)")
     if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
+    if "optimizer" in state:
+        _rescale_prior_group(state)
     return state
+
+
+def _rescale_prior_group(state: dict):
+    """A checkpoint written before the head divided the prior's gradients by lambda (its ``prior`` optimizer group
+    has no ``grad_scale``) trained that group on raw gradients at lr gate_lr / lambda (SGD, LARS) or gate_lr (AdamW).
+    Its optimizer and scheduler state are put in the current units, so that the resumed run takes the steps the
+    old one would have taken."""
+    lam, optimizer = state["config"]["kl_weight"], state["optimizer"]
+    for i, group in enumerate(optimizer["param_groups"]):
+        if group.get("name") != "prior" or "grad_scale" in group:
+            continue
+        group["grad_scale"] = 1.0 / lam
+        moments = [optimizer["state"][p] for p in group["params"] if p in optimizer["state"]]
+        if state["config"]["optimizer"] == "adamw":  # scale-free: its moments take the new gradients' scale
+            for m in moments:
+                m["exp_avg"], m["exp_avg_sq"] = m["exp_avg"] / lam, m["exp_avg_sq"] / lam**2
+            continue
+        for key in ("lr", "initial_lr"):
+            group[key] = group[key] * lam
+        for m in moments:
+            if m.get("momentum_buffer") is not None:
+                m["momentum_buffer"] = m["momentum_buffer"] / lam
+        for key in ("base_lrs", "_last_lr"):
+            if key in state["scheduler"]:
+                state["scheduler"][key][i] = state["scheduler"][key][i] * lam
 
 
 # bayesncl-pyro 0.1 named the learner's parts encoder.{backbone,projector}, model and guide; the head holds the
@@ -163,11 +199,21 @@ def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
     learner.load_state_dict(theirs)
 
 
-def load_learner(run_dir: str | os.PathLike, device: str = "cpu") -> tuple[ContrastiveLearner, Config]:
-    """The trained learner of a run folder (for notebooks and evaluation), in eval mode."""
-    path = Path(run_dir) / CHECKPOINT
+def run_folder(run: str | os.PathLike) -> Path:
+    """The run folder that ``run`` names: the folder itself, or its ``checkpoint.pt``."""
+    run = Path(run)
+    return run.parent if run.name == CHECKPOINT and run.is_file() else run
+
+
+def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[ContrastiveLearner, Config]:
+    """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
+    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``)."""
+    from bayesncl_pyro.training import pick_device  # late: training imports this module
+
+    path = run_folder(run_dir) / CHECKPOINT
     if not path.exists():
         raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
+    device = pick_device(str(device))
     state = load_checkpoint(path)
     cfg = Config.from_dict(state["config"])
     learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])

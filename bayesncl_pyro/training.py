@@ -322,7 +322,7 @@ class Trainer:
 
     def fit(self) -> dict:
         if self.finished and (self.out / EVAL).exists():
-            results = json.loads((self.out / EVAL).read_text())
+            results = rundir.read_eval(self.out)
             if self.rank == 0:
                 print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
                 print(format_table(results))

@@ -2,13 +2,13 @@
 
     python examples/train_your_backbone.py --steps 200 --batch-size 128   # ResNet-18 (on a GPU if there is one)
 
-BayesNCLHead takes the backbone's features of both views of a batch, stacked as [view 1; view 2], and
-returns the loss (InfoNCE + lambda * KL per row) and monitoring values. It holds the projector, the gating
-head, the prior, the Pyro model and guide and the ELBO: the loop only brings the backbone.
+BayesNCLHead takes the backbone's features of both views of a batch, [view 1; view 2], and returns the loss
+(InfoNCE + lambda * KL per row) and monitoring values; it holds all of the method: the loop brings the backbone.
 """
 
 import argparse
 
+import pyro
 import torch
 import torchvision
 from torch.utils.data import DataLoader
@@ -23,6 +23,7 @@ p.add_argument("--batch-size", type=int, default=128)
 args = p.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
+pyro.enable_validation(False)  # on by default: Pyro's checks of the program at every step, not needed for the loss
 
 data = load_dataset("compositional")  # 32 px shapes on backgrounds that every class shares; no download
 loader = DataLoader(TwoViews(data.train, simclr_transform(32)), batch_size=args.batch_size, shuffle=True,
@@ -31,8 +32,7 @@ loader = DataLoader(TwoViews(data.train, simclr_transform(32)), batch_size=args.
 backbone = torchvision.models.resnet18()  # any nn.Module that maps images to N x D features
 backbone.conv1 = torch.nn.Conv2d(3, 64, 3, padding=1, bias=False)  # a stem for 32 px images
 backbone.maxpool, backbone.fc = torch.nn.Identity(), torch.nn.Identity()  # features: N x 512
-head = BayesNCLHead(512, proj_dim=64, proj_hidden=512, num_train=len(data.train), prior="bernoulli",
-                    prior_prob=0.8, kl_weight=3e-5, gate="ste")
+head = BayesNCLHead(512, proj_dim=64, proj_hidden=512, num_train=len(data.train), prior="bernoulli", gate="ste")
 backbone, head = backbone.to(device), head.to(device)
 optimizer = torch.optim.SGD(head.param_groups(lr=0.06, gate_lr=0.1, backbone=backbone), lr=0.06, momentum=0.9,
                             weight_decay=1e-4)
@@ -48,7 +48,7 @@ while step < args.steps:
         if step % 20 == 0 or step == args.steps:
             pulls = head.pulls(stats)  # read after backward: how hard InfoNCE and the prior move the gates
             print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats['nce'].item():.4f}, KL "
-                  f"{stats['kl'].item():.2f}, gates open {stats['gate_rate'].item():.0%}, pulls "
+                  f"{stats['kl'].item():.2f}, mean P(on) {stats['gate_rate'].item():.0%}, pulls "
                   f"{pulls['gate_nce_pull']:.2g} (InfoNCE) {pulls['gate_prior_pull']:.2g} (prior)")
         if step == args.steps:
             break

@@ -65,7 +65,7 @@ COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("H_s", "semantic_entr
            ("P@1", "retrieval_p@1", 100, ".2f"), ("P@3", "retrieval_p@3", 100, ".2f"),
            ("P@5", "retrieval_p@5", 100, ".2f"), ("P@10", "retrieval_p@10", 100, ".2f"),
            ("Sparsity", "sparsity", 100, ".2f"), ("Eff. rank", "effective_rank", 1, ".3f"),
-           ("Dims", "active_dims", 1, ".0f"), ("Gates on", "gate_rate", 100, ".1f"),
+           ("Dims", "active_dims", 1, ".0f"), ("Gates on", "gates_open", 100, ".1f"),
            ("Train s", "train_time_s", 1, ".0f")]
 # The paper's numbers (docs/METHOD.md, "Published numbers": ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100,
 # the reference's evaluation protocol), in the units of COLUMNS: dataset -> method -> eval key -> value

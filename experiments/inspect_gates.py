@@ -49,7 +49,7 @@ def _save(fig, path: Path) -> Path:
 
 def plot_elbo(log: list[dict], gated: bool, kl_weight: float, path: Path) -> Path:
     steps = [r["step"] for r in log]
-    panels = [("loss", "-ELBO per row = InfoNCE + lambda * KL"), ("nce", "InfoNCE per row (expected under q)")]
+    panels = [("loss", "-ELBO per row = InfoNCE + lambda * KL"), ("nce", "InfoNCE per row (at the gates training used)")]
     if gated:
         panels.append(("kl", f"KL(q(g | x) || p(g)) per row, summed over dims\n(enters the loss times lambda = "
                              f"{kl_weight:g})"))
@@ -248,7 +248,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         last = log[-1]
         plot_elbo(log, learner.gated, cfg.kl_weight, out / "elbo.png")
         summary.append(f"last record (step {last['step']}): -ELBO/row {last['loss']:.4f} = InfoNCE {last['nce']:.4f}"
-                       + (f" + lambda * KL {last['loss'] - last['nce']:.2e} (KL {last['kl']:.3f} nats)"
+                       + (f" + lambda * KL {cfg.kl_weight * last['kl']:.2e} (KL {last['kl']:.3f} nats)"
                           if learner.gated else ""))
         warned = [r for r in log if "warnings" in r]
         if warned:
@@ -257,7 +257,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
     if learner.gated:
         post = gate_posterior(learner, data)
         features, labels, probs = post.features, post.labels, post.probs.numpy()
-        rate = learner.model.prior.mean_rate() if post.rate_beta is None else post.rate_beta[0] / sum(post.rate_beta)
+        rate = learner.model.prior.mean_rate(learner.guide.rate_guide)  # of q(rate), for a hierarchical prior
         kl = bernoulli_kl(post.probs, rate, cfg.kl_clamp).mean(0).numpy()
         plot_kl_per_dim(kl, out / "kl_per_dim.png")
         plot_inclusion(probs, float(rate.mean()), out / "inclusion.png")

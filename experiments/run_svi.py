@@ -222,10 +222,10 @@ def export(trainer) -> int:
 
 def outcome(results: dict) -> str:
     """What the gates did, in words, from an eval dict (empty for CL and NCL)."""
-    if "gate_rate" not in results:
+    if "gates_open" not in results:
         return ""
     gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
-    lines = [f"the gates keep {results['gate_rate']:.0%} of the (image, feature) pairs open; semantic consistency "
+    lines = [f"the gates keep {results['gates_open']:.0%} of the (image, feature) pairs open; semantic consistency "
              f"{gated:.3f} with the gates, {ungated:.3f} with every gate open ({gated / max(ungated, 1e-12):.2f}x), "
              f"active dims {results['active_dims']} of {results['active_dims_ungated']}"]
     for key, n in results.items():

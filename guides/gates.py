@@ -2,8 +2,9 @@
 
 Every gate estimator is a :class:`Gate`: a ``Bernoulli`` whose probability is the gate's true inclusion
 probability P(g = 1 | x) under that estimator, and whose ``rsample`` is the value the estimator trains
-with. So for every estimator ``probs`` is what the KL, the logs, ``gate_probs``, the evaluation mask and
-``gates.nc`` read, and ``sample()`` draws from q(g | x) (the posterior draws of ``gates.nc``):
+with. So for every estimator ``probs`` is what the KL, the logs, ``gate_probs``, the evaluation mask (its mode,
+``mask()``) and ``gates.nc`` read, and ``sample()`` draws from q(g | x) (the posterior draws of ``gates.nc``);
+``gs-reference-kl`` alone takes its KL and its evaluation mask at sigmoid(l), as the reference does:
 
 ===================  ====================================  ==================================================
 name                 P(g = 1 | x)                          what training uses (``rsample``)
@@ -19,7 +20,8 @@ name                 P(g = 1 | x)                          what training uses (`
                      (clamped to [0, 1])                   l + G > 0 with one Gumbel-like G, straight-through
 ``gs-reference-kl``  as ``gs``                             as ``gs``, but the KL is computed at sigmoid(l),
                                                            not at the gate's inclusion probability: the
-                                                           reference's own GS loss, kept for parity
+                                                           reference's own GS loss, kept for parity (and
+                                                           evaluated at its mask, 1[sigmoid(l) > 0.5])
 ===================  ====================================  ==================================================
 
 (l: the head's logits.) The ``gs`` probability is exact: with G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1),
@@ -88,6 +90,11 @@ class Gate(dist.Bernoulli):
         """The inclusion probability the KL term is computed at: q's own."""
         return self.probs
 
+    def mask(self) -> torch.Tensor:
+        """The 0/1 gates the evaluation uses (the representation F, eval.json's ``gates_open``): the posterior mode
+        1[P(g = 1 | x) > 0.5]."""
+        return (self.probs > 0.5).to(self.probs)
+
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(type(self), _instance)
         new.head_logits = self.head_logits.expand(batch_shape)
@@ -142,10 +149,15 @@ class GumbelSigmoidGate(Gate):
 class GumbelSigmoidReferenceKLGate(GumbelSigmoidGate):
     """The reference's whole GS loss: the ``gs`` gate, with the KL computed at sigmoid(l) as the reference
     computes it. sigmoid(l) is not this gate's inclusion probability (0.5 against 0.632 at l = 0), so the KL
-    term is not KL(q || p); ``probs``, the logs and the posterior still report the true probability."""
+    term is not KL(q || p); ``probs``, the logs and the posterior still report the true probability. Its
+    evaluation mask is the reference's too, 1[sigmoid(l) > 0.5], not the mode of q (1[P(g = 1) > 0.5], which
+    opens every gate with l > -0.367)."""
 
     def kl_probs(self):
         return self.head_logits.sigmoid()
+
+    def mask(self):
+        return (self.kl_probs() > 0.5).to(self.probs)
 
 
 @torch.distributions.kl.register_kl(Gate, torch.distributions.Bernoulli)
@@ -193,13 +205,19 @@ class GateGuide(PyroModule):
         """The true inclusion probabilities q(g_k = 1 | x) under this guide's estimator, R x K."""
         return self.gate.inclusion(self.logits(h))
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Samples the gates (and the prior's global latents); returns their inclusion probabilities q(g = 1 | x),
-        R x K, detached, for monitoring."""
+    def forward(self, z: torch.Tensor, h: torch.Tensor) -> Gate:
+        """Samples the gates (and the prior's global latents); returns q(g | x), the :class:`Gate` the site
+        sampled from (``probs``, ``kl_probs()``), for monitoring.
+
+        The site's value is the gate's ``rsample``, the value training uses, because the gate declares itself
+        reparameterised: for ``ste`` that is the mode, 1[sigmoid(l) > 0.5], every time. So anything that draws
+        through Pyro's sample statements (``pyro.infer.Predictive``, ``poutine.trace(guide)``) gets modes for
+        ``ste``, not draws from q. Draws from q(g | x) come from ``self.posterior(h).sample()`` (what
+        ``posterior.gate_posterior(..., num_draws=S)`` and ``gates.nc`` use)."""
         with poutine.scale(scale=self.kl_weight):
             if self.rate_guide is not None:
                 self.rate_guide()
             q = self.posterior(h)
             with rows_plate(self.num_rows, h.shape[0], h.device):
                 pyro.sample("g", q.to_event(1))
-        return q.probs.detach()
+        return q

@@ -84,10 +84,11 @@ class ContrastiveModel(PyroModule):
         """z: R x K projector output, h: R x D backbone features (used by the guide only).
         Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns, for monitoring (the ELBO
         ignores it), ``nce``: the per-row InfoNCE (R), ``features``: the rows it saw (R x K, detached), and with
-        gates ``gates``: their values (R x K), which keep their gradient after backward."""
+        gates ``gates``: their values (R x K), which keep their gradient after backward, and ``rate``: the K rates
+        they were drawn with (for a hierarchical prior, this step's draw from q(rate)), detached."""
         u = self.features(z)
         rows = u.shape[0]
-        g = None
+        g = rate = None
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight):
                 rate = self.prior.rate()
@@ -105,4 +106,4 @@ class ContrastiveModel(PyroModule):
         with poutine.scale(scale=self.num_rows / rows):
             pyro.factor("nce", -nce.sum())
         out = dict(nce=nce, features=u.detach())
-        return out if g is None else dict(out, gates=g)
+        return out if g is None else dict(out, gates=g, rate=rate.detach())

@@ -7,6 +7,8 @@ from pyro.infer import TraceMeanField_ELBO
 
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.elbo import MeanFieldELBO
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.head import own_params
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.guides.gates import GATES
 from bayesncl_pyro.models.priors import PRIORS
@@ -16,10 +18,16 @@ CASES = [("cl", "bernoulli", "ste"), ("ncl", "bernoulli", "ste")] + [
 
 
 def _loss_and_grads(learner, elbo, x):
+    """The training path (the head's own fast ELBO), or Pyro's ``elbo`` on the head's program."""
     learner.zero_grad()
     pyro.set_rng_seed(3)  # same gate and rate draws for both ELBOs
-    learner.head.elbo = elbo
-    loss, _ = learner(x)
+    if isinstance(elbo, MeanFieldELBO):
+        loss, _ = learner(x)
+    else:
+        h = learner.backbone(x)
+        model, guide, _ = learner.head.program()
+        with own_params():
+            loss = elbo.differentiable_loss(model, guide, learner.head.projector(h), h) / learner.head.num_rows
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in learner.named_parameters() if p.grad is not None}
 
@@ -60,3 +68,17 @@ def test_fast_elbo_refuses_a_latent_site_that_needs_a_score_function_term():
 
     with pyro.validation_enabled(False), pytest.raises(NotImplementedError, match="'b'.*not reparameterised"):
         MeanFieldELBO().differentiable_loss(model, guide)
+
+
+def test_fast_elbo_refuses_a_site_that_only_the_guide_samples():
+    """The parent asserts that such a site is auxiliary and adds its entropy; the fast ELBO would give it no term."""
+    def model():
+        pyro.sample("w", pyro.distributions.Normal(0.0, 1.0))
+
+    def guide():
+        pyro.sample("w", pyro.distributions.Normal(1.0, 1.0))
+        pyro.sample("extra", pyro.distributions.Normal(0.0, 2.0))
+
+    for validation in (False, True):
+        with pyro.validation_enabled(validation), pytest.raises(UserError, match="guide site 'extra' has no site"):
+            MeanFieldELBO().differentiable_loss(model, guide)

@@ -3,6 +3,7 @@ force and exact enumeration; the diagnostic itself on a small learner."""
 
 import itertools
 
+import pyro
 import pytest
 import torch
 
@@ -94,3 +95,20 @@ def test_the_diagnostic_refuses_what_it_cannot_measure():
         gate_gradient_bias(_learner(method="ncl"), x)
     with pytest.raises(UserError, match="without global latents"):
         gate_gradient_bias(_learner(prior="beta-bernoulli"), x)
+
+
+def test_two_learned_priors_in_one_process_keep_their_own_rates():
+    """The diagnostic runs the head's program, inside the head's own param scope: nothing is left in Pyro's global
+    param store, where the next learner of the process would pick up the previous one's prior rate (the conftest
+    clears the store only between tests)."""
+    first, second = (ContrastiveLearner(resolve(Config(dataset="digits", proj_hidden=32, proj_dim=8, prior="learned",
+                                                       prior_prob=rho)), 1, 200) for rho in (0.2, 0.9))
+    x = torch.randn(16, 1, 8, 8)
+    for learner, rho in ((first, 0.2), (second, 0.9)):
+        for validation in (False, True):
+            with pyro.validation_enabled(validation):
+                gate_gradient_bias(learner, x, ("ste",), draws=1, reference_draws=2)
+                learner(x)
+            assert not list(pyro.get_param_store().keys())
+        torch.testing.assert_close(learner.model.prior.rate().detach(), torch.full((8,), rho))
+    assert second.model.prior.logit_rate_unconstrained is not first.model.prior.logit_rate_unconstrained

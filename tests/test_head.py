@@ -1,17 +1,21 @@
 """BayesNCLHead: the loss module a user's own loop calls, and the one the Trainer trains through."""
 
 import copy
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro import BayesNCLHead
-from bayesncl_pyro.config import Config
+from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.encoders import build_backbone
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.rundir import read_log
@@ -93,7 +97,9 @@ def test_head_takes_a_prior_object_and_names_bad_arguments():
     head = BayesNCLHead(D, K, H, num_train=500, prior=prior, kl_weight=0.01)
     assert head.model.prior is prior and head.guide.rate_guide is not None
     groups = {g["name"]: g for g in head.param_groups(0.3, gate_lr=0.1, backbone=torch.nn.Linear(3, D))}
-    assert groups["prior"]["lr"] == pytest.approx(0.1 / 0.01) and len(groups["encoder"]["params"]) == 2 + 4
+    # the prior's step is the gating head's lr on gradients divided by lambda (was: lr gate_lr / lambda)
+    assert groups["prior"]["lr"] == 0.1 and groups["prior"]["grad_scale"] == pytest.approx(1 / 0.01)
+    assert len(groups["encoder"]["params"]) == 2 + 4
     with pytest.raises(Exception, match="the prior has 8 gates but the head 4 features"):
         BayesNCLHead(D, 4, H, num_train=500, prior=prior)
     with pytest.raises(Exception, match="unknown gate 'hard'"):
@@ -132,3 +138,153 @@ def test_importing_the_package_stays_light():
             "from bayesncl_pyro import BayesNCLHead, load_run; print(light, 'pyro' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]
+
+
+def test_the_logged_kl_is_summed_not_recovered_from_the_loss():
+    """Gates near the prior at the published lambda: the KL per row is about 0.003 nats, far below float32's
+    resolution of (loss - nce) / lambda (about 0.016 at a loss of 5), which logged it as 0 or as negative."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(64, 256, 128, num_train=50_000, kl_weight=3e-5)
+    with torch.no_grad():
+        head.guide.head[-1].weight.mul_(0.001)
+        head.guide.head[-1].bias.fill_(math.log(4) + 0.05)  # sigmoid a little above the prior's 0.8
+    h = torch.randn(256, 64)
+    _, stats = head(h)
+    expected = bernoulli_kl(head.gate_probs(h).double(), 0.8, 0.01).sum(1).mean()
+    assert 0.001 < expected < 0.01
+    assert stats["kl"].item() == pytest.approx(expected.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("prior, gate", [("beta-bernoulli", "ste"), ("bernoulli", "gs-reference-kl")])
+def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(prior, gate):
+    """For a hierarchical prior the gates' KL is taken against this step's draw from q(rate), not the prior's mean
+    rate; for gs-reference-kl at sigmoid(l), not at the gate's inclusion probability. The logged KL (with the
+    global latents' KL / 2N) and the prior's pull on the gates use the same."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=50, prior=prior, gate=gate, kl_weight=0.05, kl_clamp=0.0, prior_prob=0.7)
+    h = torch.randn(R, D)
+    with pyro.validation_enabled(False):  # validation runs the program once more, drawing another rate
+        pyro.set_rng_seed(5)
+        loss, stats = head(h)
+    pyro.set_rng_seed(5)
+    q = head.guide.posterior(h)
+    alpha = q.kl_probs().detach()
+    if prior == "beta-bernoulli":
+        rate_q = head.guide.rate_guide.posterior()
+        rate = rate_q.rsample().detach()  # the step's draw, replayed
+        global_kl = torch.distributions.kl_divergence(rate_q, dist.Beta(head.model.prior.a, head.model.prior.b))
+        global_kl = global_kl.sum().detach() / head.num_rows
+        assert not torch.allclose(rate, head.model.prior.mean_rate())
+    else:
+        rate, global_kl = torch.full((K,), 0.7), 0.0
+        assert not torch.allclose(alpha, q.probs)
+    torch.testing.assert_close(stats["prior_rate"], rate)
+    torch.testing.assert_close(stats["kl_probs"], alpha)
+    torch.testing.assert_close(stats["kl"], bernoulli_kl(alpha, rate, 0.0).sum(1).mean() + global_kl)
+    loss.backward()
+    alpha.requires_grad_()
+    pull, = torch.autograd.grad(bernoulli_kl(alpha, rate, 0.0).sum(), alpha)
+    assert head.pulls(stats)["gate_prior_pull"] == pytest.approx(0.05 * pull.abs().mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kl_clamp=0.5), r"kl_clamp must lie in \[0, 0.5\), got 0.5"),
+    (dict(logit_bound=0.0), "logit_bound must be positive, got 0.0; pass e.g. 5.0"),
+    (dict(kl_weight=0.0), "kl_weight must be positive, got 0.0; pass e.g. 3e-5 .*no prior"),
+    (dict(kl_weight=-1.0), "kl_weight must be positive"),
+    (dict(temperature=0), "temperature must be positive, got 0"),
+    (dict(head_depth=0), "head_depth must be positive"),
+    (dict(topk=9), r"topk must lie in \[0, proj_dim=8\], got 9"),
+    (dict(gate="hard", nonneg="abs"), "^unknown gate 'hard'; choose one of: relaxed, ste, gs, gs-reference-kl$"),
+    (dict(nonneg="abs"), "^unknown nonneg 'abs'; choose one of: relu, rep_relu, none$"),
+    (dict(num_train=1), "num_train must be the number of images in the training set"),
+    (dict(prior=None, prior_args={"concentration": 3}), "prior=None has no prior to take them"),
+    (dict(prior=BetaBernoulliPrior(K, 0.6), prior_args={"concentration": 3}),
+     "a BetaBernoulliPrior is built already: pass them to its constructor"),
+    (dict(prior=BetaBernoulliPrior(4, 0.6)), "the prior has 4 gates but the head 8 features; build the prior with "
+                                             "num_features=8"),
+])
+def test_each_bad_argument_is_refused_in_one_line_naming_it(kwargs, message):
+    with pytest.raises(UserError, match=message) as err:
+        BayesNCLHead(D, K, H, **{"num_train": 500, **kwargs})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("kl_clamp", 0.7, r"--kl-clamp must lie in \[0, 0.5\)"), ("logit_bound", 0.0, "--logit-bound must be positive"),
+    ("gate", "hard", "unknown --gate 'hard'"), ("topk", 99, r"--topk must lie in \[0, --proj-dim=64\]")])
+def test_the_config_checks_the_head_arguments_by_their_flags(flag, value, message):
+    with pytest.raises(UserError, match=message):
+        resolve(Config(dataset="digits", **{flag: value}))
+
+
+@pytest.mark.parametrize("rows, message", [
+    (7, "got 7 rows, an odd number: the head takes the rows of both views"),
+    (2, "got 2 rows, the views of 1 image: InfoNCE needs another image"),
+    (12, "a batch of 6 images, but num_train=4: num_train is the number of images in the training set"),
+])
+def test_a_batch_the_loss_would_get_wrong_is_refused(rows, message):
+    head = BayesNCLHead(D, K, H, num_train=4)
+    with pytest.raises(UserError, match=message):
+        head(torch.randn(rows, D))
+    with pytest.raises(UserError, match="R x D backbone features, got a tensor of shape"):
+        head(torch.randn(2, 4, D))
+
+
+def test_a_head_without_gates_says_so():
+    head = BayesNCLHead(D, K, H, num_train=500, prior=None)
+    with pytest.raises(UserError, match="this head has no gates"):
+        head.gate_probs(torch.randn(R, D))
+
+
+def _prior_step(head, optimizer_class, lr, h):
+    optimizer = optimizer_class(head.param_groups(lr, gate_lr=lr), lr=lr)
+    before = head.model.prior.logit_rate_unconstrained.detach().clone()
+    head(h)[0].backward()
+    optimizer.step()
+    return head.model.prior.logit_rate_unconstrained.detach() - before
+
+
+def test_the_learned_priors_step_does_not_depend_on_lambda_under_any_optimiser():
+    """Its gradient arrives divided by lambda: with SGD the step is lambda-free at the gating head's lr, with Adam
+    (scale-free) it is that lr, not lr / lambda (the former param_groups took lr / lambda unless told adam=True)."""
+    h = torch.randn(R, D)
+    steps = {}
+    for lam in (1e-3, 1e-2):
+        torch.manual_seed(0)
+        steps[lam] = _prior_step(BayesNCLHead(D, K, H, num_train=500, prior="learned", kl_weight=lam),
+                                 torch.optim.SGD, 0.5, h)
+    assert steps[1e-3].abs().max() > 1e-3
+    torch.testing.assert_close(steps[1e-3], steps[1e-2], rtol=1e-4, atol=1e-7)
+    torch.manual_seed(0)
+    adam = _prior_step(BayesNCLHead(D, K, H, num_train=500, prior="learned", kl_weight=1e-3), torch.optim.Adam, 0.01, h)
+    torch.testing.assert_close(adam.abs(), torch.full((K,), 0.01), rtol=1e-3, atol=0)  # Adam's first step: lr
+
+
+def test_a_copy_of_the_head_divides_the_priors_gradient_as_the_original():
+    """Tensor hooks do not travel with deepcopy: the copy registers its own at its first step."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, prior="beta-bernoulli", kl_weight=1e-3, gate="ste")
+    copy_ = copy.deepcopy(head)
+    h = torch.randn(R, D)
+    for module in (head, copy_):
+        with pyro.validation_enabled(False):
+            pyro.set_rng_seed(1)
+            module(h)[0].backward()
+    for (name, a), b in zip(head.named_parameters(), copy_.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert head.guide.rate_guide.a_unconstrained.grad.abs().max() > 1e-3  # divided by lambda, not lambda-sized
+
+
+@pytest.mark.parametrize("gate", ["gs", "gs-reference-kl", "ste"])
+def test_the_evaluation_mask_is_the_mode_but_for_gs_reference_kl_the_references(gate):
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, gate=gate, logit_bound=1.0)
+    h = torch.randn(64, D)
+    logits = head.guide.logits(h)
+    alpha = logits.sigmoid() if gate == "gs-reference-kl" else head.gate_probs(h)
+    between = (logits > -0.367) & (logits < 0)  # open at the gs mode, closed at sigmoid(l) > 0.5
+    assert between.any()
+    mask = (alpha > 0.5).float()
+    torch.testing.assert_close(head.gate_mask(h), mask)
+    torch.testing.assert_close(head.representation(h), normalize(head.model.features(head.projector(h)) * mask))

@@ -1,5 +1,6 @@
 """load_run: a trained run folder as an object that takes images in any common form."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from bayesncl_pyro.arviz_export import read_gates
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.run import image_paths
+from bayesncl_pyro.rundir import read_eval
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import run_svi  # noqa: E402
@@ -63,6 +65,7 @@ def test_images_as_files_pil_and_float_tensors_give_the_same(run_dir, test_image
 @pytest.mark.parametrize("images, message", [
     (torch.rand(2, 3, 8, 8), "1-channel images"),
     (torch.full((2, 1, 8, 8), 255.0), r"float images must lie in \[0, 1\]"),
+    (torch.full((2, 1, 8, 8), float("nan")), r"float images must lie in \[0, 1\], without NaN"),
     (torch.zeros(2, 1, 8, 8, dtype=torch.int32), "integer images must be uint8"),
     ("missing.png", "cannot read image missing.png"),
     ([], "empty list"),
@@ -77,3 +80,25 @@ def test_a_folder_without_images_and_a_folder_without_a_run(tmp_path, run_dir):
         load_run(run_dir).gate_probs(tmp_path)
     with pytest.raises(UserError, match="holds no checkpoint.pt"):
         load_run(tmp_path)
+
+
+def test_the_checkpoint_file_loads_as_its_folder_and_bad_arguments_are_one_line(run_dir, test_images, monkeypatch):
+    run = load_run(run_dir / "checkpoint.pt")
+    assert run.dir == run_dir
+    torch.testing.assert_close(run.gate_probs(test_images[:4]), load_run(run_dir).gate_probs(test_images[:4]))
+    with pytest.raises(UserError, match="batch_size must be a positive number of images, got 0"):
+        run.gate_probs(test_images[:4], batch_size=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda was asked for but PyTorch sees no CUDA GPU"):
+        load_run(run_dir, device="cuda")
+
+
+def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_images, tmp_path):
+    """``gates_open`` (``gate_rate`` before: the log's name for the mean inclusion probability) is the share of
+    (image, feature) gates that the representation keeps; an earlier version's eval.json reads under the new name."""
+    results = read_eval(run_dir)
+    probs = read_gates(run_dir)["gates"]["inclusion_prob"].values
+    assert "gate_rate" not in results and results["gates_open"] == pytest.approx((probs > 0.5).mean(), abs=1e-6)
+    assert results["gates_open"] != pytest.approx(probs.mean(), abs=1e-3)
+    (tmp_path / "eval.json").write_text(json.dumps({"gate_rate": 0.25, "semantic_consistency": 0.5}))
+    assert read_eval(tmp_path) == {"gates_open": 0.25, "semantic_consistency": 0.5}

@@ -195,7 +195,7 @@ def test_factor_report_counts_the_dims_the_gates_close_per_factor():
     ungated = torch.stack([bg.double(), cls.double()], 1)  # dim 0 fires with the background, dim 1 with the class
     probs = torch.tensor([[0.1, 0.9]]).expand(8, 2)  # the gates close dim 0 everywhere, keep dim 1
     gated = ungated * (probs > 0.5)
-    report = factor_report(gated, {"class": cls, "background": bg}, ungated, probs)
+    report = factor_report(gated, {"class": cls, "background": bg}, ungated, (probs > 0.5).double())
     assert report == {"dims_tracking_class": 1, "dims_tracking_background": 0,
                       "ungated_dims_tracking_class": 1, "gated_off_dims_class": 0, "gated_off_share_class": 0.0,
                       "ungated_dims_tracking_background": 1, "gated_off_dims_background": 1,

@@ -11,6 +11,7 @@ from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import GATES
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.posterior import gate_posterior
 
@@ -25,14 +26,15 @@ def learner_for(data, **kw):
     return ContrastiveLearner(cfg, data.channels, len(data.train)).eval()
 
 
-def test_probabilities_are_the_sigmoid_of_the_guide_logits(digits):
-    learner = learner_for(digits)
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_probabilities_are_each_gates_inclusion_probability_of_the_guide_logits(digits, gate):
+    learner = learner_for(digits, gate=gate)
     post = gate_posterior(learner, digits)
     transform = eval_transform(8, digits.channels)
     x = torch.stack([transform(digits.test[i][0]) for i in range(len(digits.test))])
     with torch.no_grad():
         h = learner.backbone(x)
-        expected = learner.guide.logits(h).sigmoid()
+        expected = GATES[gate].inclusion(learner.guide.logits(h))
     assert post.probs.shape == (len(digits.test), 16) and post.draws is None
     torch.testing.assert_close(post.probs, expected)
     assert post.labels.tolist() == [digits.test[i][1] for i in range(len(digits.test))]
@@ -95,6 +97,10 @@ def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
     if prior == "beta-bernoulli":
         np.testing.assert_array_equal(idata.gates["rate_b"].values, post.rate_beta[1].numpy())
         np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.rate_draws.numpy())
+        # an untrained q(rate) is the hyperprior, concentration 10 against 10 + 2N: marked as not converged
+        optimum = 10 + 2 * len(digits.train)
+        for var in (idata.gates["rate_a"], idata.gates["rate_b"], idata.posterior["rate"]):
+            assert var.attrs["converged"] == "no" and f"a + b 10 (mean over features) against {optimum}" in var.attrs["note"]
     else:
         assert "rate" not in idata.posterior
 

@@ -9,11 +9,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
+from pyro.nn import PyroModule
 
+from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.rundir import load_learner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -103,3 +108,70 @@ def test_registry_priors_take_arguments_and_a_missing_module_is_named():
         resolve(Config(dataset="digits", prior="torch:Tensor"))
     with pytest.raises(SystemExit):  # argparse: "expected NAME=VALUE"
         run_svi.parser().parse_args(["--prior-arg", "concentration"])
+
+
+class _BetaRate(Prior):
+    """A hierarchical prior whose guide is its own business (here: missing, or sampling the wrong site)."""
+
+    guide_site = None
+
+    def rate(self):
+        return pyro.sample("r", dist.Beta(torch.full((self.num_features,), 8.0), 2.0).to_event(1))
+
+    def make_guide(self):
+        if self.guide_site is None:
+            return None
+        return _SiteGuide(self.guide_site, self.num_features)
+
+
+class _SiteGuide(PyroModule):
+    def __init__(self, site, num):
+        super().__init__()
+        self.site, self.num = site, num
+
+    def forward(self):
+        return pyro.sample(self.site, dist.Beta(torch.full((self.num,), 5.0), 5.0).to_event(1))
+
+
+class _WrongGuide(_BetaRate):
+    guide_site = "rate"
+
+
+class _RightGuide(_BetaRate):
+    guide_site = "r"
+
+
+class _OutsideRate(Prior):
+    def rate(self):
+        return torch.full((self.num_features,), 1.5)
+
+
+class _WrongLength(Prior):
+    def rate(self):
+        return torch.full((self.num_features + 1,), 0.5)
+
+
+@pytest.mark.parametrize("prior, message", [
+    (_BetaRate, r"_BetaRate.rate\(\) samples the latent sites \['r'\] but its make_guide\(\) returns no guide: "
+                r"make_guide\(\) must return a guide"),
+    (_WrongGuide, r"samples the latent sites \['r'\] but its make_guide\(\) returns a guide that samples \['rate'\]"),
+    (_OutsideRate, r"_OutsideRate.rate\(\) returned rates outside \(0, 1\) \(from 1.5 to 1.5\)"),
+    (_WrongLength, r"_WrongLength.rate\(\) returned shape \(9,\); it must return the 8 gates' inclusion rates"),
+])
+def test_a_prior_that_does_not_fit_the_program_is_refused_when_the_head_is_built(prior, message):
+    """Not a bare KeyError inside the ELBO, a broadcast error, or (a rate outside (0, 1), hidden by the KL's clamp)
+    silent training."""
+    with pytest.raises(UserError, match=message):
+        BayesNCLHead(6, 8, 16, num_train=100, prior=prior(8, 0.8))
+
+
+def test_a_prior_with_its_own_guide_trains_and_checking_it_draws_nothing():
+    """The check runs the prior and its guide on a forked random stream: the weights initialised after it are
+    those of a head whose prior draws nothing."""
+    heads = []
+    for prior in (_RightGuide(8, 0.8), "bernoulli"):
+        torch.manual_seed(0)
+        heads.append(BayesNCLHead(6, 8, 16, num_train=100, prior=prior))
+    torch.testing.assert_close(heads[0].guide.head[0].weight, heads[1].guide.head[0].weight, rtol=0, atol=0)
+    loss, _ = heads[0](torch.randn(10, 6))
+    assert torch.isfinite(loss)

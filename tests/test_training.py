@@ -221,3 +221,37 @@ def test_a_run_of_version_0_1_loads_and_resumes_as_it_was(tmp_path):
     resumed = Trainer(tiny(tmp_path, gate="gs-reference-kl", eval_protocol="fast", max_steps=6), progress=False)
     assert resumed.step == 4
     resumed.train(6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lars", "adamw"])
+def test_a_checkpoint_of_the_former_prior_learning_rate_resumes_as_it_was(tmp_path, optimizer):
+    """Before the head divided the prior's gradients by lambda, its optimizer group ran at gate_lr / lambda on raw
+    gradients (AdamW: at gate_lr); such a checkpoint resumes with its state in the current units, and trains on as
+    a run that never stopped."""
+    kw = dict(prior="learned", optimizer=optimizer, kl_weight=1e-3, warmup_epochs=0, lr=0.01)
+    straight = Trainer(tiny(tmp_path / "a", max_steps=6, **kw), progress=False)
+    straight.train(6)
+    first = Trainer(tiny(tmp_path / "b", max_steps=3, **kw), progress=False)
+    first.train(3)
+    first.save()
+    path = tmp_path / "b" / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    index, group = next((i, g) for i, g in enumerate(state["optimizer"]["param_groups"]) if g["name"] == "prior")
+    assert group.pop("grad_scale") == pytest.approx(1e3)
+    moments = [state["optimizer"]["state"][p] for p in group["params"]]
+    if optimizer == "adamw":
+        for m in moments:
+            m["exp_avg"], m["exp_avg_sq"] = m["exp_avg"] * 1e-3, m["exp_avg_sq"] * 1e-6
+    else:
+        group["lr"], group["initial_lr"] = group["lr"] / 1e-3, group["initial_lr"] / 1e-3
+        for m in moments:
+            m["momentum_buffer"] = m["momentum_buffer"] * 1e-3
+        for key in ("base_lrs", "_last_lr"):
+            state["scheduler"][key][index] /= 1e-3
+    torch.save(state, path)
+    resumed = Trainer(tiny(tmp_path / "b", max_steps=6, **kw), progress=False)
+    assert resumed.optimizer.param_groups[index]["lr"] == pytest.approx(first.optimizer.param_groups[index]["lr"])
+    resumed.train(6)
+    a, b = _params(straight), _params(resumed)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)
