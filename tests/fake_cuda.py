@@ -196,6 +196,8 @@ _METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel
              "is_leaf", "_is_view", "backward", "_has_compatible_shallow_copy_type", "is_same_size", "__repr__", "__reduce_ex__", "__deepcopy__", "as_subclass"}
 # ops that take no CPU tensor with CUDA ones, not even a 0-dim one (no TensorIterator, which alone takes CPU scalars)
 _NO_CPU_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
+# factories that copy host data (not a tensor) to the device: a pageable copy, which the host waits for
+_FROM_HOST = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
 # ops whose result the host waits for
 _SYNCING = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
             torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal, torch.Tensor.equal,
@@ -388,8 +390,8 @@ class FakeCuda:
             stream = self.current_stream(index)
             self.reads(stream, [t for t in tensors if isinstance(t, CudaTensor)])
             out = func(*args, **kwargs)
-            if func in _SYNCING:
-                self.host_waits(stream, why=func.__name__)
+            if func in _SYNCING or _waits_for_host(func, args, device):
+                self.host_waits(stream, why=getattr(func, "__name__", str(func)))
             if _is_cpu_device(device):
                 return out
             for t in written:
@@ -539,6 +541,9 @@ class FakeCuda:
         from bayesncl_pyro.data import decode
 
         monkeypatch.setattr(decode, "decode_jpeg", self.decode_jpeg)
+        from bayesncl_pyro.data import pipeline
+
+        monkeypatch.setattr(pipeline, "_STREAMS", {})  # a stream of an earlier test's runtime is not one of ours
         run = threading.Thread.run
 
         def run_with_fake_cuda(thread):
@@ -546,6 +551,18 @@ class FakeCuda:
                 run(thread)
 
         monkeypatch.setattr(threading.Thread, "run", run_with_fake_cuda)
+
+
+def _waits_for_host(func, args, device) -> bool:
+    """Whether CUDA makes the host wait where this stand-in sees no copy: a factory of host data, an index held on
+    the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result)."""
+    if func in _FROM_HOST:
+        return _is_cuda(device) and not (args and isinstance(args[0], torch.Tensor))
+    if func in _CROSS_DEVICE and func is not torch.Tensor.copy_ and len(args) > 1:
+        index = tree_flatten(args[1])[0]
+        return any(isinstance(i, torch.Tensor) and (not isinstance(i, CudaTensor) and i.dim() > 0
+                                                    or i.dtype == torch.bool) for i in index)
+    return False
 
 
 def _in_place(func) -> bool:

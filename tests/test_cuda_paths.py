@@ -120,6 +120,18 @@ def test_the_stand_in_counts_host_syncs_and_keeps_the_device_per_thread(fake_cud
     torch.ones(3).to("cuda", non_blocking=True)  # pageable memory: CUDA stages it synchronously
     bool(torch.ones(1, device="cuda"))
     assert fake_cuda.syncs["MainThread"] == before + 2
+    # the waits CUDA adds where no copy is written: host data made a device tensor, an index held on the CPU
+    # (copied over synchronously), a boolean mask (its nonzero sizes the result); a device index does not wait
+    x = torch.arange(4.0, device="cuda")
+    before = fake_cuda.syncs["MainThread"]
+    x[torch.arange(2, device="cuda")] = 1.0
+    x[torch.arange(2, device="cuda")] + 1
+    assert fake_cuda.syncs["MainThread"] == before
+    torch.tensor([1.0, 2.0], device="cuda")
+    x[torch.tensor([0, 1])]
+    x[torch.tensor([0, 1])] = 0.0
+    x[x > 1]
+    assert fake_cuda.syncs["MainThread"] == before + 4
 
 
 # -------------------------------------------------------------------------------------------------- the device
@@ -265,7 +277,9 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
             (RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"),
              RuntimeError, "out of memory"),  # torchvision's wrapping of an out-of-memory error inside its decoder
             (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
-             r"cannot decode JPEGs on cuda:0 \(it was built without nvJPEG\); install a CUDA build of torchvision")):
+             r"cannot decode JPEGs on cuda:0 \(it was built without nvJPEG\); install a CUDA build of torchvision"),
+            (RuntimeError("Couldn't load the image extension. If you built torchvision from source, ..."), UserError,
+             r"cannot load its image extension, so it decodes no JPEG; install the torchvision build made for torch")):
         def failing(*args, error=error, **kwargs):
             calls.append(1)
             raise error

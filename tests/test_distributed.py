@@ -5,6 +5,7 @@ to the launcher, another number of processes on resume, and the SLURM script."""
 
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -304,11 +305,11 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_resumes_
     stopped = [line for line in (tmp_path / "torchrun.err").read_text().splitlines() if "stopped:" in line]
     assert stopped == 2 * [f"stopped: SIGUSR1 received: checkpoint saved at step {saved['step']} of {STEPS} in {out}; "
                            "rerun the same command to resume"]
-    # each rank exits 75 once the checkpoint is written; torchrun stops a rank still shutting down (its SIGTERM)
-    # as soon as it sees the other's non-zero exit, which races with that rank's own exit
-    err = (tmp_path / "torchrun.err").read_text()
-    assert err.count(f"exitcode  : {REQUEUE}") + err.count("closing signal SIGTERM") == 2
-    assert err.count(f"exitcode  : {REQUEUE}") >= 1
+    # each rank exits 75 once the checkpoint is written; torchrun SIGTERMs a rank still shutting down as soon as
+    # it sees the other's non-zero exit, which races with that rank's own exit: the rank then exits 75 from
+    # its SIGTERM handler, or -15 if the signal lands after the handler is gone
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", (tmp_path / "torchrun.err").read_text())
+    assert str(REQUEUE) in codes and set(codes) <= {str(REQUEUE), str(-signal.SIGTERM)}, codes
     assert_same_params(finished(launch(out, log="rerun"), out)["learner"], reference["params"])
 
 

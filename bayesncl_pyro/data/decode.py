@@ -149,4 +149,7 @@ def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Ten
         if "not compiled with nvJPEG" in str(err):
             raise UserError(f"this torchvision ({torchvision.__version__}) cannot decode JPEGs on {device} (it was "
                             "built without nvJPEG); install a CUDA build of torchvision, or pass --augment workers") from None
+        if "Couldn't load the image extension" in str(err):  # every file would fail: no file is to blame
+            raise UserError(f"this torchvision ({torchvision.__version__}) cannot load its image extension, so it "
+                            f"decodes no JPEG; install the torchvision build made for torch {torch.__version__}") from None
         raise _Undecodable(str(err)) from None

@@ -33,7 +33,7 @@ from bayesncl_pyro.data.decode import EncodedImages
 from bayesncl_pyro.data.device_views import _to_device, simclr_views
 
 AHEAD = 2
-"""Batches the prefetcher may hold ready on CUDA: one for the next step, one being drawn."""
+"""Batches the prefetcher may hold ready on CUDA; one more is being drawn meanwhile, and the step holds its own."""
 
 
 def view_generator(seed: int, step: int, rank: int) -> torch.Generator:
