@@ -18,12 +18,13 @@ its ``class_label``):
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
                     rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)
+    training_log    every numeric field of log.jsonl (step): -ELBO per row (loss), nce, kl, ...
 
-The rate variables carry the attributes ``converged`` ("yes" or "no") and ``note``: q(rate) is trained by SGD,
+The posterior group's attributes ``inference`` and ``note`` say what its draws are: independent draws from the
+trained guide (variational inference), not MCMC, so one chain and no R-hat. The rate variables carry the attributes ``converged`` ("yes" or "no") and ``note``: q(rate) is trained by SGD,
 whose steps move its mean to the data quickly but its concentration a + b only slowly towards the conjugate
 posterior's (models/priors.py, BetaBernoulliPrior), so after a run on a large data set its spread says how far
 training got, not how uncertain the rates are.
-    training_log    every numeric field of log.jsonl (step): -ELBO per row (loss), nce, kl, ...
 
 The run configuration is in the attributes of the root and of every group: ``config`` (JSON) and one
 attribute per scalar field.
@@ -45,6 +46,8 @@ from bayesncl_pyro.rundir import CONFIG, GATES_FILE, cannot_write, read_log
 
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
+POSTERIOR_NOTE = ("independent draws from the trained amortized guide q(g | x) = Bernoulli(gates.inclusion_prob) "
+                  "(and q(rate)), not MCMC: one chain, R-hat and ESS do not apply")
 ARVIZ_1 = int(version("arviz").split(".")[0]) >= 1  # from the metadata: importing arviz 1.x takes ~2 s
 
 
@@ -83,6 +86,7 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     attrs = {"config": json.dumps(config), **{k: v for k, v in config.items() if type(v) in (int, float, str)}}
     for node in dt.subtree:  # the root and every group
         node.attrs.update(attrs)
+    dt["posterior"].attrs.update(inference="variational", note=POSTERIOR_NOTE)
     return dt
 
 

@@ -129,5 +129,6 @@ def degeneracy_warnings(rec: dict, num_features: int) -> list[str]:
     elif rec["gate_rate"] > 0.95:
         out.append(f"nearly all gates are open (mean inclusion {rec['gate_rate']:.3f})")
     if rec["kl"] / num_features < 1e-3:
-        out.append(f"KL collapse: the gate posterior equals the prior (KL {rec['kl']:.2g} nats per row)")
+        out.append(f"KL collapse: the gate posterior is at the prior, as far as the trained KL tells "
+                   f"(KL {rec['kl']:.2g} nats per row)")
     return out

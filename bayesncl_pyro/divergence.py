@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 # the terms of the -ELBO whose gradients reach each part of the learner, by parameter-name prefix (the gating
 # head sees h.detach())
-TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "KL", "head.guide.": "InfoNCE or KL"}
+TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "KL", "head.guide.rate_guide.": "KL",
+         "head.guide.": "InfoNCE or KL"}
 
 
 class DivergenceGuard:

@@ -7,7 +7,9 @@ The gating head's objective, per row as the trainer minimises it, is
 with q(g | x) the estimator's Bernoulli (``guides/gates.py``: its ``probs`` is the true inclusion
 probability) and l_i the InfoNCE of row i on the gated features. The estimators differ only in the
 gradient of the first term: ``ste`` takes it at the mode, ``relaxed`` and ``gs`` through a relaxed draw;
-none is the gradient of the expectation.
+none is the gradient of the expectation. ``gs-reference-kl`` differs in the second term too: it trains
+with the reference's KL at sigmoid(l), while its reference here is ``gs``'s objective (the KL at q's own
+probability), so its bias includes the KL surrogate's.
 
 The unbiased gradient used here is exact in each gate and Monte Carlo over the others (the local
 expectation gradient): q is a product of Bernoullis, so with p_ik = P(g_ik = 1 | x_i),

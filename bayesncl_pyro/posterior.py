@@ -26,7 +26,7 @@ class GatePosterior:
     """N test items, K dimensions, C classes, S draws."""
 
     probs: torch.Tensor  # N x K, q(g_k = 1 | x_i), exact
-    features: torch.Tensor  # N x K, the representation F the metrics judge (gated by the posterior mode)
+    features: torch.Tensor  # N x K, the representation F the metrics judge (at the gate's evaluation mask)
     labels: torch.Tensor  # N, class index
     classes: list[str]  # C names, index = label
     draws: torch.Tensor | None = None  # S x N x K, 0/1 gates drawn from q(g | x) = Bernoulli(probs)

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
+from bayesncl_pyro.guides.gates import Gate, gate_class  # noqa: E402
 from bayesncl_pyro.evaluation import extract  # noqa: E402
 from bayesncl_pyro.losses import bernoulli_kl  # noqa: E402
 from bayesncl_pyro.metrics import dim_consistency  # noqa: E402
@@ -47,12 +48,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_elbo(log: list[dict], gated: bool, kl_weight: float, path: Path) -> Path:
+def plot_elbo(log: list[dict], kl_label: str | None, kl_weight: float, path: Path) -> Path:
+    """``kl_label``: what the KL term computes (``Gate.kl_label``); None for an ungated method."""
     steps = [r["step"] for r in log]
     panels = [("loss", "-ELBO per row = InfoNCE + lambda * KL"), ("nce", "InfoNCE per row (at the gates training used)")]
-    if gated:
-        panels.append(("kl", f"KL(q(g | x) || p(g)) per row, summed over dims\n(enters the loss times lambda = "
-                             f"{kl_weight:g})"))
+    if kl_label:
+        panels.append(("kl", f"{kl_label}\nper row, summed over dims (times lambda = {kl_weight:g} in the loss)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (key, title) in zip(np.atleast_1d(axes), panels):
         ax.plot(steps, [r[key] for r in log], lw=1.2)
@@ -60,11 +61,11 @@ def plot_elbo(log: list[dict], gated: bool, kl_weight: float, path: Path) -> Pat
     return _save(fig, path)
 
 
-def plot_kl_per_dim(kl: np.ndarray, path: Path) -> Path:
+def plot_kl_per_dim(kl: np.ndarray, kl_label: str, path: Path) -> Path:
     order = np.argsort(kl)[::-1]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(kl)), 3.4))
     ax.bar(np.arange(len(kl)), kl[order], color="tab:purple")
-    ax.set(title="KL(q(g_k | x) || p(g_k)) per dimension, mean over test images (sorted)",
+    ax.set(title=f"{kl_label} per dimension,\nmean over test images (sorted; a hierarchical prior at q(rate)'s mean)",
            xlabel="dimension (sorted by KL)", ylabel="KL (nats)")
     _dim_ticks(ax, order)
     return _save(fig, path)
@@ -243,10 +244,11 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
 
         print(f"wrote {export_gates(run_dir, learner, data)}")
     log = read_log(run_dir)
+    kl_label = gate_class(cfg.gate).kl_label(cfg.kl_clamp) if learner.gated else None  # the KL as trained
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
     if log:
         last = log[-1]
-        plot_elbo(log, learner.gated, cfg.kl_weight, out / "elbo.png")
+        plot_elbo(log, kl_label, cfg.kl_weight, out / "elbo.png")
         summary.append(f"last record (step {last['step']}): -ELBO/row {last['loss']:.4f} = InfoNCE {last['nce']:.4f}"
                        + (f" + lambda * KL {cfg.kl_weight * last['kl']:.2e} (KL {last['kl']:.3f} nats)"
                           if learner.gated else ""))
@@ -259,7 +261,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         features, labels, probs = post.features, post.labels, post.probs.numpy()
         rate = learner.model.prior.mean_rate(learner.guide.rate_guide)  # of q(rate), for a hierarchical prior
         kl = bernoulli_kl(post.probs, rate, cfg.kl_clamp).mean(0).numpy()
-        plot_kl_per_dim(kl, out / "kl_per_dim.png")
+        plot_kl_per_dim(kl, Gate.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")  # at q's own probabilities
         plot_inclusion(probs, float(rate.mean()), out / "inclusion.png")
         plot_class_heatmap(post.class_means.numpy(), data.classes, out / "class_heatmap.png")
         mean_incl = probs.mean(0)

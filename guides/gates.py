@@ -90,6 +90,12 @@ class Gate(dist.Bernoulli):
         """The inclusion probability the KL term is computed at: q's own."""
         return self.probs
 
+    @classmethod
+    def kl_label(cls, kl_clamp: float) -> str:
+        """What this estimator's KL term computes, in words (plot titles, logs)."""
+        clamp = f", rates clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
+        return f"KL(q(g | x) || p(g)){clamp}"
+
     def mask(self) -> torch.Tensor:
         """The 0/1 gates the evaluation uses (the representation F, eval.json's ``gates_open``): the posterior mode
         1[P(g = 1 | x) > 0.5]."""
@@ -155,6 +161,11 @@ class GumbelSigmoidReferenceKLGate(GumbelSigmoidGate):
 
     def kl_probs(self):
         return self.head_logits.sigmoid()
+
+    @classmethod
+    def kl_label(cls, kl_clamp: float) -> str:
+        clamp = f", clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
+        return f"the reference's KL at sigmoid(l){clamp} (not KL(q || p))"
 
     def mask(self):
         return (self.kl_probs() > 0.5).to(self.probs)

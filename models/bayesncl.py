@@ -7,11 +7,14 @@ Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it 
 
 * ``g_i ~ Bernoulli(rate)`` (K gates) sits under ``poutine.scale(lambda)`` in the model *and* the
   guide, so TraceMeanField_ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): the Bernoulli KL with the
-  guide's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact).
+  guide's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for ``gs-reference-kl``, the reference's
+  KL at sigmoid(l), which is not KL(q || p).
 
 and once for the batch, *outside* the plate but with the plate's scaling 2N / R:
 
-* ``pyro.factor("nce", -sum_i l_i)`` adds the rows' InfoNCE losses l_i as a log-likelihood.
+* ``pyro.factor("nce", -sum_i l_i)`` adds the rows' InfoNCE losses l_i as an unnormalised log-likelihood
+  (exp(-l_i) is no density over x): the "ELBO" is the variational objective of a Gibbs posterior, not a
+  bound on log p(x).
 
 So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(global latents)``, and the
 trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the

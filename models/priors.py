@@ -132,8 +132,10 @@ class BernoulliPrior(Prior):
 class LearnedPrior(Prior):
     """g_k ~ Bernoulli(rho_k) with rho_k a parameter fitted by maximising the ELBO (empirical Bayes).
 
-    Starts at ``prior_prob``; the ELBO's optimum is rho_k = the mean posterior inclusion rate of
-    dimension k, so the prior follows what the data use instead of pulling every gate to one rate.
+    Starts at ``prior_prob``; with the exact KL (``kl_clamp=0``) the ELBO's optimum is rho_k = the mean
+    posterior inclusion rate of dimension k (under ``gs-reference-kl``, the mean of sigmoid(l); with the
+    clamp, the same while the rates stay inside it), so the prior follows what the data use instead of
+    pulling every gate to one rate.
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8):

@@ -64,6 +64,10 @@ def test_paper_table_puts_the_papers_numbers_beside_ours_each_column_naming_its_
     assert "| LP@1 (ours, fast) | LP@1 (paper, reference) |" in compare.paper_table("cifar100", summary, "fast")
     assert "H_s (paper, reference)" in compare.paper_table("in100", summary, "reference")
     assert compare.paper_table("digits", summary, "fast") == ""
+    # the paper's GS row trained the reference's loss: gs-reference-kl here, not gs
+    gs = {m: {"semantic_consistency": [0.2, 0.0]} for m in ("bayesncl-gs", "bayesncl-gs-reference-kl")}
+    assert compare.paper_table("cifar100", gs, "reference").splitlines()[2:] == [
+        "| bayesncl-gs | 20.00 |  |  |  |", "| bayesncl-gs-reference-kl | 20.00 | 20.75 |  |  |"]
     assert set(compare.PAPER) == {"cifar10", "cifar100", "in100"}
 
 

@@ -76,6 +76,10 @@ def test_reference_clamp_is_not_the_kl():
     a = torch.tensor(0.995, requires_grad=True)  # past the clamp: no gradient at all
     bernoulli_kl(a, 0.8, 0.01).backward()
     assert a.grad == 0
+    # what each estimator's KL term computes, in the words plots and logs use
+    assert gate_class("ste").kl_label(0.0) == "KL(q(g | x) || p(g))"
+    assert gate_class("gs").kl_label(0.01) == "KL(q(g | x) || p(g)), rates clamped to [0.01, 0.99]"
+    assert "not KL(q || p)" in gate_class("gs-reference-kl").kl_label(0.01)
 
 
 # one JSON line: what kl_divergence does with Pyro's relaxed gates against Bernoulli, and the KL registry

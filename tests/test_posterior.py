@@ -93,6 +93,7 @@ def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
     np.testing.assert_array_equal(idata.training_log["step"].values, [10, 20])
     assert np.isnan(idata.training_log["gate_rate"].values[0])  # absent from the first record
     assert json.loads(idata.posterior.attrs["config"]) == learner.cfg.to_dict()
+    assert idata.posterior.attrs["inference"] == "variational" and "not MCMC" in idata.posterior.attrs["note"]
     assert idata.posterior.attrs["prior"] == prior
     if prior == "beta-bernoulli":
         np.testing.assert_array_equal(idata.gates["rate_b"].values, post.rate_beta[1].numpy())
