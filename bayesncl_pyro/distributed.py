@@ -60,9 +60,28 @@ def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
     negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return u, 0
-    from torch.distributed.nn.functional import all_gather  # imports a lot; only DDP runs need it
+    return _GatherRows.apply(u), dist.get_rank() * u.shape[0]
 
-    return torch.cat(all_gather(u)), dist.get_rank() * u.shape[0]
+
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows; backward: the sum over ranks of their losses' gradients for ours. Written here, as
+    solo-learn and lightly do, because ``torch.distributed.nn.functional.all_gather`` is deprecated (torch 2.14)
+    for a private module, and took another path on nccl (reduce-scatter) than on gloo (all-to-all), the one
+    tests run: here one all-reduce serves both (W times the traffic of a reduce-scatter, R x K floats a rank)."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor) -> torch.Tensor:
+        ctx.rows = u.shape[0]
+        out = u.new_empty((dist.get_world_size() * u.shape[0], *u.shape[1:]))
+        dist.all_gather_into_tensor(out, u.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone(memory_format=torch.contiguous_format)  # all_reduce writes in place
+        dist.all_reduce(total)
+        start = dist.get_rank() * ctx.rows
+        return total[start:start + ctx.rows]
 
 
 def all_gather_objects(obj) -> list:
