@@ -65,7 +65,7 @@ def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class _GatherRows(torch.autograd.Function):
     """All ranks' rows; backward: the sum over ranks of their losses' gradients for ours. Written here, as
-    solo-learn and lightly do, because ``torch.distributed.nn.functional.all_gather`` is deprecated (torch 2.14)
+    solo-learn and lightly do, because ``torch.distributed.nn.functional.all_gather`` is deprecated (torch 2.14 warns)
     for a private module, and took another path on nccl (reduce-scatter) than on gloo (all-to-all), the one
     tests run: here one all-reduce serves both (W times the traffic of a reduce-scatter, R x K floats a rank)."""
 
