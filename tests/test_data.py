@@ -381,3 +381,30 @@ def test_colour_views_are_seeded_and_the_same_from_pil_or_tensor():
 def test_colour_views_name_a_non_rgb_image():
     with pytest.raises(UserError, match="needs an RGB image"):
         simclr_transform(40)(torch.zeros(1, 50, 50, dtype=torch.uint8))
+
+
+def test_the_input_package_has_no_import_circle_and_no_import_hidden_in_a_function():
+    """Each file of bayesncl_pyro/data imports its siblings at its top, and they form no circle (a circle
+    was once broken by an import inside a function; a hidden import hides the next one)."""
+    import ast
+    import graphlib
+
+    import bayesncl_pyro.data as package
+
+    folder = Path(package.__file__).parent
+    files = {path.stem: path for path in folder.glob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        top = set(tree.body)
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bayesncl_pyro.data")):
+                continue
+            # from bayesncl_pyro.data.decode import X, or from bayesncl_pyro.data import device_views
+            siblings = ({node.module.rsplit(".", 1)[1]} if node.module != "bayesncl_pyro.data"
+                        else {alias.name for alias in node.names} & set(files))
+            assert node in top or not siblings, f"data/{path.name}:{node.lineno} imports {siblings} inside a function"
+            graph[name] |= siblings
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # CycleError names the circle
+    assert set(order) >= {"datasets", "decode", "views", "device_views", "pipeline"}

@@ -140,6 +140,29 @@ def test_importing_the_package_stays_light():
     assert out.split() == ["True", "True"]
 
 
+def test_an_install_keeps_the_pyro_program_inside_the_package(tmp_path):
+    """models/ and guides/ sit at the repository's top but install as bayesncl_pyro.models and .guides: a user's
+    own top-level ``models`` package neither shadows ours nor mixes with it (a plain, non-editable install)."""
+    import json
+    import os
+
+    site, user = tmp_path / "site", tmp_path / "user"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), str(Path(__file__).parents[1])], check=True, cwd=tmp_path)
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == ["bayesncl_pyro"]
+    (user / "models").mkdir(parents=True)
+    (user / "models" / "__init__.py").write_text("MINE = True\n")
+    code = ("import json, bayesncl_pyro, models; from bayesncl_pyro.models.priors import PRIORS; "
+            "from bayesncl_pyro.guides.gates import GATES; from bayesncl_pyro import BayesNCLHead; "
+            "print(json.dumps([bayesncl_pyro.__file__, models.__file__, models.MINE, 'bernoulli' in PRIORS, "
+            "'ste' in GATES]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=user, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout
+    ours, theirs, mine, *registered = json.loads(out)
+    assert ours.startswith(str(site)) and theirs == str(user / "models" / "__init__.py")
+    assert mine and all(registered)
+
+
 def test_the_logged_kl_is_summed_not_recovered_from_the_loss():
     """Gates near the prior at the published lambda: the KL per row is about 0.003 nats, far below float32's
     resolution of (loss - nce) / lambda (about 0.016 at a loss of 5), which logged it as 0 or as negative."""

@@ -173,7 +173,6 @@ def test_gpu_check_writes_outside_the_repository(tmp_path):
     assert not inside.exists()
 
 
-@pytest.mark.slow  # about 1.5 minutes on 2 CPU cores
 def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
     (tmp_path / "wheels").mkdir()  # the dependencies are installed here already: the project alone is installed
     proc = _gpu_check(tmp_path, tmp_path / "out", tmp_path / "wheels")
