@@ -34,7 +34,9 @@ Stricter than CUDA, to catch what CUDA lets pass silently (and what this project
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
-stages them synchronously), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened.
+stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask, and the
+``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
+refused: its data is undefined on CUDA until the host waits, which the stand-in does not model.
 """
 
 from __future__ import annotations
@@ -411,6 +413,9 @@ class FakeCuda:
                 stream = self.current_stream(source)
                 self.reads(stream, [src])
             if index is None:  # to the host: waits for the copy unless non_blocking
+                if non_blocking and source is not None:
+                    raise RuntimeError("fake CUDA: a non_blocking copy to the CPU is not modelled (on CUDA its data is "
+                                       "undefined until the host waits for the stream); copy with non_blocking=False")
                 with torch._C.DisableTorchFunction():
                     out = src.as_subclass(torch.Tensor).to(copy=True, **how)
                 if not non_blocking:

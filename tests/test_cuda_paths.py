@@ -132,6 +132,8 @@ def test_the_stand_in_counts_host_syncs_and_keeps_the_device_per_thread(fake_cud
     x[torch.tensor([0, 1])] = 0.0
     x[x > 1]
     assert fake_cuda.syncs["MainThread"] == before + 4
+    with pytest.raises(RuntimeError, match="non_blocking copy to the CPU is not modelled"):
+        x.to("cpu", non_blocking=True)  # readable only after a wait on CUDA: the stand-in refuses to guess
 
 
 # -------------------------------------------------------------------------------------------------- the device
