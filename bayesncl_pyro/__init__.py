@@ -4,7 +4,7 @@
 ``from bayesncl_pyro import load_run`` (a trained run folder as an object, ``run.py``).
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["BayesNCLHead", "load_run"]
 
 

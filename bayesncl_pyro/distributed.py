@@ -54,11 +54,16 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def world_size() -> int:
+    """The number of processes training together (1 outside a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The ``ContrastiveModel.gather`` hook: this rank's rows (R x K) -> (all ranks' rows in rank order,
     W R x K; the offset of ours). Gradients flow back to the rank that owns each row, so every rank's
     negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return u, 0
     return _GatherRows.apply(u), dist.get_rank() * u.shape[0]
 

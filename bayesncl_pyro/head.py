@@ -17,7 +17,6 @@ on, every step also computes each site's log-density and runs Pyro's checks of t
 not need.
 """
 
-import functools
 
 import pyro
 import torch
@@ -134,7 +133,6 @@ class BayesNCLHead(nn.Module):
         if gather_distributed:
             self.model.gather = distributed.gather_rows
         self.elbo = MeanFieldELBO()
-        self._unweight = functools.partial(torch.div, other=kl_weight)  # the hook on the prior's gradients
         self._unweight_prior_gradients()
 
     @property
@@ -155,7 +153,7 @@ class BayesNCLHead(nn.Module):
         and most included dimension); R x K ``features`` (the rows InfoNCE saw) and with gates ``probs``
         (q(g = 1 | x)), ``kl_probs`` (the probabilities the KL is taken at: ``probs``, but sigmoid(l) for
         ``gs-reference-kl``) and ``gates`` (the gate values, whose gradient :meth:`pulls` reads after
-        ``loss.backward()``), K ``prior_rate`` (the rates the gates were drawn with at this step: for a
+        ``loss.backward()``), K ``prior_rate`` (the rates of p(g | rate) the step's KL was taken against: for a
         hierarchical prior, this step's draw from q(rate)). The 0-d values stay on the device: ``.item()``
         them when you log.
         """
@@ -209,7 +207,7 @@ class BayesNCLHead(nn.Module):
         if rows % 2:
             raise UserError(f"got {rows} rows, an odd number: the head takes the rows of both views of B images, "
                             "[view 1 of the B images; view 2 of the same B] (torch.cat([view1, view2]))")
-        if rows < 4:
+        if rows < 4 and not (self.model.gather is not None and distributed.world_size() > 1):  # negatives from others
             raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
                             "negative; pass a batch of at least 2 images (4 rows)")
         if rows > self.num_rows:
@@ -263,28 +261,42 @@ class BayesNCLHead(nn.Module):
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: the backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
         (0.1 published, not batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay.
-        Their gradients arrive divided by lambda (``grad_scale`` in their group says by what), so that their step
-        does not depend on lambda with SGD or LARS (Adam is scale-free either way)."""
+        Their gradients arrive divided by lambda (:meth:`prior_parameters`; ``grad_scale`` in their group records by
+        what, and marks a checkpoint of this scheme), so that their step does not depend on lambda with SGD or LARS
+        (Adam is scale-free either way, up to its eps). Clip gradients by group, not over all parameters: the
+        prior's are not on the loss's scale."""
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
         if self.gated:
             groups.append(dict(name="gate_head", params=list(self.guide.head.parameters()), lr=gate_lr))
-            prior = self._prior_parameters()
+            prior = self.prior_parameters()
             if prior:
                 groups.append(dict(name="prior", params=prior, lr=gate_lr, weight_decay=0.0,
                                    grad_scale=1.0 / self.model.kl_weight))
         return groups
 
-    def _prior_parameters(self) -> list[nn.Parameter]:
-        """The prior's global parameters, the model's and the guide's but the gating head's."""
+    def prior_parameters(self) -> list[nn.Parameter]:
+        """The prior's global parameters, the model's and the guide's but the gating head's. After ``backward`` their
+        ``.grad`` is the loss's gradient divided by lambda (their optimizer group's ``grad_scale``)."""
         if not self.gated:
             return []
         return [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
 
+    def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
+        """The hook on the prior's gradients; lambda is read at each step, so a schedule of it is followed."""
+        return grad / self.model.kl_weight
+
     def _unweight_prior_gradients(self):
-        """Hook ``_unweight`` onto every prior parameter that lacks it. Called at construction and at every step: a
+        """Hook :meth:`_unweight` onto every prior parameter that lacks it. Called at construction and at every step: a
         tensor hook does not travel with a deep copy, a pickle, or a module conversion that replaces the
-        parameter."""
-        for p in self._prior_parameters():
-            if p.requires_grad and self._unweight not in (p._backward_hooks or {}).values():
+        parameter. A prior hooked by another head is refused: its gradients would be divided twice."""
+        for p in self.prior_parameters():
+            if not p.requires_grad:
+                continue
+            owners = [hook.__self__ for hook in (p._backward_hooks or {}).values()
+                      if getattr(hook, "__func__", None) is BayesNCLHead._unweight]
+            if any(owner is not self for owner in owners):
+                raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
+                                "lambda there); build a new prior for this head")
+            if not owners:
                 p.register_hook(self._unweight)

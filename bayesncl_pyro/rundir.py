@@ -133,6 +133,13 @@ def read_eval(run_dir: str | os.PathLike) -> dict:
     results = json.loads((Path(run_dir) / EVAL).read_text())
     if "gate_rate" in results:
         results["gates_open"] = results.pop("gate_rate")
+        config = Path(run_dir) / CONFIG
+        # 0.2.0 evaluated gs-reference-kl at q's mode; 0.3 at the reference's mask (0.1's gs, read as
+        # gs-reference-kl, was evaluated there already)
+        if config.exists() and json.loads(config.read_text()).get("gate") == "gs-reference-kl":
+            print(f"note: {Path(run_dir) / EVAL} evaluated the gs-reference-kl gates at q's mode, not at the "
+                  "reference's mask 1[sigmoid(l) > 0.5] as this version does; move it away and rerun the same "
+                  "command to evaluate the checkpoint again", file=sys.stderr)
     return results
 
 
@@ -213,7 +220,7 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu")
     path = run_folder(run_dir) / CHECKPOINT
     if not path.exists():
         raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
-    device = pick_device(str(device))
+    device = pick_device(str(device), flag="device")
     state = load_checkpoint(path)
     cfg = Config.from_dict(state["config"])
     learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])

@@ -67,11 +67,12 @@ class EpochSampler(Sampler):
         return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, flag: str = "--device") -> torch.device:
     """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
     ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
     input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
     the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
+    said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     try:
@@ -79,17 +80,17 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError:
         device = None
     if device is None or device.type != "cuda":
-        raise UserError(f"unknown --device {name!r}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+        raise UserError(f"unknown {said}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
     if not torch.cuda.is_available():
-        raise UserError(f"--device {name} was asked for but PyTorch sees no CUDA GPU; use --device cpu or auto")
+        raise UserError(f"{said} was asked for but PyTorch sees no CUDA GPU; use cpu or auto")
     local = distributed.local_rank()
     if device.index is not None and local is not None:
-        raise UserError(f"--device {name} names one GPU, but torchrun starts one process per GPU, each on "
+        raise UserError(f"{said} names one GPU, but torchrun starts one process per GPU, each on "
                         "cuda:LOCAL_RANK; pass --device cuda")
     index = device.index if device.index is not None else local if local is not None else torch.cuda.current_device()
     count = torch.cuda.device_count()
     if index >= count:
-        raise UserError(f"--device {name}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
+        raise UserError(f"{said}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
                         "of those (CUDA_VISIBLE_DEVICES numbers the visible GPUs from 0)")
     return torch.device("cuda", index)
 
@@ -453,7 +454,10 @@ class Trainer:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
         that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
         learner = self.learner
-        grads = [p.grad for p in learner.parameters() if p.grad is not None]
+        # the loss's gradient: the prior's arrives divided by lambda (BayesNCLHead.prior_parameters)
+        prior = {id(p) for p in learner.head.prior_parameters()}
+        grads = [p.grad * learner.head.model.kl_weight if id(p) in prior else p.grad
+                 for p in learner.parameters() if p.grad is not None]
         rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
                    nce=stats["nce"].item(), kl=stats["kl"].item(),
                    grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,

@@ -132,6 +132,37 @@ def test_two_heads_in_one_process_keep_their_own_prior_parameters():
     torch.testing.assert_close(first.model.prior.rate().detach(), moved)
 
 
+def test_the_prior_gradient_is_the_loss_gradient_over_lambda_once_and_a_shared_prior_is_refused(monkeypatch):
+    """The hook divides the prior's gradients by lambda, read at each step; a prior object given to a second head
+    would have them divided twice: refused."""
+    from bayesncl_pyro.models.priors import LearnedPrior
+
+    prior = LearnedPrior(K, 0.8)
+    head = BayesNCLHead(D, K, H, num_train=500, prior=prior, kl_weight=0.01)
+    h = torch.randn(R, D)
+    head(h)[0].backward()
+    (p,) = head.prior_parameters()
+    hooked = p.grad.clone()
+    p.grad = None
+    head.model.kl_weight = head.guide.kl_weight = 0.02  # lambda changed (a schedule): the hook follows
+    head(h)[0].backward()
+    torch.testing.assert_close(p.grad, hooked, rtol=1e-4, atol=1e-7)  # lambda * dKL / lambda: independent of it
+    with pytest.raises(UserError, match="this prior belongs to another BayesNCLHead already"):
+        BayesNCLHead(D, K, H, num_train=500, prior=prior, kl_weight=0.01)
+
+
+def test_under_ddp_a_rank_may_hold_one_image(monkeypatch):
+    """With the other ranks' rows gathered, one image per rank (2 rows) has negatives; alone it has none."""
+    head = BayesNCLHead(D, K, H, num_train=500)
+    with pytest.raises(UserError, match="got 2 rows, the views of 1 image"):
+        head(torch.randn(2, D))
+    others = torch.randn(2, K).relu()
+    head.model.gather = lambda u: (torch.cat([u, others]), 0)  # rank 0's rows, then rank 1's
+    monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
+    loss, _ = head(torch.randn(2, D))
+    assert torch.isfinite(loss)
+
+
 def test_importing_the_package_stays_light():
     """`import bayesncl_pyro` loads neither torch nor Pyro; the head and load_run load on first use."""
     code = ("import sys, bayesncl_pyro; light = 'torch' not in sys.modules; "

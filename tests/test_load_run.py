@@ -89,11 +89,11 @@ def test_the_checkpoint_file_loads_as_its_folder_and_bad_arguments_are_one_line(
     with pytest.raises(UserError, match="batch_size must be a positive number of images, got 0"):
         run.gate_probs(test_images[:4], batch_size=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match="--device cuda was asked for but PyTorch sees no CUDA GPU"):
+    with pytest.raises(UserError, match="device='cuda' was asked for but PyTorch sees no CUDA GPU; use cpu or auto"):
         load_run(run_dir, device="cuda")
 
 
-def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_images, tmp_path):
+def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_images, tmp_path, capsys):
     """``gates_open`` (``gate_rate`` before: the log's name for the mean inclusion probability) is the share of
     (image, feature) gates that the representation keeps; an earlier version's eval.json reads under the new name."""
     results = read_eval(run_dir)
@@ -102,3 +102,8 @@ def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_im
     assert results["gates_open"] != pytest.approx(probs.mean(), abs=1e-3)
     (tmp_path / "eval.json").write_text(json.dumps({"gate_rate": 0.25, "semantic_consistency": 0.5}))
     assert read_eval(tmp_path) == {"gates_open": 0.25, "semantic_consistency": 0.5}
+    # 0.2.0 evaluated gs-reference-kl at q's mode: its numbers are kept, and the user hears how to redo them
+    (tmp_path / "config.json").write_text(json.dumps({"gate": "gs-reference-kl"}))
+    capsys.readouterr()
+    assert read_eval(tmp_path)["gates_open"] == 0.25
+    assert "evaluated the gs-reference-kl gates at q's mode" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import torch
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.optim import LARS, WARMUP_START_LR, warmup_cosine
-from bayesncl_pyro.rundir import load_checkpoint, load_learner
+from bayesncl_pyro.rundir import load_checkpoint, load_learner, read_log
 from bayesncl_pyro.training import Trainer
 
 # a tiny digits run: 2 epochs of 7 steps at batch 200
@@ -255,3 +255,18 @@ def test_a_checkpoint_of_the_former_prior_learning_rate_resumes_as_it_was(tmp_pa
     a, b = _params(straight), _params(resumed)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_the_logged_grad_norm_is_the_losss_with_the_prior_on_its_scale(tmp_path):
+    """The prior's gradients arrive divided by lambda (for its step); the log's grad_norm puts them back on the
+    loss's scale, where they are negligible, instead of letting them dominate it."""
+    trainer = Trainer(tiny(tmp_path, prior="learned", kl_weight=1e-4, log_every=1), progress=False)
+    trainer.train(1)
+    learner = trainer.learner
+    prior = {id(p) for p in learner.head.prior_parameters()}
+    grads = {id(p): p.grad for p in learner.parameters() if p.grad is not None}
+    assert prior and prior <= grads.keys()  # the step's gradients are still there
+    loss_scale = torch.nn.utils.get_total_norm([g * 1e-4 if k in prior else g for k, g in grads.items()]).item()
+    hooked = torch.nn.utils.get_total_norm(list(grads.values())).item()
+    logged = read_log(tmp_path / "run")[-1]["grad_norm"]
+    assert logged == pytest.approx(loss_scale, rel=1e-5) and hooked > logged * 1.01
