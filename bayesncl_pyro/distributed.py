@@ -77,9 +77,11 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u: torch.Tensor) -> torch.Tensor:
         ctx.rows = u.shape[0]
-        out = u.new_empty((dist.get_world_size() * u.shape[0], *u.shape[1:]))
-        dist.all_gather_into_tensor(out, u.contiguous())
-        return out
+        u = u.contiguous()
+        # the list form: all_gather_into_tensor is deprecated in torch 2.14, all_gather_single absent before it
+        rows = [torch.empty_like(u) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, u)
+        return torch.cat(rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

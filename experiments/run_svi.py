@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Stopped as e:
-        print(f"stopped: {e}", file=sys.stderr)
+    except Stopped as e:  # every rank says it at once into torchrun's one stream: one write, so lines stay whole
+        sys.stderr.write(f"stopped: {e}\n")
+        sys.stderr.flush()
         return e.exit_code
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print(INTERRUPTED, file=sys.stderr)
