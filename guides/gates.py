@@ -90,11 +90,13 @@ class Gate(dist.Bernoulli):
         """The inclusion probability the KL term is computed at: q's own."""
         return self.probs
 
+    kl_name = "KL(q(g | x) || p(g))"  # what kl_probs makes of the KL term, in words
+
     @classmethod
     def kl_label(cls, kl_clamp: float) -> str:
         """What this estimator's KL term computes, in words (plot titles, logs)."""
         clamp = f", rates clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
-        return f"KL(q(g | x) || p(g)){clamp}"
+        return f"{cls.kl_name}{clamp}"
 
     def mask(self) -> torch.Tensor:
         """The 0/1 gates the evaluation uses (the representation F, eval.json's ``gates_open``): the posterior mode
@@ -162,10 +164,7 @@ class GumbelSigmoidReferenceKLGate(GumbelSigmoidGate):
     def kl_probs(self):
         return self.head_logits.sigmoid()
 
-    @classmethod
-    def kl_label(cls, kl_clamp: float) -> str:
-        clamp = f", clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
-        return f"the reference's KL at sigmoid(l){clamp} (not KL(q || p))"
+    kl_name = "the reference's KL at sigmoid(l) (not KL(q || p))"
 
     def mask(self):
         return (self.kl_probs() > 0.5).to(self.probs)
