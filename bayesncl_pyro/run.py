@@ -54,15 +54,15 @@ class TrainedRun:
         """N x K exact inclusion probabilities q(g_k = 1 | x) (a BayesNCL run), on the CPU."""
         if not self.learner.gated:
             raise UserError(f"{self.dir} is a {self.cfg.method} run: it has no gates")
-        return self._apply(images, batch_size, lambda h, f: self.learner.gate_probs(h))
+        return self._apply(images, batch_size, self.learner.gate_probs)
 
     def representation(self, images, batch_size: int = 256) -> torch.Tensor:
         """N x K, the representation the method uses (``BayesNCLHead.representation``), on the CPU."""
-        return self._apply(images, batch_size, lambda h, f: f)
+        return self._apply(images, batch_size, self.learner.head.representation)
 
     def backbone_features(self, images, batch_size: int = 256) -> torch.Tensor:
         """N x D backbone features h (what the linear probe reads), on the CPU."""
-        return self._apply(images, batch_size, lambda h, f: h)
+        return self._apply(images, batch_size, lambda h: h)
 
     def posterior(self, data=None, num_draws: int = 0):
         """The gate posterior on the run's test split (or on ``data``, a ``DataSpec``), as
@@ -77,11 +77,12 @@ class TrainedRun:
 
     @torch.no_grad()
     def _apply(self, images, batch_size: int, pick) -> torch.Tensor:
+        """``pick`` of the backbone features h of ``images``, batch by batch, on the CPU."""
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise UserError(f"batch_size must be a positive number of images, got {batch_size!r}")
         self.learner.eval()
         x = self.inputs(images)
-        out = [pick(*self.learner.representation(chunk.to(self.device))).cpu() for chunk in x.split(batch_size)]
+        out = [pick(self.learner.backbone(chunk.to(self.device)).float()).cpu() for chunk in x.split(batch_size)]
         return torch.cat(out)
 
     def _one(self, image):
