@@ -127,16 +127,17 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def read_eval(run_dir: str | os.PathLike) -> dict:
-    """A run's ``eval.json``; an earlier version's, which named the share of gates open at the evaluation mask
-    ``gate_rate`` (the log's name for the mean inclusion probability), reads with it as ``gates_open``."""
+def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
+    """A run's ``eval.json`` (``gate``: the run's gate estimator). An earlier version's reads in today's terms: the
+    share of gates open at the evaluation mask, which it named ``gate_rate`` (the log's name for the mean inclusion
+    probability), as ``gates_open``, and one written before the reference protocol existed as ``protocol: fast``."""
     results = json.loads((Path(run_dir) / EVAL).read_text())
+    results.setdefault("protocol", "fast")
     if "gate_rate" in results:
         results["gates_open"] = results.pop("gate_rate")
-        config = Path(run_dir) / CONFIG
         # 0.2.0 evaluated gs-reference-kl at q's mode; 0.3 at the reference's mask (0.1's gs, read as
         # gs-reference-kl, was evaluated there already)
-        if config.exists() and json.loads(config.read_text()).get("gate") == "gs-reference-kl":
+        if gate == "gs-reference-kl":
             print(f"note: {Path(run_dir) / EVAL} evaluated the gs-reference-kl gates at q's mode, not at the "
                   "reference's mask 1[sigmoid(l) > 0.5] as this version does; move it away and rerun the same "
                   "command to evaluate the checkpoint again", file=sys.stderr)

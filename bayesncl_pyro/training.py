@@ -323,7 +323,7 @@ class Trainer:
 
     def fit(self) -> dict:
         if self.finished and (self.out / EVAL).exists():
-            results = rundir.read_eval(self.out)
+            results = rundir.read_eval(self.out, self.cfg.gate)
             if self.rank == 0:
                 print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
                 print(format_table(results))

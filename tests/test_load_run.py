@@ -101,9 +101,9 @@ def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_im
     assert "gate_rate" not in results and results["gates_open"] == pytest.approx((probs > 0.5).mean(), abs=1e-6)
     assert results["gates_open"] != pytest.approx(probs.mean(), abs=1e-3)
     (tmp_path / "eval.json").write_text(json.dumps({"gate_rate": 0.25, "semantic_consistency": 0.5}))
-    assert read_eval(tmp_path) == {"gates_open": 0.25, "semantic_consistency": 0.5}
+    # before the reference protocol, every evaluation was the fast one
+    assert read_eval(tmp_path) == {"gates_open": 0.25, "semantic_consistency": 0.5, "protocol": "fast"}
     # 0.2.0 evaluated gs-reference-kl at q's mode: its numbers are kept, and the user hears how to redo them
-    (tmp_path / "config.json").write_text(json.dumps({"gate": "gs-reference-kl"}))
     capsys.readouterr()
-    assert read_eval(tmp_path)["gates_open"] == 0.25
+    assert read_eval(tmp_path, "gs-reference-kl")["gates_open"] == 0.25
     assert "evaluated the gs-reference-kl gates at q's mode" in capsys.readouterr().err
