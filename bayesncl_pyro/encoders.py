@@ -89,10 +89,10 @@ def torchvision_backbone(name: str, in_channels: int, image_size: int) -> nn.Mod
         net.conv1 = nn.Conv2d(in_channels, net.conv1.out_channels, 3, stride=1, padding=2, bias=False)
         net.maxpool = nn.Identity()
     elif in_channels != 3:
-        name, conv = next((n, m) for n, m in net.named_modules() if isinstance(m, nn.Conv2d))
-        _replace(net, name, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+        first, conv = next((n, m) for n, m in net.named_modules() if isinstance(m, nn.Conv2d))
+        _replace(net, first, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                                       conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode))
-    linear = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+    linear = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     if not linear:
         raise UserError(f"--encoder {name}: found no Linear classifier to remove; wrap the model in a function "
                         "of your own that returns its feature extractor and pass it as package.module:function")

@@ -86,7 +86,7 @@ def test_your_own_callable_by_spec_and_the_project_registry():
     ("test_encoders:EXAMPLE_WIDTH", "is not callable"),
     ("test_encoders:nothing", "test_encoders has no 'nothing'"),
     ("no_such_package.nets:Net", "cannot import no_such_package.nets .*PYTHONPATH"),
-    ("squeezenet1_0", "found no Linear classifier"),
+    ("squeezenet1_0", "--encoder squeezenet1_0: found no Linear classifier"),  # its name, not its first conv's
     ("resnet_huge", "unknown --encoder 'resnet_huge'; give one of the project's \\(resnet18, cnn\\), a torchvision"),
 ])
 def test_bad_encoders_are_one_line(spec, message):
