@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.optim import LARS, warmup_cosine
+from bayesncl_pyro.optim import build_optimizer, warmup_cosine
 
 _CHUNK_ROWS = 1024
 """Test rows per similarity block in kNN: 1024 x 50,000 floats is 200 MB."""
@@ -68,11 +68,8 @@ def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
     lr = recipe.lr * recipe.batch_size / 256
-    if recipe.optimizer == "lars":
-        optimizer = LARS(head.parameters(), lr=lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=recipe.momentum,
-                                    weight_decay=recipe.weight_decay)
+    optimizer = build_optimizer(recipe.optimizer, [dict(params=list(head.parameters()), lr=lr)], recipe.momentum,
+                                recipe.weight_decay)
 
     generator = torch.Generator().manual_seed(seed)
     full, rest = divmod(len(train_x), recipe.batch_size)

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data.images import IMAGE_EXTENSIONS
+from bayesncl_pyro.data.images import IMAGE_EXTENSIONS, open_image
 from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
@@ -89,7 +89,7 @@ class TrainedRun:
         """One image as what the transform takes: a PIL image of the run's mode, or a C x H x W tensor checked
         against the run's channels (uint8, or float in [0, 1])."""
         if isinstance(image, (str, os.PathLike)):
-            image = _open(Path(image))
+            image = open_image(Path(image))
         if isinstance(image, Image.Image):
             return image.convert("RGB" if self.channels == 3 else "L")
         if not torch.is_tensor(image) or image.ndim != 3 or image.shape[0] != self.channels:
@@ -119,11 +119,3 @@ def _items(images) -> Iterable:
         return [one for item in images for one in _items(item)]
     return [images]
 
-
-def _open(path: Path) -> Image.Image:
-    try:
-        with Image.open(path) as image:
-            image.load()  # decode now, inside the try: a truncated file fails here, with its name
-            return image
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise UserError(f"cannot read image {path} ({err})") from None

@@ -99,15 +99,20 @@ class ImageFiles(Dataset):
         raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); check the data folder")
 
 
-def open_rgb(path: Path) -> Image.Image:
+def open_image(path: Path, advice: str = "") -> Image.Image:
+    """The image at ``path``, decoded in full here, so that a truncated file fails now, with its path (and
+    ``advice``, the caller's way out, in the message)."""
     try:
         with Image.open(path) as image:
-            # load() decodes in full here, so truncation surfaces now, with the path; an RGB image is
-            # returned as decoded (convert() would copy it)
             image.load()
-            return image if image.mode == "RGB" else image.convert("RGB")
+            return image
     except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise UserError(f"cannot read image {path} ({err}); delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)") from None
+        raise UserError(f"cannot read image {path} ({err}){advice}") from None
+
+
+def open_rgb(path: Path) -> Image.Image:
+    image = open_image(path, "; delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)")
+    return image if image.mode == "RGB" else image.convert("RGB")  # convert() would copy an RGB image
 
 
 def image_files(dataset: Dataset) -> ImageFiles | None:
