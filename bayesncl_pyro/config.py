@@ -138,8 +138,7 @@ def resolve(cfg: Config) -> Config:
     check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        raise UserError(f"unknown --device {cfg.device!r}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+    check_device(cfg.device)
     _choice("on_nan", cfg.on_nan, ON_NAN)
     _choice("augment", cfg.augment, AUGMENT)
     _choice("eval_protocol", cfg.eval_protocol, EVAL_PROTOCOLS)
@@ -163,6 +162,12 @@ def resolve(cfg: Config) -> Config:
     if cfg.ckpt_minutes is not None and not cfg.ckpt_minutes > 0:
         raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
     return cfg
+
+
+def check_device(name: str, said: str = ""):
+    """A device as ``--device`` takes it: auto, cpu, cuda or cuda:N (``said``: how the error names it)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise UserError(f"unknown {said or '--device ' + name}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
 
 
 def _choice(flag: str, value, valid):

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 from bayesncl_pyro import __version__, distributed, rundir
 from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config, check_device, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
@@ -73,14 +73,10 @@ def pick_device(name: str, flag: str = "--device") -> torch.device:
     input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
     the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
     said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
+    check_device(name, said)
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    try:
-        device = torch.device("cuda" if name == "auto" else name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type != "cuda":
-        raise UserError(f"unknown {said}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+    device = torch.device("cuda" if name == "auto" else name)
     if not torch.cuda.is_available():
         raise UserError(f"{said} was asked for but PyTorch sees no CUDA GPU; use cpu or auto")
     local = distributed.local_rank()
