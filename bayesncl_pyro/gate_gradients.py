@@ -29,7 +29,7 @@ import math
 import torch
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.guides.gates import GATES, gate_class
 from bayesncl_pyro.losses import bernoulli_kl_grad, normalize, partner_rows
 
 _CHUNK_ELEMENTS = 2**22  # rows of flips are processed in chunks of about this many R x K x R entries
@@ -83,17 +83,20 @@ def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, gate, rate: 
     """
     rows = features.shape[0]
     logits = logits.detach().double().requires_grad_()
-    probs = gate.inclusion(logits)
-    dprob, = torch.autograd.grad(probs.sum(), logits)  # each probability depends on its own logit only
-    dkl = kl_weight / rows * bernoulli_kl_grad(probs, rate.double(), kl_clamp) * dprob
-    q = gate(logits.detach())
+    q = gate(logits)
+    dprob, = torch.autograd.grad(q.probs.sum(), logits)  # each probability depends on its own logit only
+    dkl = kl_weight / rows * bernoulli_kl_grad(q.probs, rate.double(), kl_clamp) * dprob
     return torch.stack([dprob * flip_differences(features, q.sample(), temperature) / rows + dkl
                         for _ in range(draws)])
 
 
 def _head_gradient(logits: torch.Tensor, params: list, upstream: torch.Tensor) -> torch.Tensor:
     """The head's parameter gradient of a loss whose gradient with respect to the logits is ``upstream``."""
-    grads = torch.autograd.grad(logits, params, grad_outputs=upstream.to(logits.dtype), retain_graph=True)
+    return _flat(torch.autograd.grad(logits, params, grad_outputs=upstream.to(logits.dtype), retain_graph=True))
+
+
+def _flat(grads) -> torch.Tensor:
+    """Parameter gradients as one float64 vector."""
     return torch.cat([g.reshape(-1) for g in grads]).double()
 
 
@@ -136,7 +139,7 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
     results, references = [], {}  # estimators with the same q (ste and relaxed; gs and its variant) share one
     try:
         for name in estimators:
-            gate = GATES[name]
+            gate = gate_class(name)
             guide.gate = gate
             if gate.inclusion not in references:
                 per_draw = unbiased_gradient(features, logits, gate, rate, guide.kl_weight, guide.kl_clamp,
@@ -148,7 +151,7 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
             heads = []
             for _ in range(1 if name == "ste" else draws):
                 loss = learner.head.elbo_terms(z, h)[0]
-                heads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).double())
+                heads.append(_flat(torch.autograd.grad(loss, params)))
             mean = torch.stack(heads).mean(0)
             results.append(dict(
                 estimator=name, cosine=_cosine(mean, ref_head),

@@ -248,7 +248,7 @@ class BayesNCLHead(nn.Module):
         """F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the evaluation
         mask (:meth:`gate_mask`) with gates, features(z) without (normalise(relu(z)) for NCL, normalise(z) for
         CL)."""
-        feats = self.model.features(self.projector(h))
+        feats = self.ungated_features(h)
         if self.gated:
             feats = normalize(feats * self.gate_mask(h).to(feats))
         return feats

@@ -18,6 +18,7 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluation import extract
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.rundir import load_learner
 
 
@@ -72,10 +73,9 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     q = learner.guide.posterior(h)
     post = GatePosterior(probs=q.probs.cpu(), features=features, labels=labels, classes=list(data.classes))
     rate_guide = learner.guide.rate_guide
-    if rate_guide is not None:
+    if isinstance(learner.model.prior, BetaBernoulliPrior):  # another hierarchical prior has its own q(rate)
         post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
-        prior = learner.model.prior
-        post.rate_optimum_concentration = (prior.a + prior.b).mean().item() + learner.head.num_rows
+        post.rate_optimum_concentration = learner.model.prior.optimum_concentration(learner.head.num_rows)
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
         post.draws = q.sample((num_draws,)).cpu()

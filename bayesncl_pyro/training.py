@@ -137,7 +137,7 @@ def _ignore_sigint(worker_id: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _collate(batch):
+def collate_views(batch):
     """(v1, v2, label, index) items -> one tensor of 2B rows [view 1; view 2]."""
     v1, v2, _, _ = zip(*batch)
     return torch.cat([torch.stack(v1), torch.stack(v2)])
@@ -294,7 +294,7 @@ class Trainer:
             dataset, collate = self.views.encoded, list
         else:
             dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
-            collate = _collate
+            collate = collate_views
         # its own generator: creating an epoch's iterator must not draw from the global RNG, which
         # the gate samples use and the checkpoint restores. Pinned memory only for views: file bytes go to
         # the decoder from wherever they are

@@ -15,6 +15,7 @@ the encoder in eval mode.
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,16 +26,16 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.gate_gradients import gate_gradient_bias
-from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.guides.gates import GATES, gate_class
 from bayesncl_pyro.rundir import load_learner
+from bayesncl_pyro.training import EpochSampler, collate_views
 
 
 def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
-    """2B rows [view 1; view 2] of the first B images of epoch 0's order (EpochSampler's permutation)."""
-    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(cfg.seed * 100_003))
+    """2B rows [view 1; view 2] of the run's first training batch of B images (the trainer's sampler and collate)."""
     views = TwoViews(data.train, simclr_transform(cfg.image_size, data.channels), cfg.seed)
-    items = [views[i] for i in order[:batch_size].tolist()]
-    return torch.cat([torch.stack([item[0] for item in items]), torch.stack([item[1] for item in items])])
+    order = itertools.islice(EpochSampler(len(data.train), batch_size, cfg.seed), batch_size)
+    return collate_views([views[i] for i in order])
 
 
 def main(argv=None) -> int:
@@ -52,8 +53,7 @@ def main(argv=None) -> int:
         learner, cfg = load_learner(args.run_dir)
         names = args.estimators.split(",")
         for name in names:
-            if name not in GATES:
-                raise UserError(f"unknown estimator {name!r}; choose from {', '.join(GATES)}")
+            gate_class(name)  # before the data loads
         data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
         x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
         torch.manual_seed(args.seed)

@@ -195,6 +195,10 @@ class BetaBernoulliPrior(Prior):
     def mean_rate(self, guide=None):
         return (guide.posterior() if guide is not None else dist.Beta(self.a, self.b)).mean.detach()
 
+    def optimum_concentration(self, num_rows: int) -> float:
+        """a + b of the conjugate posterior that q(rate) tends to (the docstring above), mean over features."""
+        return (self.a + self.b).mean().item() + num_rows
+
 
 class BetaRateGuide(PyroModule):
     """q(rho_k) = Beta(a_k, b_k), initialised at the prior."""
