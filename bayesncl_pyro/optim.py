@@ -74,18 +74,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     """``optimizer.load_state_dict(state)``, keeping this optimizer's ``capturable`` (AdamW's: True on CUDA, above).
     torch restores the saved flag and places the step counts by it, so a checkpoint written on a CPU would resume on a
     GPU with its step counts on the CPU, which the divergence guard's masked step cannot write into, and one written on
-    a GPU would resume on a CPU as capturable, which AdamW refuses. Each step count goes where the kept flag wants it:
-    float32 on its parameter's device when capturable, else on the CPU."""
-    kept = [group.get("capturable") for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, capturable in zip(optimizer.param_groups, kept):
-        if capturable is None:  # an optimizer without the flag (SGD, LARS)
-            continue
-        group["capturable"] = capturable
-        for p in group["params"]:
-            saved = optimizer.state.get(p, {})
-            if torch.is_tensor(saved.get("step")):
-                saved["step"] = saved["step"].to(p.device if capturable else "cpu", torch.float32)
+    a GPU would resume on a CPU as capturable, which AdamW refuses. So torch is handed the kept flag with the state,
+    and places each step count by it: float32 on its parameter's device when capturable, else as loaded (on the CPU,
+    where checkpoints are read to)."""
+    groups = [dict(saved, capturable=mine["capturable"]) if "capturable" in mine else saved  # SGD, LARS: no flag
+              for saved, mine in zip(state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float) -> float:
