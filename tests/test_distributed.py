@@ -32,15 +32,18 @@ from test_reliability import RUN_SVI, assert_same_params, cli, logged_step
 WORLD, B = 2, 8  # processes; images in the global batch
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """One 2-process session (starting processes is the slow part) runs every DDP check; each writes its
     results into the returned folder."""
     out = tmp_path_factory.mktemp("ddp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD)
     return out
 
 
@@ -170,12 +173,6 @@ def test_two_process_run_resumes_exactly(two_processes):
 RUN = Config(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5, workers=0,
              log_every=1, ckpt_every=4, max_steps=32, gate="relaxed", device="cpu")
 STEPS = RUN.max_steps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:

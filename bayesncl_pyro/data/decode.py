@@ -61,7 +61,7 @@ class EncodedImages(Dataset):
                   "Said once", file=sys.stderr, flush=True)
         for k, image in zip(jpegs, decoded, strict=True):
             if image is None:
-                image = pil_to_tensor(self.files.read(batch[k][1], open_rgb)[0]).to(device)
+                image = self.files.read(batch[k][1], _read_decoded)[0].to(device)
             images[k] = image
         return images
 
