@@ -189,8 +189,9 @@ def _is_cuda(device) -> bool:
     return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
 
 
-# ops that take tensors of another device than their result: copies, and the CPU indices of x[i] / x[i] = v
-_CROSS_DEVICE = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_}
+# ops that take tensors of another device than their result: the CPU indices of x[i] / x[i] = v (copies between
+# devices are FakeCuda.copy_ and FakeCuda.to)
+_CROSS_DEVICE = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_}
 # what reads no data (attributes, shapes, views' bookkeeping, hooks): no kernel, nothing ordered
 _METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel", "nelement", "ndimension",
              "is_contiguous", "data_ptr", "element_size", "untyped_storage", "storage_offset", "__len__",
@@ -244,7 +245,7 @@ class FakeCuda:
         self.special = {
             torch.Tensor.to: self.to, torch.Tensor.cuda: self.cuda, torch.Tensor.cpu: self.cpu,
             torch.Tensor.pin_memory: self.pin_memory, torch.Tensor.is_pinned: self.is_pinned,
-            torch.Tensor.numpy: self.numpy,
+            torch.Tensor.numpy: self.numpy, torch.Tensor.copy_: self.copy_,
         }
 
     # ---------------------------------------------------------------------------------------- devices and streams
@@ -380,9 +381,9 @@ class FakeCuda:
         written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
         written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
         if func not in _CROSS_DEVICE:
-            # a CPU scalar may be read by an element-wise kernel, never written (a foreach op's lists pair up their
-            # tensors one by one, each pair on one device: only its CPU tensors of more than 0 dims are refused)
-            outputs = written if not (args and isinstance(args[0], (list, tuple))) else []
+            # a CPU scalar may be read by an element-wise kernel, never written; a foreach op's lists pair up their
+            # tensors one by one: a CPU tensor it writes is refused where its partner is on the GPU
+            outputs = written if not (args and isinstance(args[0], (list, tuple))) else _foreach_targets(func, args)
             for t in tensors:
                 if not isinstance(t, CudaTensor) and (t.dim() > 0 or func in _NO_CPU_SCALARS
                                                       or any(t is w for w in outputs)):
@@ -428,6 +429,15 @@ class FakeCuda:
             with torch._C.DisableTorchFunction():
                 out = src.as_subclass(torch.Tensor).to(copy=True, **how)
             return self.wrap(out, index, stream, [])
+
+    def copy_(self, dst: torch.Tensor, src, non_blocking: bool = False) -> torch.Tensor:
+        """``dst.copy_(src)``: between devices it waits and refuses as ``_copy`` (``Tensor.to``) does, then writes
+        ``dst`` on its device; within one device it is an op like any other."""
+        there = dst._index if isinstance(dst, CudaTensor) else None
+        here = src._index if isinstance(src, CudaTensor) else None
+        if not isinstance(src, torch.Tensor) or here == there:
+            return self.run(torch.Tensor.copy_, (dst, src), dict(non_blocking=non_blocking))
+        return self.run(torch.Tensor.copy_, (dst, self._copy(src, there, non_blocking)), {})
 
     def to(self, tensor, *args, **kwargs):
         copy = kwargs.pop("copy", False)
@@ -563,11 +573,23 @@ def _waits_for_host(func, args, device) -> bool:
     the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result)."""
     if func in _FROM_HOST:
         return _is_cuda(device) and not (args and isinstance(args[0], torch.Tensor))
-    if func in _CROSS_DEVICE and func is not torch.Tensor.copy_ and len(args) > 1:
+    if func in _CROSS_DEVICE and len(args) > 1:
         index = tree_flatten(args[1])[0]
         return any(isinstance(i, torch.Tensor) and (not isinstance(i, CudaTensor) and i.dim() > 0
                                                     or i.dtype == torch.bool) for i in index)
     return False
+
+
+def _foreach_targets(func, args) -> list[torch.Tensor]:
+    """The tensors an in-place foreach op writes whose partner (same position in another list, or the one tensor
+    given for all) is a CUDA tensor; ``_foreach_copy_`` copies between devices."""
+    name = getattr(func, "__name__", "")
+    if not _in_place(func) or name == "_foreach_copy_":
+        return []
+    partners = [a if isinstance(a, (list, tuple)) else [a] * len(args[0])
+                for a in args[1:] if isinstance(a, (list, tuple, torch.Tensor))]
+    return [t for i, t in enumerate(args[0])
+            if any(i < len(p) and isinstance(p[i], CudaTensor) for p in partners)]
 
 
 def _in_place(func) -> bool:

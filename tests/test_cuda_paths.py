@@ -68,7 +68,9 @@ def test_the_stand_in_takes_a_cpu_scalar_only_as_an_element_wise_input(fake_cuda
     x, scalar = torch.ones(3, device="cuda:0"), torch.tensor(2.0)
     assert torch.where(x > 0, x, scalar).device == CUDA0  # read by an element-wise kernel: fine
     for written_into_cpu_scalar in (lambda: torch.where(x[0] > 0, scalar, scalar, out=scalar),
-                                    lambda: scalar.add_(x[0]), lambda: torch.mul(x[0], 2, out=scalar)):
+                                    lambda: scalar.add_(x[0]), lambda: torch.mul(x[0], 2, out=scalar),
+                                    lambda: torch._foreach_add_([scalar], [x[0]]),  # a CPU step count, a GPU grad
+                                    lambda: torch._foreach_mul_([scalar], x[0])):
         with pytest.raises(RuntimeError, match="cuda:0 and cpu"):
             written_into_cpu_scalar()
     for joined in (torch.cat, torch.stack):
@@ -134,6 +136,15 @@ def test_the_stand_in_counts_host_syncs_and_keeps_the_device_per_thread(fake_cud
     assert fake_cuda.syncs["MainThread"] == before + 4
     with pytest.raises(RuntimeError, match="non_blocking copy to the CPU is not modelled"):
         x.to("cpu", non_blocking=True)  # readable only after a wait on CUDA: the stand-in refuses to guess
+    # copy_ between devices follows the same rules as to()
+    before = fake_cuda.syncs["MainThread"]
+    x.copy_(torch.ones(4).pin_memory(), non_blocking=True)
+    assert fake_cuda.syncs["MainThread"] == before
+    x.copy_(torch.ones(4))
+    torch.zeros(4).copy_(x)
+    assert fake_cuda.syncs["MainThread"] == before + 2
+    with pytest.raises(RuntimeError, match="non_blocking copy to the CPU is not modelled"):
+        torch.zeros(4).copy_(x, non_blocking=True)
 
 
 # -------------------------------------------------------------------------------------------------- the device
