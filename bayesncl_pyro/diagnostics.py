@@ -87,7 +87,7 @@ def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tens
 
     gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
     w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
-    ``kl_probs()``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
+    ``GateEstimator.kl_probs``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
     step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
     the prior hardly shapes the posterior (the published lambda = 3e-5 gives a ratio near 1e-3,
     docs/RESULTS.md).

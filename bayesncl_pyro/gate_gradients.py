@@ -4,10 +4,11 @@ The gating head's objective, per row as the trainer minimises it, is
 
     E_q[mean_i l_i(g)] + lambda * mean_i sum_k KL(q(g_ik | x_i) || p(g_ik)),
 
-with q(g | x) the estimator's Bernoulli (``guides/gates.py``: its ``probs`` is the true inclusion
+with q(g | x) the estimator's family (``guides/gates.py``: its ``probs`` is the true inclusion
 probability) and l_i the InfoNCE of row i on the gated features. The estimators differ only in the
-gradient of the first term: ``ste`` takes it at the mode, ``relaxed`` and ``gs`` through a relaxed draw;
-none is the gradient of the expectation. ``gs-reference-kl`` differs in the second term too: it trains
+gradient of the first term (``bayesncl_pyro/estimators.py``): ``ste`` takes it at the mode, ``relaxed`` and
+``gs`` through a relaxed draw, ``st-sampled`` through the local derivative at a draw, and ``leg`` as below.
+``gs-reference-kl`` differs in the second term too: it trains
 with the reference's KL at sigmoid(l), while its reference here is ``gs``'s objective (the KL at q's own
 probability), so its bias includes the KL surrogate's.
 
@@ -16,7 +17,7 @@ expectation gradient): q is a product of Bernoullis, so with p_ik = P(g_ik = 1 |
 
     d E_q[sum_i l_i] / d logit_ik = p_ik' * E_q[ D_ik(g) ],   D_ik(g) = sum_j l_j(g, g_ik = 1) - sum_j l_j(g, g_ik = 0),
 
-where D_ik does not depend on g_ik itself. :func:`flip_differences` computes every D_ik of one draw at once:
+where D_ik does not depend on g_ik itself. ``losses.info_nce_flip_differences`` computes every D_ik of one draw at once:
 flipping g_ik changes row i of the gated features only, so the new losses follow from the old
 similarities, row i's new ones and each row's log-partition (O(R^2 K) for all R K flips, not O(R^3 K^2)).
 The sum runs over every row, so the negatives' dependence on g_ik is kept: this is where an estimator that
@@ -24,69 +25,28 @@ treated the rows as independent would go wrong. ``tests/test_gate_gradients.py``
 against exact enumeration of every gate configuration of a small batch.
 """
 
-import math
-
 import torch
+from pyro.infer import TraceGraph_ELBO
+from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import GATES, gate_class
-from bayesncl_pyro.losses import bernoulli_kl_grad, normalize, partner_rows
-
-_CHUNK_ELEMENTS = 2**22  # rows of flips are processed in chunks of about this many R x K x R entries
-
-
-@torch.no_grad()
-def flip_differences(features: torch.Tensor, gates: torch.Tensor, temperature: float) -> torch.Tensor:
-    """D (R x K, float64): D_ik = sum_j l_j with g_ik set to 1 minus the same with g_ik set to 0.
-
-    features: R x K non-negative features before gating (rows ``[view 1; view 2]``); gates: R x K in {0, 1};
-    l_j: ``info_nce_rows(normalize(features * gates), temperature)``, a gated-off row counting as zero.
-    """
-    f, g = features.double(), gates.double()
-    rows, dims = f.shape
-    w = f * g
-    u = normalize(w)
-    sim = (u @ u.T / temperature).fill_diagonal_(-math.inf)
-    lse = sim.logsumexp(1)  # R: each row's log-partition over the other rows
-    dots = w @ u.T  # R x R: w_i . u_j
-    sq = (w * w).sum(1)  # R: ||w_i||^2
-    partner = partner_rows(rows, f.device)
-    out = torch.empty(rows, dims, dtype=torch.float64, device=f.device)
-    chunk = max(1, _CHUNK_ELEMENTS // (dims * rows))
-    for start in range(0, rows, chunk):
-        i = torch.arange(start, min(start + chunk, rows), device=f.device)
-        fi, wi = f[i, :, None], w[i, :, None]  # c x K x 1
-        rest = dots[i, None, :] - wi * u.T  # c x K x R: w_i . u_j without entry k
-        rest_sq = sq[i, None] - w[i] ** 2  # c x K
-        self_col = torch.nn.functional.one_hot(i, rows).bool()[:, None, :]  # c x 1 x R
-        total = []
-        for b in (0.0, 1.0):
-            norm = (rest_sq + b * f[i] ** 2).clamp_min(0).sqrt()[..., None]  # c x K x 1
-            s = torch.where(norm > 1e-12, (rest + b * fi * u.T) / norm.clamp_min(1e-12), 0.0) / temperature
-            s = s.masked_fill(self_col, -math.inf)  # c x K x R: row i's new similarities
-            pos = s.gather(2, partner[i, None, None].expand(-1, dims, 1))[..., 0]
-            own = s.logsumexp(2) - pos  # row i's new loss
-            # every other row j: its log-partition with S_ji replaced (S is symmetric), and row i's partner
-            # also loses its positive term -S_(p(i), i) = -s_(i, p(i))
-            old = sim[i][:, None, :]
-            others = torch.log1p(torch.exp(s - lse) - torch.exp(old - lse)).sum(2)
-            total.append(own + others - pos)
-        out[i] = total[1] - total[0]
-    return out
+from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.head import own_params
+from bayesncl_pyro.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
-def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, gate, rate: torch.Tensor, kl_weight: float,
+def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, family, rate: torch.Tensor, kl_weight: float,
                       kl_clamp: float, temperature: float, draws: int) -> torch.Tensor:
     """Unbiased draws (S x R x K, float64) of the gradient of E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik with
-    respect to the R x K logits, q = ``gate(logits)``'s Bernoulli: one per gate draw from q, each exact in its
-    own gate (module docstring), with the KL's exact gradient; their mean estimates the gradient.
+    respect to the R x K logits, q = ``family(logits)`` (``guides/gates.py``): one per gate draw from q, each exact
+    in its own gate (module docstring), with the KL's exact gradient; their mean estimates the gradient.
     """
     rows = features.shape[0]
     logits = logits.detach().double().requires_grad_()
-    q = gate(logits)
+    q = family(logits)
     dprob, = torch.autograd.grad(q.probs.sum(), logits)  # each probability depends on its own logit only
     dkl = kl_weight / rows * bernoulli_kl_grad(q.probs, rate.double(), kl_clamp) * dprob
-    return torch.stack([dprob * flip_differences(features, q.sample(), temperature) / rows + dkl
+    return torch.stack([dprob * info_nce_flip_differences(features.double(), q.sample(), temperature) / rows + dkl
                         for _ in range(draws)])
 
 
@@ -104,53 +64,58 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
 
-def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws: int = 64,
+SCORE = "score"  # the program as written under TraceGraph_ELBO: Pyro's score-function gradient, for the table only
+
+
+def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), draws: int = 64,
                        reference_draws: int = 64) -> list[dict]:
     """Each estimator's gradient of the gating head against the unbiased gradient, on one batch x (2B rows
     ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
 
-    For every estimator (the head's weights as trained, only the estimator swapped) returns a dict:
-    ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio``
+    ``estimators``: names in ``GATES``, and ``score``: Pyro's ``TraceGraph_ELBO`` on the program as written (the
+    score function, with the exact KL sampled rather than the clamped one: at lambda = 3e-5 the difference is far
+    below its noise). For every estimator (the head's weights as trained, only the estimator swapped) returns a
+    dict: ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio``
     (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
     ``ste``), which removes its noise and leaves its bias;
     ``single_draw_cosine``, the mean cosine of one draw's gradient (one training step); ``split_cosine`` and
     ``reference_split_cosine``, the cosine between the mean gradients of two halves of the estimator's draws
     and of the unbiased estimate's ``reference_draws`` draws (near 1: the mean is precise enough to judge by;
-    straight-through gradients are heavy-tailed, so a sampled estimator may need many draws). The encoder
-    runs once, in eval mode.
+    straight-through gradients are heavy-tailed, so a sampled estimator may need many draws). ``leg`` computes
+    the same local expectation gradient as the reference, one draw per step: its row checks that training takes
+    it. The encoder runs once, in eval mode.
     """
     if not learner.gated:
         raise UserError("the gradient diagnostic needs a bayesncl run: an NCL or CL run has no gates")
-    guide, model = learner.guide, learner.model
+    head, guide, model = learner.head, learner.guide, learner.model
     if guide.rate_guide is not None:
         raise UserError(f"the gradient diagnostic needs a prior without global latents (bernoulli, learned), "
                         f"not {model.prior.name}")
     if draws < 1 or reference_draws < 2:
         raise UserError(f"need at least 1 draw per estimator and 2 reference draws, got {draws} and {reference_draws}")
-    trained, training = guide.gate, learner.training
+    trained, training = head.estimator, learner.training
     learner.eval()
     with torch.no_grad():
         h = learner.backbone(x).float()
-        z = learner.head.projector(h)
+        z = head.projector(h)
         features = model.features(z)
     rate = model.prior.rate().detach()
     params = list(guide.head.parameters())
     logits = guide.logits(h)
-    results, references = [], {}  # estimators with the same q (ste and relaxed; gs and its variant) share one
+    results, references = [], {}  # estimators with the same q (ste, relaxed, ...; gs and its variant) share one
     try:
         for name in estimators:
-            gate = gate_class(name)
-            guide.gate = gate
-            if gate.inclusion not in references:
-                per_draw = unbiased_gradient(features, logits, gate, rate, guide.kl_weight, guide.kl_clamp,
+            head.estimator = gate_class(trained.name if name == SCORE else name)(trained.kl_clamp)
+            family = guide.family = head.estimator.family
+            if family not in references:
+                per_draw = unbiased_gradient(features, logits, family, rate, guide.kl_weight, head.estimator.kl_clamp,
                                              model.temperature, reference_draws)
-                references[gate.inclusion] = [_head_gradient(logits, params, d.mean(0))
-                                              for d in (per_draw, *per_draw.chunk(2))]
-            ref_head, *halves = references[gate.inclusion]
-            # the estimator's own gradients, through the training program
+                references[family] = [_head_gradient(logits, params, d.mean(0))
+                                      for d in (per_draw, *per_draw.chunk(2))]
+            ref_head, *halves = references[family]
             heads = []
             for _ in range(1 if name == "ste" else draws):
-                loss = learner.head.elbo_terms(z, h)[0]
+                loss = _score_loss(head, z, h) if name == SCORE else head.elbo_terms(z, h)[0]  # the training path
                 heads.append(_flat(torch.autograd.grad(loss, params)))
             mean = torch.stack(heads).mean(0)
             results.append(dict(
@@ -162,6 +127,16 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=tuple(GATES), draws:
                 if len(heads) > 1 else 1.0,
                 reference_split_cosine=_cosine(*halves), draws=len(heads), reference_draws=reference_draws))
     finally:
-        guide.gate = trained
+        head.estimator, guide.family = trained, trained.family
         learner.train(training)
     return results
+
+
+def _score_loss(head, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One draw of Pyro's score-function surrogate of -ELBO / 2N, ``TraceGraph_ELBO`` on the head's program as
+    written."""
+    model, guide, _ = head.program()
+    elbo = TraceGraph_ELBO(max_plate_nesting=1)
+    with own_params():  # TraceGraph_ELBO only offers loss_and_grads, which calls backward itself
+        model_trace, guide_trace = elbo._get_trace(model, guide, (z, h), {})
+        return _compute_elbo(model_trace, guide_trace)[1] / head.num_rows

@@ -20,6 +20,7 @@ not need.
 
 import pyro
 import torch
+from pyro import poutine
 from torch import nn
 
 from bayesncl_pyro import distributed
@@ -28,7 +29,8 @@ from bayesncl_pyro.diagnostics import gate_pulls
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import GATES, GateGuide
+from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
@@ -87,8 +89,9 @@ class BayesNCLHead(nn.Module):
         prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
-            exact KL); gate: the gate estimator, a name in ``guides/gates.py``'s ``GATES`` (``ste``, ``relaxed``,
-            ``gs``, ``gs-reference-kl``); gate_temperature, head_depth, logit_bound: the guide's.
+            exact KL); gate: how training differentiates through the gates, a name in
+            ``bayesncl_pyro/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
+            ``gs-reference-kl``; it also picks q's family); gate_temperature, head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
             largest features per row (0: all).
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
@@ -126,9 +129,11 @@ class BayesNCLHead(nn.Module):
                             f"prior with num_features={proj_dim} (the head's proj_dim)")
         num_rows = 2 * num_train
         self.model = ContrastiveModel(num_rows, temperature, nonneg, topk, prior, kl_weight)
+        self.estimator = gate_class(gate)(kl_clamp) if prior is not None else None
         self.guide = GateGuide(
-            in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, estimator=gate, temperature=gate_temperature,
-            logit_bound=logit_bound, kl_weight=kl_weight, kl_clamp=kl_clamp, rate_guide=checked_guide(prior),
+            in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, family=self.estimator.family,
+            temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
+            rate_guide=checked_guide(prior),
         ) if prior is not None else None
         if gather_distributed:
             self.model.gather = distributed.gather_rows
@@ -146,16 +151,18 @@ class BayesNCLHead(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
 
-        Returns ``-ELBO / 2N`` and a dict of detached values: 0-d ``nce`` (mean InfoNCE), ``kl`` (the KL term
-        per row: summed over the gates and averaged over the rows, plus for a prior with global latents their KL
-        / 2N), ``active`` (share of feature entries that take part in the loss) and with gates ``gate_rate``,
-        ``incl_min``, ``incl_max`` (mean inclusion probability q(g = 1 | x) over all entries, and of the least
-        and most included dimension); R x K ``features`` (the rows InfoNCE saw) and with gates ``probs``
-        (q(g = 1 | x)), ``kl_probs`` (the probabilities the KL is taken at: ``probs``, but sigmoid(l) for
-        ``gs-reference-kl``) and ``gates`` (the gate values, whose gradient :meth:`pulls` reads after
-        ``loss.backward()``), K ``prior_rate`` (the rates of p(g | rate) the step's KL was taken against: for a
-        hierarchical prior, this step's draw from q(rate)). The 0-d values stay on the device: ``.item()``
-        them when you log.
+        Returns the loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for ``ste`` and
+        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a dict of detached values:
+        0-d ``nce`` (mean InfoNCE at the gates training used), ``kl`` (the KL term per row: summed over the gates
+        and averaged over the rows, plus for a prior with global latents their KL / 2N), ``active`` (share of
+        feature entries that take part in the loss) and with gates ``gate_rate``, ``incl_min``, ``incl_max`` (mean
+        inclusion probability q(g = 1 | x) over all entries, and of the least and most included dimension); R x K
+        ``features`` (the rows InfoNCE saw) and with gates ``probs`` (q(g = 1 | x)), ``kl_probs`` (the
+        probabilities the KL is taken at: ``probs``, but sigmoid(l) for ``gs-reference-kl``) and ``gates`` (the
+        tensor InfoNCE's gradient reaches, whose gradient :meth:`pulls` reads after ``loss.backward()``: the gate
+        values, for ``leg`` its inclusion probabilities), K ``prior_rate`` (the rates of p(g | rate) the step's KL
+        was taken against: for a hierarchical prior, this step's draw from q(rate)). The 0-d values stay on the
+        device: ``.item()`` them when you log.
         """
         self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
@@ -169,15 +176,21 @@ class BayesNCLHead(nn.Module):
                 probs = q.probs.detach()
                 per_dim = probs.mean(0)
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             kl_probs=q.kl_probs().detach(), gates=seen["gates"], prior_rate=seen["rate"])
+                             kl_probs=self.estimator.kl_probs(q).detach(), gates=seen.get("pulled", seen["gates"]),
+                             prior_rate=seen["rate"])
         return loss, stats
 
+    @property
+    def objective(self) -> str:
+        """What the loss computes, in words: the gate estimator's objective, or for NCL and CL the InfoNCE alone."""
+        return self.estimator.objective if self.gated else "InfoNCE per row (no latent variables: -ELBO = InfoNCE)"
+
     def program(self):
-        """The head's Pyro program for one batch: ``(model, guide, seen)``, the model and guide as Pyro callables of
-        (z, h) (projector outputs and backbone features) and the dict they fill with what they saw (the model's
-        ``nce``, ``features``, ``gates``, ``rate``; the guide's q(g | x) as ``q``). Run them inside
-        :func:`own_params`, as :meth:`elbo_terms` does; this is also the way to give them to another Pyro
-        inference algorithm."""
+        """The head's Pyro program for one batch, as written: ``(model, guide, seen)``, the model and guide as Pyro
+        callables of (z, h) (projector outputs and backbone features) and the dict they fill with what they saw
+        (the model's ``nce``, ``features``, ``ungated``, ``gates``, ``rate``; the guide's q(g | x) as ``q``). Its
+        gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws from q, and Pyro's
+        ELBOs take the score function through it. Run them inside :func:`own_params`, as :meth:`elbo_terms` does."""
         seen = {}
 
         def model(z, h):
@@ -188,15 +201,32 @@ class BayesNCLHead(nn.Module):
 
         return model, guide if self.gated else _no_guide, seen
 
+    def training_program(self):
+        """:meth:`program` with the gate estimator applied to the guide's gate site (``poutine.reparam``): what
+        training differentiates. For ``leg`` the ELBO of this program lacks the head's gradient, which
+        :meth:`elbo_terms` adds (``GateEstimator.surrogate``)."""
+        model, guide, seen = self.program()
+        if self.gated:
+            guide = poutine.reparam(guide, config={"g": self.estimator})
+        return model, guide, seen
+
     def elbo_terms(self, z: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """The one place the head's Pyro program runs (training, and the diagnostics that swap the gate estimator):
-        ``-ELBO / 2N``, its KL term per row (detached, see :meth:`forward`) and what the program saw
+        """The one place the head's Pyro program runs in training (and in the diagnostics that swap the gate
+        estimator): the loss (:meth:`forward`), its KL term per row (detached) and what the program saw
         (:meth:`program`), for projector outputs z and backbone features h. It runs inside :func:`own_params`, so
         no parameter reaches Pyro's global param store."""
         self._unweight_prior_gradients()
-        model, guide, seen = self.program()
+        model, guide, seen = self.training_program()
         with own_params():
             loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
+        if self.gated:
+            pulled = seen["q"].probs * 1.0  # a node of its own: the log's gate pull reads InfoNCE's gradient alone
+            extra = self.estimator.surrogate(pulled, seen["ungated"], seen["gates"], self.model.temperature)
+            if extra is not None:  # scaled up to the data set as the InfoNCE factor is
+                loss = loss + extra * (self.num_rows / z.shape[0])
+                if pulled.requires_grad:
+                    pulled.retain_grad()
+                    seen["pulled"] = pulled
         return loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), seen
 
     def _check_rows(self, h: torch.Tensor):
@@ -227,21 +257,21 @@ class BayesNCLHead(nn.Module):
         if gates is None or gates.grad is None:
             return {}
         nce, prior = gate_pulls(gates.grad, stats["kl_probs"], stats["prior_rate"], self.model.kl_weight,
-                                self.guide.kl_clamp)
+                                self.estimator.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """The posterior inclusion probabilities q(g_k = 1 | x) under the head's gate estimator, R x K, from
-        backbone features h."""
+        """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h (q's family is the
+        gate estimator's)."""
         self._need_gates()
-        return self.guide.inclusion_probs(h)
+        return self.guide.posterior(h).probs
 
     @torch.no_grad()
     def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
         """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode
         1[q(g = 1 | x) > 0.5] (for ``gs-reference-kl`` the reference's mask, 1[sigmoid(l) > 0.5])."""
         self._need_gates()
-        return self.guide.posterior(h).mask()
+        return self.estimator.mask(self.guide.posterior(h))
 
     @torch.no_grad()
     def representation(self, h: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from bayesncl_pyro import __version__, distributed, rundir
 from bayesncl_pyro.data import pipeline
-from bayesncl_pyro.data.views import TwoViews, simclr_transform
+from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.config import Config, check_device, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
@@ -135,12 +135,6 @@ def _ignore_sigint(worker_id: int):
     # Ctrl-C reaches the whole process group: workers keep serving batches while the main process
     # finishes the step and checkpoints (they end with it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def collate_views(batch):
-    """(v1, v2, label, index) items -> one tensor of 2B rows [view 1; view 2]."""
-    v1, v2, _, _ = zip(*batch)
-    return torch.cat([torch.stack(v1), torch.stack(v2)])
 
 
 class Trainer:

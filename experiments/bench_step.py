@@ -6,10 +6,13 @@
         --pipeline-batches 50                     # + data pipeline and end to end, views drawn in workers and on the GPU
 
 Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
-  cl, ncl, bayesncl   the learner as training runs it (Pyro program, MeanFieldELBO)
+  cl, ncl, bayesncl   the learner as training runs it (Pyro program, MeanFieldELBO; ste gates)
   bayesncl_tmf        the same program through Pyro's stock TraceMeanField_ELBO
   bayesncl_plain      the same maths written directly in PyTorch (no Pyro)
-Before timing, the three BayesNCL variants are checked to give the same loss and gradients.
+  bayesncl_st-sampled, bayesncl_leg   the learner with the gate estimators that follow the ELBO
+Before timing, the three BayesNCL variants are checked to give the same loss and gradients. The FLOPs of one
+step (matmuls and convolutions, counted on the meta device, so any recipe is counted without running it) are
+printed with the leg estimator's own work, which is elementwise (its flip differences: see leg_flops).
 
 Every repeat runs each variant once, in turn, and ratios are taken within a repeat, then the median over
 repeats: on a shared machine the ratios are meaningful, absolute times less so.
@@ -39,7 +42,7 @@ from bayesncl_pyro.training import pick_device
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     """``learner(x)[0]`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row (the
     zero-safe ``normalize``: an all-zero gated row gets no gradient, where ``F.normalize`` would give it 1e12)."""
-    model, guide = learner.model, learner.guide
+    model, guide, estimator = learner.model, learner.guide, learner.head.estimator
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
         z = learner.head.projector(h)
@@ -47,8 +50,8 @@ def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     u, kl = model.features(z), 0.0
     if guide is not None:
         q = guide.posterior(h)
-        u = normalize(u * q.rsample())
-        kl = bernoulli_kl(q.kl_probs(), model.prior.rate(), guide.kl_clamp).sum(1).mean()
+        u = normalize(u * estimator.value(q))
+        kl = bernoulli_kl(estimator.kl_probs(q), model.prior.rate(), estimator.kl_clamp).sum(1).mean()
     return info_nce_rows(u, model.temperature).mean() + model.kl_weight * kl
 
 
@@ -58,7 +61,7 @@ def stock_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
         z = learner.head.projector(h)
-    model, guide, _ = learner.head.program()
+    model, guide, _ = learner.head.training_program()
     with own_params():
         return TraceMeanField_ELBO().differentiable_loss(model, guide, z.float(), h.float()) / learner.head.num_rows
 
@@ -74,6 +77,10 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
     stock.load_state_dict(bayes.state_dict())
     fns["bayesncl_tmf"] = (lambda x: stock_loss(stock, x), stock)
     fns["bayesncl_plain"] = (lambda x, m=bayes: plain_loss(m, x), bayes)
+    for gate in ("st-sampled", "leg"):
+        learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl", "gate": gate})),
+                                     channels, 50_000)
+        fns[f"bayesncl_{gate}"] = (lambda x, m=learner: m(x)[0], learner)
     mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
     for _, learner in fns.values():
         learner.to(device, memory_format=mf).train()
@@ -147,6 +154,35 @@ def step_flops(fn, x: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
+def recipe_flops(cfg: Config, channels: int) -> dict[str, int]:
+    """FLOPs of one forward and backward of CL, NCL and BayesNCL at the recipe ``cfg``, counted on the meta
+    device (no arithmetic runs: an ImageNet-100 step is counted on any machine). The Pyro program is left out (its work
+    is InfoNCE's R x R matmul, counted for all three, and the KL's elementwise terms)."""
+    out = {}
+    for method in ("cl", "ncl", "bayesncl"):
+        method_cfg = resolve(dataclasses.replace(cfg, method=method, device="cpu"))
+        learner = ContrastiveLearner(method_cfg, channels, 50_000).to("meta")
+        x = torch.empty(2 * cfg.batch_size, channels, cfg.image_size, cfg.image_size, device="meta")
+
+        def step(x, backbone=learner.backbone, head=learner.head):
+            h = backbone(x)
+            u = normalize(head.projector(h))
+            loss = (u @ u.T).logsumexp(1).sum()
+            return loss + head.guide.logits(h).sum() if head.gated else loss
+
+        out[method] = step_flops(step, x)
+    return out
+
+
+def leg_flops(rows: int, dims: int) -> int:
+    """The leg estimator's work per step beyond ste's, as one FLOP per elementwise operation (it is elementwise,
+    which PyTorch's counter does not count): two R x R x K matmuls (the gated rows' similarities and dot
+    products) and, for each of the R K flips (a GPU computes every one) and each of the R rows, nine operations
+    (``losses.info_nce_flip_differences``: the new similarity's multiply-add and scaling, its exp, the softmax
+    weight's multiply, subtraction and log1p, two sums)."""
+    return 2 * 2 * rows * rows * dims + 9 * rows * dims * rows
+
+
 def peak_memory(fn, opt, x: torch.Tensor) -> float:
     """GiB of GPU memory at the peak of one step."""
     torch.cuda.reset_peak_memory_stats(x.device)
@@ -218,9 +254,12 @@ def main(argv=None) -> int:
             for name, (fn, _) in fns.items():
                 times[name].append(time_steps(fn, opts[name], x, args.steps))
         report(times, cfg.batch_size)
-        flops = {name: step_flops(fns[name][0], x) for name in ("ncl", "bayesncl")}
+        flops = recipe_flops(cfg, channels)
         # the time ratio cannot go below this: the gating head's own matmuls
         print(f"BayesNCL/NCL FLOPs per step:                     {flops['bayesncl'] / flops['ncl']:.3f}")
+        leg = leg_flops(2 * cfg.batch_size, cfg.proj_dim)
+        print(f"leg/ste FLOPs per step (elementwise counted):    {(flops['bayesncl'] + leg) / flops['bayesncl']:.4f}"
+              f" ({leg / 1e9:.2f} GFLOP of flip differences, {flops['bayesncl'] / 1e9:.1f} GFLOP for the step)")
         if device.type == "cuda":
             print("\npeak GPU memory of one step (GiB):",
                   ", ".join(f"{n} {peak_memory(fn, opts[n], x):.2f}" for n, (fn, _) in fns.items()))
@@ -252,6 +291,8 @@ def report(times: dict, batch: int):
     print(f"\nPyro/plain step time, MeanFieldELBO (training):   {ratio('bayesncl', 'bayesncl_plain'):.3f}")
     print(f"Pyro/plain step time, stock TraceMeanField_ELBO: {ratio('bayesncl_tmf', 'bayesncl_plain'):.3f}")
     print(f"BayesNCL/NCL step time:                          {ratio('bayesncl', 'ncl'):.3f}")
+    print(f"st-sampled/ste step time:                        {ratio('bayesncl_st-sampled', 'bayesncl'):.3f}")
+    print(f"leg/ste step time:                               {ratio('bayesncl_leg', 'bayesncl'):.3f}")
     print(f"NCL/CL step time:                                {ratio('ncl', 'cl'):.3f}")
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.estimators import GATES
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"

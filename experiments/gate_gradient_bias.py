@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from bayesncl_pyro.data import load_dataset
-from bayesncl_pyro.data.views import TwoViews, simclr_transform
+from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.gate_gradients import gate_gradient_bias
-from bayesncl_pyro.guides.gates import GATES, gate_class
+from bayesncl_pyro.estimators import GATES, gate_class
 from bayesncl_pyro.rundir import load_learner
-from bayesncl_pyro.training import EpochSampler, collate_views
+from bayesncl_pyro.training import EpochSampler
 
 
 def first_batch(cfg, data, batch_size: int) -> torch.Tensor:

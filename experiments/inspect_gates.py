@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
-from bayesncl_pyro.guides.gates import Gate, gate_class  # noqa: E402
+from bayesncl_pyro.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.evaluation import extract  # noqa: E402
 from bayesncl_pyro.losses import bernoulli_kl  # noqa: E402
 from bayesncl_pyro.metrics import dim_consistency  # noqa: E402
@@ -261,7 +261,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         features, labels, probs = post.features, post.labels, post.probs.numpy()
         rate = learner.model.prior.mean_rate(learner.guide.rate_guide)  # of q(rate), for a hierarchical prior
         kl = bernoulli_kl(post.probs, rate, cfg.kl_clamp).mean(0).numpy()
-        plot_kl_per_dim(kl, Gate.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")  # at q's own probabilities
+        plot_kl_per_dim(kl, GateEstimator.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")  # at q's own probabilities
         plot_inclusion(probs, float(rate.mean()), out / "inclusion.png")
         plot_class_heatmap(post.class_means.numpy(), data.classes, out / "class_heatmap.png")
         mean_incl = probs.mean(0)

@@ -27,7 +27,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped, UserError
-    from bayesncl_pyro.guides.gates import GATES
+    from bayesncl_pyro.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.rundir import GATES_FILE
 except KeyboardInterrupt:

@@ -6,9 +6,9 @@ The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch ho
 Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it scaled by 2N / R):
 
 * ``g_i ~ Bernoulli(rate)`` (K gates) sits under ``poutine.scale(lambda)`` in the model *and* the
-  guide, so TraceMeanField_ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): the Bernoulli KL with the
-  guide's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for ``gs-reference-kl``, the reference's
-  KL at sigmoid(l), which is not KL(q || p).
+  guide, so a mean-field ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): in training the Bernoulli KL
+  with the estimator's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for ``gs-reference-kl``, the
+  reference's KL at sigmoid(l), which is not KL(q || p).
 
 and once for the batch, *outside* the plate but with the plate's scaling 2N / R:
 
@@ -20,8 +20,9 @@ So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(globa
 trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
 global-latent KL of hierarchical priors once per data set (``models/priors.py`` says why that is the
 right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) proportional to
-p(g) exp(-InfoNCE / lambda). With the ``ste`` gate the likelihood term is InfoNCE at the posterior mode,
-not its expectation under q: the reference's deterministic surrogate (``guides/gates.py``).
+p(g) exp(-InfoNCE / lambda). The program says what is random; how training differentiates through the
+gates is the inference's choice (``bayesncl_pyro/estimators.py``): with the ``ste`` estimator the likelihood
+term is InfoNCE at the posterior mode, not its expectation under q, the reference's deterministic surrogate.
 
 Why the factor is outside the rows plate
 ----------------------------------------
@@ -87,9 +88,10 @@ class ContrastiveModel(PyroModule):
         """z: R x K projector output, h: R x D backbone features (used by the guide only).
         Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns, for monitoring (the ELBO
         ignores it), ``nce``: the per-row InfoNCE (R), ``features``: the rows it saw (R x K, detached), and with
-        gates ``gates``: their values (R x K), which keep their gradient after backward, and ``rate``: the K rates
-        they were drawn with (for a hierarchical prior, this step's draw from q(rate)), detached."""
-        u = self.features(z)
+        gates ``ungated``: the same rows before gating (R x K, detached), ``gates``: their values (R x K), which keep
+        their gradient after backward, and ``rate``: the K rates they were drawn with (for a hierarchical prior,
+        this step's draw from q(rate)), detached."""
+        u = ungated = self.features(z)
         rows = u.shape[0]
         g = rate = None
         if self.prior is not None:
@@ -109,4 +111,4 @@ class ContrastiveModel(PyroModule):
         with poutine.scale(scale=self.num_rows / rows):
             pyro.factor("nce", -nce.sum())
         out = dict(nce=nce, features=u.detach())
-        return out if g is None else dict(out, gates=g, rate=rate.detach())
+        return out if g is None else dict(out, ungated=ungated.detach(), gates=g, rate=rate.detach())

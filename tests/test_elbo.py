@@ -10,7 +10,7 @@ from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.head import own_params
 from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.estimators import GATES
 from bayesncl_pyro.models.priors import PRIORS
 
 CASES = [("cl", "bernoulli", "ste"), ("ncl", "bernoulli", "ste")] + [
@@ -24,10 +24,16 @@ def _loss_and_grads(learner, elbo, x):
     if isinstance(elbo, MeanFieldELBO):
         loss, _ = learner(x)
     else:
+        head = learner.head
         h = learner.backbone(x)
-        model, guide, _ = learner.head.program()
+        z = head.projector(h)
+        model, guide, seen = head.training_program()
         with own_params():
-            loss = elbo.differentiable_loss(model, guide, learner.head.projector(h), h) / learner.head.num_rows
+            loss = elbo.differentiable_loss(model, guide, z, h)
+        if head.gated:  # leg's term, which no ELBO of the program holds (estimators.py)
+            extra = head.estimator.surrogate(seen["q"].probs, seen["ungated"], seen["gates"], head.model.temperature)
+            loss = loss if extra is None else loss + extra * head.num_rows / z.shape[0]
+        loss = loss / head.num_rows
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in learner.named_parameters() if p.grad is not None}
 

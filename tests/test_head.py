@@ -187,7 +187,7 @@ def test_an_install_keeps_the_pyro_program_inside_the_package(tmp_path):
     (user / "models").mkdir(parents=True)
     (user / "models" / "__init__.py").write_text("MINE = True\n")
     code = ("import json, bayesncl_pyro, models; from bayesncl_pyro.models.priors import PRIORS; "
-            "from bayesncl_pyro.guides.gates import GATES; from bayesncl_pyro import BayesNCLHead; "
+            "from bayesncl_pyro.estimators import GATES; from bayesncl_pyro import BayesNCLHead; "
             "print(json.dumps([bayesncl_pyro.__file__, models.__file__, models.MINE, 'bernoulli' in PRIORS, "
             "'ste' in GATES]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=user, env={**os.environ, "PYTHONPATH": str(site)},
@@ -225,7 +225,7 @@ def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(pr
         loss, stats = head(h)
     pyro.set_rng_seed(5)
     q = head.guide.posterior(h)
-    alpha = q.kl_probs().detach()
+    alpha = head.estimator.kl_probs(q).detach()
     if prior == "beta-bernoulli":
         rate_q = head.guide.rate_guide.posterior()
         rate = rate_q.rsample().detach()  # the step's draw, replayed
@@ -252,7 +252,7 @@ def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(pr
     (dict(temperature=0), "temperature must be positive, got 0"),
     (dict(head_depth=0), "head_depth must be positive"),
     (dict(topk=9), r"topk must lie in \[0, proj_dim=8\], got 9"),
-    (dict(gate="hard", nonneg="abs"), "^unknown gate 'hard'; choose one of: relaxed, ste, gs, gs-reference-kl$"),
+    (dict(gate="hard", nonneg="abs"), "^unknown gate 'hard'; choose one of: ste, relaxed, st-sampled, leg, gs, gs-reference-kl$"),
     (dict(nonneg="abs"), "^unknown nonneg 'abs'; choose one of: relu, rep_relu, none$"),
     (dict(num_train=1), "num_train must be the number of images in the training set"),
     (dict(prior=None, prior_args={"concentration": 3}), "prior=None has no prior to take them"),

@@ -15,7 +15,8 @@ from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.head import BayesNCLHead
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
-from bayesncl_pyro.guides.gates import GATES, GateGuide, GumbelSigmoidGate, RelaxedGate, ThresholdGate
+from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
 from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 
@@ -28,25 +29,19 @@ def _inputs():
 
 
 def _program(estimator="ste", prior="bernoulli", kl_weight=3e-5, rho=0.8):
+    """(model, guide, the guide with the estimator applied: what training differentiates)."""
     p = build_prior(prior, K, rho)
     model = ContrastiveModel(N, 0.2, "relu", prior=p, kl_weight=kl_weight)
-    guide = GateGuide(D, 16, K, N, estimator=estimator, kl_weight=kl_weight, rate_guide=p.make_guide())
-    return model, guide
-
-
-@pytest.mark.parametrize("gate", sorted(GATES))
-def test_kl_is_registered_and_is_the_discrete_bernoulli_kl(gate):
-    logits = torch.randn(5, K)
-    q = GATES[gate](logits)
-    kl = torch.distributions.kl_divergence(q, dist.Bernoulli(torch.full((5, K), 0.8)))
-    torch.testing.assert_close(kl, bernoulli_kl(q.kl_probs(), 0.8, 0.01))
+    est = gate_class(estimator)()
+    guide = GateGuide(D, 16, K, N, family=est.family, kl_weight=kl_weight, rate_guide=p.make_guide())
+    return model, guide, poutine.reparam(guide, config={"g": est})
 
 
 def test_parity_with_reference_formula_ste():
     """-ELBO / num_rows with the STE gate == InfoNCE + lambda * mean_rows sum_dims KL (docs/METHOD.md, the ELBO)."""
     z, h = _inputs()
-    model, guide = _program("ste")
-    loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
+    model, guide, trained = _program("ste")
+    loss = TraceMeanField_ELBO().differentiable_loss(model, trained, z, h) / N
     alpha = guide.logits(h).sigmoid()
     u = F.normalize(F.normalize(F.relu(z), dim=1) * (alpha > 0.5).float(), dim=1)
     reference = info_nce_rows(u, 0.2).mean() + 3e-5 * bernoulli_kl(alpha, 0.8, 0.01).sum(1).mean()
@@ -108,25 +103,30 @@ def test_kl_weight_scales_only_the_kl():
     assert kl2 == pytest.approx(kl1, rel=1e-3)
 
 
-def test_gate_estimators_forward_hard_and_backward_to_alpha():
+@pytest.mark.parametrize("name", ["ste", "st-sampled"])
+def test_straight_through_estimators_forward_hard_and_backward_to_alpha(name):
     logits = torch.randn(4, K, requires_grad=True)
-    g = ThresholdGate(logits).rsample()
-    torch.testing.assert_close(g, (logits.sigmoid() > 0.5).float())
+    est = gate_class(name)()
+    g = est.value(est.family(logits))
+    if name == "ste":
+        torch.testing.assert_close(g, (logits.sigmoid() > 0.5).float())
+    assert set(g.unique().tolist()) <= {0.0, 1.0}
     g.sum().backward()
     torch.testing.assert_close(logits.grad, (logits.sigmoid() * (1 - logits.sigmoid())).detach())
-    for cls in (GumbelSigmoidGate, RelaxedGate):
-        v = cls(torch.randn(4, K)).rsample()
+    for other in ("relaxed", "gs", "leg"):
+        est = gate_class(other)()
+        v = est.value(est.family(torch.randn(4, K)))
         assert set(v.unique().tolist()) <= {0.0, 1.0}
 
 
 def test_relaxed_gate_on_rate_matches_sigmoid_of_logits():
     logits = torch.tensor([-1.0, 0.0, 2.0]).expand(20000, 3)
-    g = RelaxedGate(logits, torch.tensor(0.5)).rsample()
+    g = BernoulliGates(logits, torch.tensor(0.5)).rsample()
     torch.testing.assert_close(g.mean(0), torch.tensor([-1.0, 0.0, 2.0]).sigmoid(), atol=0.015, rtol=0)
 
 
 def test_logits_are_bounded_with_gradient():
-    _, guide = _program()
+    _, guide, _ = _program()
     h = torch.randn(R, D)
     raw = guide.head(h)
     h = h * (2 * guide.logit_bound / raw.abs().max())  # raw logits up to twice the bound (head is ReLU-homogeneous up to bias)
@@ -140,7 +140,7 @@ def test_logits_are_bounded_with_gradient():
 def test_head_does_not_train_the_backbone():
     z, h = _inputs()
     h = h.requires_grad_()
-    model, guide = _program("relaxed")
+    model, _, guide = _program("relaxed")
     TraceMeanField_ELBO().differentiable_loss(model, guide, z, h).backward()
     assert h.grad is None and z.grad is not None
 
@@ -149,11 +149,11 @@ def test_head_does_not_train_the_backbone():
 @pytest.mark.parametrize("gate", sorted(GATES))
 def test_every_prior_and_gate_trains_one_step(prior, gate):
     z, h = _inputs()
-    model, guide = _program(gate, prior)
+    model, guide, trained = _program(gate, prior)
     params = list(guide.parameters()) + list(model.parameters())
     before = [p.detach().clone() for p in params]
     opt = torch.optim.SGD(params + [z], lr=0.1)
-    loss = TraceMeanField_ELBO().differentiable_loss(model, guide, z, h) / N
+    loss = TraceMeanField_ELBO().differentiable_loss(model, trained, z, h) / N
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
@@ -162,7 +162,7 @@ def test_every_prior_and_gate_trains_one_step(prior, gate):
 
 def test_beta_bernoulli_has_a_global_rate_latent_in_model_and_guide():
     z, h = _inputs()
-    model, guide = _program("relaxed", "beta-bernoulli")
+    model, guide, _ = _program("relaxed", "beta-bernoulli")
     tr = pyro.poutine.trace(guide).get_trace(z, h)
     assert tr.nodes["rate"]["fn"].event_shape == (K,)
     assert {"rate", "g"} <= set(tr.stochastic_nodes)
@@ -210,7 +210,7 @@ def test_beta_bernoulli_rates_follow_the_data_to_the_conjugate_posterior():
     rows, lam = 40, 3e-5
     prior = BetaBernoulliPrior(K, 0.8, concentration=10.0)
     model = ContrastiveModel(rows, 0.2, "relu", prior=prior, kl_weight=lam)
-    guide = GateGuide(D, 16, K, rows, estimator="ste", kl_weight=lam, rate_guide=prior.make_guide())
+    guide = GateGuide(D, 16, K, rows, kl_weight=lam, rate_guide=prior.make_guide())
     with torch.no_grad():
         guide.head[-1].weight.zero_()
         guide.head[-1].bias.fill_(torch.tensor(0.3).logit().item())
@@ -221,7 +221,8 @@ def test_beta_bernoulli_rates_follow_the_data_to_the_conjugate_posterior():
     with pyro.validation_enabled(False):
         for step in range(600):
             opt.zero_grad()
-            (MeanFieldELBO().differentiable_loss(model, guide, z, h) / rows).backward()
+            trained = poutine.reparam(guide, config={"g": gate_class("ste")()})
+            (MeanFieldELBO().differentiable_loss(model, trained, z, h) / rows).backward()
             opt.step()
             if step >= 300:  # the iterates scatter around the optimum (one Beta draw per step)
                 a.append(rates.a.detach().clone())

@@ -11,7 +11,7 @@ from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import GATES
+from bayesncl_pyro.estimators import GATES
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.posterior import gate_posterior
 
@@ -34,7 +34,7 @@ def test_probabilities_are_each_gates_inclusion_probability_of_the_guide_logits(
     x = torch.stack([transform(digits.test[i][0]) for i in range(len(digits.test))])
     with torch.no_grad():
         h = learner.backbone(x)
-        expected = GATES[gate].inclusion(learner.guide.logits(h))
+        expected = GATES[gate].family.inclusion(learner.guide.logits(h))
     assert post.probs.shape == (len(digits.test), 16) and post.draws is None
     torch.testing.assert_close(post.probs, expected)
     assert post.labels.tolist() == [digits.test[i][1] for i in range(len(digits.test))]

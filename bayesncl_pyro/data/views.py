@@ -167,3 +167,9 @@ class TwoViews(Dataset):
             # initialised backends, with a formatted stack each time (a millisecond per item)
             torch.default_generator.manual_seed(self.seed * 1_000_003 + index)
             return self.transform(image), self.transform(image), label, i
+
+
+def collate_views(batch):
+    """``TwoViews`` items (v1, v2, label, index) -> one tensor of 2B rows [view 1; view 2]."""
+    v1, v2, _, _ = zip(*batch)
+    return torch.cat([torch.stack(v1), torch.stack(v2)])

@@ -1,0 +1,224 @@
+"""How training differentiates through the gates: the estimators of ``--gate``, on the inference side.
+
+The program says what is random: the guide draws hard gates g from q(g | x), a product of Bernoullis
+(``guides/gates.py``), and the model's InfoNCE factor reads them (``models/bayesncl.py``). As written, the
+gate site is discrete, so Pyro differentiates it by the score function (unbiased, but one scalar weights
+every gate of the batch: its signal falls as 1 / sqrt(gates)). Training instead runs the guide under
+``poutine.reparam(config={"g": estimator})`` with one of the estimators below, each a
+:class:`pyro.infer.reparam.Reparam` that sets the site's value, the gates InfoNCE sees, together with the
+gradient path that value carries, and the KL the mean-field ELBO subtracts for the site. The program is the
+same for every estimator; only inference changes, the way ``poutine.reparam`` is meant to be used.
+
+=====================  ===========================  ============================================  ==================
+name                   q(g | x) (the guide's)       the gates' value in training                  its head gradient
+=====================  ===========================  ============================================  ==================
+``ste``                Bernoulli(sigmoid(l))        the mode 1[p > 0.5], identity to p backward:  of the reference's
+                                                    InfoNCE at the mode, not averaged over q      surrogate, not of
+                                                                                                  the ELBO
+``relaxed``            Bernoulli(sigmoid(l))        a draw, the binary Concrete's gradient        the ELBO's, biased
+                                                    (q's ``rsample``)
+``st-sampled``         Bernoulli(sigmoid(l))        a draw b, straight-through: b + p - sg(p)     the ELBO's, biased
+``leg``                Bernoulli(sigmoid(l))        a draw b; per gate, the exact difference of   the ELBO's,
+                                                    the batch's InfoNCE with it on and off        unbiased
+``gs``                 the reference's Gumbel-      its Gumbel-sigmoid draw, straight-through     its ELBO's, biased
+                       sigmoid family               (q's ``rsample``)
+``gs-reference-kl``    as ``gs``                    as ``gs``; its KL taken at sigmoid(l), which  of the reference's
+                                                    is not q's P(on): the reference's GS loss     GS loss
+=====================  ===========================  ============================================  ==================
+
+(p = P(g = 1 | x), l the head's logits, sg: stop-gradient.) Why each is what the table says, with
+q a product of Bernoullis and L(g) the batch's summed InfoNCE:
+
+* the ELBO's head gradient is sum_ik dp_ik/dphi * E_q[D_ik], D_ik = L(g, g_ik = 1) - L(g, g_ik = 0), which does
+  not depend on g_ik itself. ``leg`` (local expectation gradients, Titsias & Lazaro-Gredilla 2015) computes
+  D_ik exactly at one draw of the other gates (:func:`bayesncl_pyro.losses.info_nce_flip_differences`, all
+  R K of them in O(R^2 K)), so its head gradient is unbiased; the encoder's gradient is pathwise at the same
+  draw, also unbiased (q does not depend on the encoder: the head reads h.detach()).
+* ``st-sampled`` puts the local derivative dL/dg_ik at the draw in place of D_ik (equal only where L is
+  linear in the gate); ``relaxed`` the same at a relaxed draw, times E[sigma'(l + L)] / sigma'(l) for logistic
+  noise L (2/3 at l = 0): a shorter gradient, and not only in size; ``gs``'s straight-through weight against
+  the true dP/dl is 0.52 at l = 0, 0.84 at l = 1 and 19.4 at l = 2, and past l = 2.22, where P = 1 and the true
+  slope is 0, it still pushes.
+* ``ste`` takes InfoNCE at the mode of q, the reference's deterministic surrogate: the cost of the gates'
+  randomness never reaches the head, and the loss it reports is "InfoNCE at the mode + lambda KL", not
+  -ELBO.
+
+``docs/RESULTS.md`` measures each against the unbiased gradient (``experiments/gate_gradient_bias.py``).
+
+``leg`` alone needs one more term than its value: its head gradient comes from the likelihood's per-gate
+differences, which only the model's features give. :meth:`GateEstimator.surrogate` is that term (0 in value,
+its gradient the local expectation gradient); the head adds it to the loss (``BayesNCLHead.elbo_terms``), and
+it is 0 for every other estimator.
+
+Every estimator trains with the KL clamped as the reference clamps it (``kl_clamp``: both rates in
+[c, 1 - c]; 0 gives the exact KL): the site's distribution in the trace becomes :class:`TrainedGates`, q's
+Bernoulli with that KL registered, so the ELBO's KL term is the training objective's.
+"""
+
+import pyro.distributions as dist
+import torch
+from pyro.infer.reparam.reparam import Reparam
+
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
+from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
+from bayesncl_pyro.plugins import Registry
+
+GATES: Registry = Registry()  # the one home of the estimator names (``--gate``): config, run_svi and compare read it
+register = GATES.register
+
+
+def gate_class(name: str) -> type["GateEstimator"]:
+    """The estimator class registered as ``name``, or one clear error."""
+    if name not in GATES:
+        raise UserError(f"unknown gate estimator {name!r}; choose one of: {', '.join(GATES)}")
+    return GATES[name]
+
+
+class TrainedGates(dist.Bernoulli):
+    """The gate site as an estimator trains it: q's Bernoulli, pathwise (its value carries the estimator's
+    gradient), with the KL the estimator trains with (:func:`_kl_trained`)."""
+
+    has_rsample = True
+
+    def __init__(self, q: BernoulliGates, kl_probs: torch.Tensor, kl_clamp: float, validate_args=None):
+        self.kl_probs, self.kl_clamp = kl_probs, kl_clamp
+        super().__init__(probs=q.probs, validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(type(self), _instance)
+        new.kl_probs, new.kl_clamp = self.kl_probs.expand(batch_shape), self.kl_clamp
+        return super().expand(batch_shape, _instance=new)
+
+
+@torch.distributions.kl.register_kl(TrainedGates, torch.distributions.Bernoulli)
+def _kl_trained(q, p):
+    return bernoulli_kl(q.kl_probs, p.probs, q.kl_clamp)
+
+
+class GateEstimator(Reparam):
+    """One way of differentiating through the gate site: its training value and KL (``apply``), and for ``leg``
+    the extra loss term (``surrogate``).
+
+    Args:
+        kl_clamp: the KL's rates are clamped to [kl_clamp, 1 - kl_clamp]; 0.01 as the reference, 0 = exact.
+    """
+
+    name: str
+    family: type[BernoulliGates] = BernoulliGates  # the variational family it trains: the guide's distribution
+    unbiased = False  # whether its gradient is an unbiased estimate of the ELBO's (lambda * clamped KL included)
+    # what the loss that training reports (the log's "loss", "nce") computes, in words
+    objective = "-ELBO per row: E_q[InfoNCE] (one draw of q) + lambda * KL"
+    kl_name = "KL(q(g | x) || p(g))"  # what its KL term computes
+
+    def __init__(self, kl_clamp: float = REFERENCE_KL_CLAMP):
+        self.kl_clamp = kl_clamp
+
+    def value(self, q: BernoulliGates) -> torch.Tensor:
+        """The gates InfoNCE sees in training, with the gradient they carry to q's parameters."""
+        raise NotImplementedError
+
+    def kl_probs(self, q: BernoulliGates) -> torch.Tensor:
+        """The inclusion probabilities its KL term is taken at: q's own."""
+        return q.probs
+
+    def mask(self, q: BernoulliGates) -> torch.Tensor:
+        """The 0/1 gates of the evaluation (the representation F, eval.json's ``gates_open``): q's mode."""
+        return q.mode
+
+    def surrogate(self, probs: torch.Tensor, features: torch.Tensor, gates: torch.Tensor, temperature: float):
+        """A loss term of value 0 to add to the batch's summed InfoNCE, or None (only ``leg`` has one). probs: R x K
+        q's inclusion probabilities (with their graph); features: R x K before gating; gates: the R x K draw the
+        model saw."""
+        return None
+
+    @classmethod
+    def kl_label(cls, kl_clamp: float) -> str:
+        """What this estimator's KL term computes, in words (plot titles, logs)."""
+        clamp = f", rates clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
+        return f"{cls.kl_name}{clamp}"
+
+    def apply(self, msg):
+        fn, event_dim = self._unwrap(msg["fn"])
+        if not isinstance(fn, self.family):
+            raise UserError(f"the {self.name} estimator trains a {self.family.__name__} gate site, but site "
+                            f"{msg['name']!r} draws from a {type(fn).__name__}; build the guide with "
+                            f"family={self.family.__name__}")
+        trained = TrainedGates(fn, self.kl_probs(fn), self.kl_clamp)
+        return {"fn": self._wrap(trained, event_dim), "value": self.value(fn), "is_observed": False}
+
+
+@register("ste")
+class ModeStraightThrough(GateEstimator):
+    """The reference's STE: the mode 1[p > 0.5] forward, identity to p backward. Deterministic: InfoNCE is taken
+    at the mode of q, not averaged over it (the paper's "BayesNCL (STE)")."""
+
+    objective = "the reference's surrogate: InfoNCE at the mode of q + lambda * KL (not -ELBO)"
+
+    def value(self, q):
+        p = q.probs
+        return q.mode + (p - p.detach())  # exact 0/1 values: (p - p.detach()) is exactly 0
+
+
+@register("relaxed")
+class Relaxed(GateEstimator):
+    """A draw from q, differentiated through its relaxation: q's own ``rsample`` (for ``BernoulliGates``, Pyro's
+    ``RelaxedBernoulliStraightThrough``)."""
+
+    def value(self, q):
+        return q.rsample()
+
+
+@register("st-sampled")
+class SampledStraightThrough(GateEstimator):
+    """A draw b ~ q forward, straight-through to p backward (b + p - sg(p)): the local derivative of InfoNCE at
+    the draw stands in for the gate's exact effect. Costs nothing over ``ste``."""
+
+    def value(self, q):
+        p = q.probs
+        return q.sample() + (p - p.detach())
+
+
+@register("leg")
+class LocalExpectation(GateEstimator):
+    """Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
+    head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
+    draw (:meth:`surrogate`). Unbiased for the ELBO's gradient."""
+
+    unbiased = True
+
+    def value(self, q):
+        return q.sample()  # no gradient path: the head's gradient is the surrogate's
+
+    def surrogate(self, probs, features, gates, temperature):
+        """sum_ik (p_ik - sg(p_ik)) * sg(D_ik), D = ``info_nce_flip_differences(features, gates)``: 0 in value, and
+        its gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
+        summed InfoNCE."""
+        d = info_nce_flip_differences(features.float(), gates, temperature).to(probs.dtype)
+        return ((probs - probs.detach()) * d).sum()
+
+
+@register("gs")
+class GumbelSigmoid(Relaxed):
+    """The reference's Gumbel-sigmoid gate: a draw from its own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not
+    sigmoid(l)), straight-through to y = sigmoid((l + G) / T)."""
+
+    family = GumbelSigmoidGates
+
+
+@register("gs-reference-kl")
+class GumbelSigmoidReferenceKL(GumbelSigmoid):
+    """The reference's whole GS loss: the ``gs`` gate, with the KL computed at sigmoid(l) as the reference
+    computes it. sigmoid(l) is not this family's inclusion probability (0.5 against 0.632 at l = 0), so the KL
+    term is not KL(q || p) and the loss is no ELBO; the logs and the posterior still report q's probability.
+    Its evaluation mask is the reference's too, 1[sigmoid(l) > 0.5], not q's mode (1[P(g = 1) > 0.5], which
+    opens every gate with l > -0.367)."""
+
+    objective = "the reference's GS loss: InfoNCE at one Gumbel-sigmoid draw + lambda * KL at sigmoid(l) (not -ELBO)"
+    kl_name = "the reference's KL at sigmoid(l) (not KL(q || p))"
+
+    def kl_probs(self, q):
+        return q.head_logits.sigmoid()
+
+    def mask(self, q):
+        return (self.kl_probs(q) > 0.5).to(q.probs)
