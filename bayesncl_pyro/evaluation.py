@@ -6,9 +6,9 @@ runs, and ``reference``, the paper's, which its published numbers were measured 
 """
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
-from bayesncl_pyro.data.views import eval_transform
+from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.metrics import ACTIVE_EPS, factor_tracking, interpretability_metrics, retrieval_precision
 from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
@@ -64,13 +64,44 @@ def extract(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch
 
 
 UNGATED = "_ungated"  # suffix of the metrics of a gated learner's features with its gates left open
+OBJECTIVE_DRAWS = 8  # draws of q(g | x) per test batch for the test-split ELBO
+
+
+@torch.no_grad()
+def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: int = OBJECTIVE_DRAWS) -> dict:
+    """The training objective on the test split, as an ELBO, whatever the gate estimator trained: per row, averaged
+    over batches of ``cfg.batch_size`` test images (InfoNCE depends on the batch: the training batch size, in a
+    fixed random order, two views each drawn by the training augmentation with the run's seed), in eval mode.
+
+    Returns ``test_neg_elbo`` (-ELBO per row: E_q[InfoNCE] + lambda * KL(q || p), the exact KL, from ``draws``
+    draws of g ~ q(g | x) per batch: not at the mode), ``test_nce`` (its E_q[InfoNCE] term), ``test_kl`` (its KL
+    per row, summed over the gates; 0 without gates) and ``test_nce_mode`` (InfoNCE of the evaluation's
+    representation F: at the evaluation mask). For NCL and CL, -ELBO is the InfoNCE of their features, on the same
+    batches."""
+    learner.eval()
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    views = Subset(TwoViews(dataset, simclr_transform(cfg.image_size, channels), cfg.seed), order)
+    loader = DataLoader(views, batch_size=min(cfg.batch_size, len(dataset)), drop_last=True,
+                        num_workers=cfg.workers, collate_fn=collate_views)
+    terms = ("neg_elbo", "nce", "kl", "nce_mode")
+    total, batches = dict.fromkeys(terms, 0.0), 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        for x in loader:
+            h = learner.backbone(x.to(device)).float()
+            for _ in range(draws if learner.gated else 1):
+                for k, v in learner.head.objective_draw(h).items():
+                    total[k] += v.item() / (draws if learner.gated else 1)
+            batches += 1
+    return {f"test_{k}": total[k] / batches for k in terms}
 
 
 def evaluate(learner, data, cfg: Config, device) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
     and retrieval precision on the test split's representation F; on generated data whose test split
-    records its factors, which factor each dimension tracks. Fractions in [0, 1]; ``protocol`` names how
-    the linear probe and retrieval were done (``cfg.eval_protocol``).
+    records its factors, which factor each dimension tracks; the training objective on the test split
+    (:func:`test_objective`). Fractions in [0, 1]; ``protocol`` names how the linear probe and retrieval were
+    done (``cfg.eval_protocol``).
 
     For BayesNCL the interpretability metrics are also reported for the same model's features before
     gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed."""
@@ -90,6 +121,7 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
     results.update({f"retrieval_p@{k}": p for k, p in retrieval_precision(f_te, y_te, ks, num_dims).items()})
     if learner.gated:
         results["gates_open"] = gates.float().mean().item()  # at the evaluation mask (F's), not the mean P(on)
+    results.update(test_objective(learner, data.test, cfg, data.channels, device))
     factors = getattr(data.test, "factors", None)
     if factors is not None:
         results.update(factor_report(f_te, factors, ungated, gates))

@@ -29,9 +29,9 @@ from bayesncl_pyro.diagnostics import gate_pulls
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.estimators import GATES, SampledStraightThrough, gate_class
 from bayesncl_pyro.guides.gates import GateGuide
-from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, normalize
+from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, info_nce_rows, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
@@ -228,6 +228,23 @@ class BayesNCLHead(nn.Module):
                     pulled.retain_grad()
                     seen["pulled"] = pulled
         return loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), seen
+
+    @torch.no_grad()
+    def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
+        g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
+        ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
+        row) and ``kl``, its KL term per row; ``nce_mode``, the InfoNCE of the evaluation's representation
+        (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE."""
+        z = self.projector(h)
+        model, guide, seen = self.program()
+        if self.gated:
+            guide = poutine.reparam(guide, config={"g": SampledStraightThrough(kl_clamp=0.0)})  # its value: a draw
+        with own_params():
+            loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
+        kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
+        nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
+        return dict(neg_elbo=loss / self.num_rows, nce=seen["nce"].mean(), kl=kl, nce_mode=nce_mode)
 
     def _check_rows(self, h: torch.Tensor):
         """A batch the loss would get wrong without a word (Python integers only: no device sync)."""

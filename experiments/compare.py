@@ -12,6 +12,12 @@ in /tmp/cifar100 (torchvision's pickled batches, or JPEG folders {train,test}/<c
     python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --recipe reference \\
         --methods ncl,bayesncl-ste --budget-minutes 8.5 --device cuda --workers 8 --out runs/paper-cifar100
 
+The gate estimators against each other, at the published lambda and larger ones (a lambda list runs each
+BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
+
+    python experiments/compare.py --dataset compositional --methods ncl,bayesncl-ste,bayesncl-relaxed,\
+bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 --seeds 0 1 2 --workers 1 --out runs/estimators-comp
+
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), with the recipe's evaluation protocol: the paper's (linear probe on raw
 backbone features with the reference's optimizer and lr, retrieval on the strongest dims) for --recipe
@@ -39,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import statistics
@@ -85,6 +92,12 @@ METHOD_DOC = 'docs/METHOD.md, section "Published numbers"'  # in the repository;
 # counted; the share of the budget planned for, the rest kept for what the plan misses (each run's first
 # steps, checkpoints, the conflict diagnostics)
 TIMING_STEPS, TIMING_SKIP, BUDGET_USE = 25, 5, 0.9
+# the gate estimators' experiment: what the gates add, and the objective itself on the test split (eval.json's
+# test_* keys: -ELBO from draws of q, whatever the estimator trained with)
+OBJECTIVE_COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("Cons. ungated", "semantic_consistency_ungated", 100, ".2f"),
+                     ("Gates on", "gates_open", 100, ".1f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
+                     ("test -ELBO", "test_neg_elbo", 1, ".4f"), ("E_q InfoNCE", "test_nce", 1, ".4f"),
+                     ("InfoNCE at F", "test_nce_mode", 1, ".4f"), ("KL per row", "test_kl", 1, ".3f")]
 FACTOR_COLUMNS = [("bg dims (F)", "dims_tracking_background", 1, ".1f"),
                   ("class dims (F)", "dims_tracking_class", 1, ".1f"),
                   ("bg dims (ungated)", "ungated_dims_tracking_background", 1, ".1f"),
@@ -111,9 +124,10 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("shared settings (override the recipe; default: recipe)")
     for flag, kind in (("encoder", str), ("train-subset", int), ("epochs", int), ("batch-size", int),
                        ("optimizer", str), ("lr", float), ("warmup-epochs", float), ("proj-hidden", int),
-                       ("proj-dim", int), ("image-size", int), ("max-steps", int), ("prior-prob", float),
-                       ("kl-weight", float)):
+                       ("proj-dim", int), ("image-size", int), ("max-steps", int), ("prior-prob", float)):
         g.add_argument(f"--{flag}", type=kind)
+    g.add_argument("--kl-weight", type=float, nargs="+", help="lambda; several values run each BayesNCL method "
+                   "once per value, named <method>-lambda<value>")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
     g.add_argument("--topk", type=int, help="k of NCL+TopK (default: proj-dim / 8)")
@@ -122,14 +136,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def method_configs(methods: list[str], priors: list[str], topk: int) -> dict[str, dict]:
-    """Run name -> the Config fields that make that method; BayesNCL once per prior."""
+def method_configs(methods: list[str], priors: list[str], topk: int, kl_weights: list[float] | None = None
+                   ) -> dict[str, dict]:
+    """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
+    ``kl_weights``, once per lambda (one lambda is a shared setting)."""
     made = {}
+    lambdas = kl_weights if kl_weights and len(kl_weights) > 1 else [None]
     for m in methods:
         if m.startswith("bayesncl-"):
-            for prior in priors:
-                name = m if prior == "bernoulli" else f"{m}+{prior}"
-                made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior)
+            for prior, lam in itertools.product(priors, lambdas):
+                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}")
+                made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
+                                  **({} if lam is None else {"kl_weight": lam}))
         else:
             made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topk if m == "ncl+topk" else 0)
     return made
@@ -138,7 +156,10 @@ def method_configs(methods: list[str], priors: list[str], topk: int) -> dict[str
 def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     """The Config fields every method shares, and notes on what departs from the reference recipe."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    shared = {k: v for k, v in vars(args).items() if k in fields and v is not None and k not in ("out", "topk")}
+    shared = {k: v for k, v in vars(args).items()
+              if k in fields and v is not None and k not in ("out", "topk", "kl_weight")}
+    if args.kl_weight and len(args.kl_weight) == 1:
+        shared["kl_weight"] = args.kl_weight[0]
     notes = []
     if args.recipe == "cpu" and DATASET_DEFAULTS[args.dataset]["encoder"] != "cnn":
         shared = {**CPU_RECIPE, **shared}
@@ -319,7 +340,7 @@ def compare(args) -> dict:
     train_size = len(load_dataset(args.dataset, args.data_dir).train)
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
-    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8))
+    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight)
     plan = None
     if args.budget_minutes is not None:
         plan = plan_budget(args, shared, configs, out, started)
@@ -339,9 +360,10 @@ def compare(args) -> dict:
             results = trainer.fit()
             runs.append(dict(name=name, seed=seed, folder=run_dir.name, **results,
                              train_time_s=train_time(run_dir, trainer.cfg.batch_size)))
-    keys = [c[1] for c in COLUMNS + FACTOR_COLUMNS]
+    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS))
     summary = summarise(runs, keys)
-    settings = {k: v for k, v in trainer.cfg.identity().items() if k not in ("method", "gate", "prior", "topk", "seed")}
+    per_run = {"method", "gate", "prior", "topk", "seed"} | ({"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
+    settings = {k: v for k, v in trainer.cfg.identity().items() if k not in per_run}
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     report = dict(dataset=args.dataset, seeds=args.seeds, protocol=protocol, notes=notes, settings=settings,
                   summary=summary, runs=runs, paper=PAPER.get(args.dataset, {}), budget=plan,
@@ -354,6 +376,12 @@ def compare(args) -> dict:
           f"- seeds {args.seeds}" + (" (mean ± std)" if len(args.seeds) > 1 else "") + "; metrics on the test split, "
           "in percent except H_s (nats), effective rank (nats), Dims and train seconds", "",
           table(summary, COLUMNS, len(args.seeds))]
+    if any("test_neg_elbo" in r for r in runs):
+        md += ["", "What the gates add (Cons. of the same model with every gate open) and the objective on the test "
+               "split, per row, whatever each run trained: -ELBO = E_q[InfoNCE] + lambda * KL, from 8 draws of "
+               "q(g | x) per batch of the training batch size and the exact KL (at each run's own lambda); E_q "
+               "InfoNCE, its likelihood term (comparable across runs and lambdas); InfoNCE at F, at the evaluation "
+               "mask (the mode).", "", table(summary, OBJECTIVE_COLUMNS, len(args.seeds))]
     if any(FACTOR_COLUMNS[0][1] in r for r in runs):
         md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "

@@ -3,7 +3,8 @@
     python experiments/gate_gradient_bias.py runs/default                  # the default run: compositional, ste
     python experiments/gate_gradient_bias.py runs/default --draws 256 --reference-draws 256 --json bias.json
 
-For each estimator (ste, relaxed, gs, gs-reference-kl; the run's gating head as trained, only the estimator
+For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: Pyro's TraceGraph_ELBO on the
+program as written; the run's gating head as trained, or with --untrained at initialisation, only the estimator
 swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
 (exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py). It prints, for the
 estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
@@ -25,7 +26,8 @@ import torch
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.gate_gradients import gate_gradient_bias
+from bayesncl_pyro.gate_gradients import SCORE, gate_gradient_bias
+from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.estimators import GATES, gate_class
 from bayesncl_pyro.rundir import load_learner
 from bayesncl_pyro.training import EpochSampler
@@ -41,19 +43,26 @@ def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
-    p.add_argument("--estimators", default=",".join(GATES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--estimators", default=",".join((*GATES, SCORE)), help="comma-separated; score is Pyro's "
+                   "TraceGraph_ELBO on the program as written (default: %(default)s)")
     p.add_argument("--draws", type=int, default=64, help="gradient draws per sampled estimator (default: %(default)s)")
     p.add_argument("--reference-draws", type=int, default=64,
                    help="gate draws of the unbiased gradient (default: %(default)s)")
     p.add_argument("--batch-size", type=int, help="images in the batch (default: the run's)")
     p.add_argument("--seed", type=int, default=0, help="of the gate draws (default: %(default)s)")
+    p.add_argument("--untrained", action="store_true", help="measure the run's configuration at initialisation "
+                   "(weights drawn with --seed), not its trained weights: what training did to the gradients")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     try:
         learner, cfg = load_learner(args.run_dir)
+        if args.untrained:
+            torch.manual_seed(args.seed)
+            learner = ContrastiveLearner(cfg, learner.in_channels, learner.head.num_rows // 2)
         names = args.estimators.split(",")
         for name in names:
-            gate_class(name)  # before the data loads
+            if name != SCORE:
+                gate_class(name)  # before the data loads
         data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
         x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
         torch.manual_seed(args.seed)
@@ -61,7 +70,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"run {args.run_dir} (trained with {cfg.gate}), {x.shape[0]} rows, K = {cfg.proj_dim}, "
+    state = "untrained (initial weights)" if args.untrained else f"trained with {cfg.gate}"
+    print(f"run {args.run_dir} ({state}), {x.shape[0]} rows, K = {cfg.proj_dim}, "
           f"lambda = {cfg.kl_weight}, kl clamp {cfg.kl_clamp}")
     columns = [("cosine", "cosine"), ("rel. error", "relative_error"), ("norm ratio", "norm_ratio"),
                ("1-draw cos", "single_draw_cosine"), ("split cos", "split_cosine"),

@@ -75,10 +75,13 @@ def parser() -> argparse.ArgumentParser:
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")
     g.add_argument("--gate", default=d.gate, choices=tuple(GATES),
-                   help="gate estimator: ste (the paper's: InfoNCE at the posterior mode, threshold 0.5, identity "
-                   "backward: the reference's deterministic surrogate), relaxed (sampled, straight-through), gs "
-                   "(the reference's Gumbel-sigmoid draw, on with probability 1 + 1e-4 - exp(1e-4 - e^logit)), "
-                   "gs-reference-kl (gs with the reference's KL, taken at sigmoid(logit)) (default: %(default)s)")
+                   help="how training differentiates through the gates (bayesncl_pyro/estimators.py): ste (the "
+                   "paper's: InfoNCE at the posterior mode, identity backward: the reference's surrogate, not the "
+                   "ELBO's gradient), relaxed (a draw, the binary Concrete's gradient: biased), st-sampled (a draw, "
+                   "straight-through: biased), leg (a draw, each gate's exact effect on InfoNCE: unbiased for the "
+                   "ELBO), gs (the reference's Gumbel-sigmoid draw, on with probability 1 + 1e-4 - exp(1e-4 - "
+                   "e^logit): biased), gs-reference-kl (gs with the reference's KL at sigmoid(logit): not an ELBO) "
+                   "(default: %(default)s)")
     g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
                    help="relaxation temperature of the gates (default: %(default)s)")
     g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
@@ -201,7 +204,7 @@ def announce(trainer) -> str:
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
             f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "
-            f"writing to {trainer.out}/")
+            f"writing to {trainer.out}/\nthe loss it minimises: {trainer.learner.head.objective}")
 
 
 def export(trainer) -> int:
