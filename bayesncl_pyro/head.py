@@ -29,7 +29,7 @@ from bayesncl_pyro.diagnostics import gate_pulls
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, SampledStraightThrough, gate_class
+from bayesncl_pyro.estimators import GATES, LocalExpectation, SampledStraightThrough, gate_class
 from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, info_nce_rows, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
@@ -257,6 +257,10 @@ class BayesNCLHead(nn.Module):
         if rows < 4 and not (self.model.gather is not None and distributed.world_size() > 1):  # negatives from others
             raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
                             "negative; pass a batch of at least 2 images (4 rows)")
+        if isinstance(self.estimator, LocalExpectation) and self.model.gather is not None and distributed.world_size() > 1:
+            raise UserError("--gate leg trains on one process only: its per-gate differences would need every rank's "
+                            "rows and log-partitions, which are not gathered; run leg without torchrun, or train "
+                            "with --gate st-sampled under DDP")
         if rows > self.num_rows:
             raise UserError(f"a batch of {rows // 2} images, but num_train={self.num_rows // 2}: num_train is the "
                             "number of images in the training set (the ELBO scales each batch up to it); pass "

@@ -163,6 +163,17 @@ def test_under_ddp_a_rank_may_hold_one_image(monkeypatch):
     assert torch.isfinite(loss)
 
 
+def test_leg_is_refused_under_ddp_in_one_line(monkeypatch):
+    """leg's per-gate differences see the local rows only: under DDP, where the negatives come from every rank, they
+    would be wrong without a word; one process is fine."""
+    head = BayesNCLHead(D, K, H, num_train=500, gate="leg")
+    assert torch.isfinite(head(torch.randn(8, D))[0])
+    head.model.gather = lambda u: (u, 0)
+    monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
+    with pytest.raises(UserError, match="--gate leg trains on one process only"):
+        head(torch.randn(8, D))
+
+
 def test_importing_the_package_stays_light():
     """`import bayesncl_pyro` loads neither torch nor Pyro; the head and load_run load on first use."""
     code = ("import sys, bayesncl_pyro; light = 'torch' not in sys.modules; "
