@@ -18,7 +18,8 @@ its ``class_label``):
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
                     rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)
-    training_log    every numeric field of log.jsonl (step): -ELBO per row (loss), nce, kl, ...
+    training_log    every numeric field of log.jsonl (step): the loss per row as trained (-ELBO, or for ste and
+                                                      gs-reference-kl the reference's surrogate), nce, kl, ...
 
 The posterior group's attributes ``inference`` and ``note`` say what its draws are: independent draws from the
 trained guide (variational inference), not MCMC, so one chain and no R-hat. The rate variables carry the attributes ``converged`` ("yes" or "no") and ``note``: q(rate) is trained by SGD,

@@ -7,14 +7,17 @@ every gate of the batch: its signal falls as 1 / sqrt(gates)). Training instead 
 ``poutine.reparam(config={"g": estimator})`` with one of the estimators below, each a
 :class:`pyro.infer.reparam.Reparam` that sets the site's value, the gates InfoNCE sees, together with the
 gradient path that value carries, and the KL the mean-field ELBO subtracts for the site. The program is the
-same for every estimator; only inference changes, the way ``poutine.reparam`` is meant to be used.
+same for every estimator; only inference changes. (Unlike Pyro's own reparameterisers, which keep the site's
+distribution, ``ste``'s value is no draw of it: it is the reference's surrogate, and says so.)
 
 =====================  ===========================  ============================================  ==================
 name                   q(g | x) (the guide's)       the gates' value in training                  its head gradient
 =====================  ===========================  ============================================  ==================
-``ste``                Bernoulli(sigmoid(l))        the mode 1[p > 0.5], identity to p backward:  of the reference's
-                                                    InfoNCE at the mode, not averaged over q      surrogate, not of
-                                                                                                  the ELBO
+``ste``                Bernoulli(sigmoid(l))        the mode 1[p > 0.5], identity to p backward:  a straight-through
+                                                    InfoNCE at the mode, not averaged over q      pseudo-gradient of
+                                                                                                  the reference's
+                                                                                                  surrogate, not the
+                                                                                                  ELBO's
 ``relaxed``            Bernoulli(sigmoid(l))        a draw, the binary Concrete's gradient        the ELBO's, biased
                                                     (q's ``rsample``)
 ``st-sampled``         Bernoulli(sigmoid(l))        a draw b, straight-through: b + p - sg(p)     the ELBO's, biased
@@ -23,32 +26,36 @@ name                   q(g | x) (the guide's)       the gates' value in training
 ``gs``                 the reference's Gumbel-      its Gumbel-sigmoid draw, straight-through     its ELBO's, biased
                        sigmoid family               (q's ``rsample``)
 ``gs-reference-kl``    as ``gs``                    as ``gs``; its KL taken at sigmoid(l), which  of the reference's
-                                                    is not q's P(on): the reference's GS loss     GS loss
+                                                    is not q's P(on): the reference's GS loss     GS loss (biased)
 =====================  ===========================  ============================================  ==================
 
-(p = P(g = 1 | x), l the head's logits, sg: stop-gradient.) Why each is what the table says, with
-q a product of Bernoullis and L(g) the batch's summed InfoNCE:
+(p = P(g = 1 | x), l the head's logits, sg: stop-gradient; "the ELBO" is the training objective, -ELBO / 2N
+with the KL clamped as ``--kl-clamp`` says, the exact KL at 0.) Why each is what the table says, with q a
+product of Bernoullis and L(g) the batch's summed InfoNCE:
 
-* the ELBO's head gradient is sum_ik dp_ik/dphi * E_q[D_ik], D_ik = L(g, g_ik = 1) - L(g, g_ik = 0), which does
-  not depend on g_ik itself. ``leg`` (local expectation gradients, Titsias & Lazaro-Gredilla 2015) computes
-  D_ik exactly at one draw of the other gates (:func:`bayesncl_pyro.losses.info_nce_flip_differences`, all
-  R K of them in O(R^2 K)), so its head gradient is unbiased; the encoder's gradient is pathwise at the same
-  draw, also unbiased (q does not depend on the encoder: the head reads h.detach()).
+* the head gradient of E_q[L] is sum_ik dp_ik/dphi * E_q[D_ik], D_ik = L(g, g_ik = 1) - L(g, g_ik = 0), which
+  does not depend on g_ik itself (the KL's gradient is exact for every estimator and comes on top). ``leg``
+  (local expectation gradients, Titsias & Lazaro-Gredilla 2015) computes D_ik exactly at one draw of the
+  other gates (:func:`bayesncl_pyro.losses.info_nce_flip_differences`, all R K of them in O(R^2 K)), so its
+  head gradient is unbiased; the projector's is pathwise at the same draw, also unbiased (q does not depend on
+  it). The backbone's is the pathwise gradient with q held fixed, as for every estimator: the gating head
+  reads h.detach(), as the reference's does.
 * ``st-sampled`` puts the local derivative dL/dg_ik at the draw in place of D_ik (equal only where L is
-  linear in the gate); ``relaxed`` the same at a relaxed draw, times E[sigma'(l + L)] / sigma'(l) for logistic
-  noise L (2/3 at l = 0): a shorter gradient, and not only in size; ``gs``'s straight-through weight against
-  the true dP/dl is 0.52 at l = 0, 0.84 at l = 1 and 19.4 at l = 2, and past l = 2.22, where P = 1 and the true
-  slope is 0, it still pushes.
-* ``ste`` takes InfoNCE at the mode of q, the reference's deterministic surrogate: the cost of the gates'
-  randomness never reaches the head, and the loss it reports is "InfoNCE at the mode + lambda KL", not
-  -ELBO.
+  linear in the gate); ``relaxed`` the same local derivative at its hard draw, weighted by the relaxation's
+  dy/dl instead of dp/dl, which for a loss linear in the gate is E[sigma'(l + L)] / sigma'(l) of the true
+  slope at temperature 1 for logistic noise L (2/3 at l = 0); ``gs``'s straight-through weight, likewise, is
+  0.52 of the true dP/dl at l = 0, 0.84 at l = 1 and 19.4 at l = 2, and past l = 2.22, where P = 1 and the
+  true slope is 0, it still pushes.
+* ``ste`` takes InfoNCE at the mode of q, the reference's deterministic surrogate, piecewise constant in l: its
+  straight-through gradient is no gradient of any objective, the cost of the gates' randomness never reaches
+  the head, and the loss it reports is "InfoNCE at the mode + lambda KL", not -ELBO.
 
 ``docs/RESULTS.md`` measures each against the unbiased gradient (``experiments/gate_gradient_bias.py``).
 
 ``leg`` alone needs one more term than its value: its head gradient comes from the likelihood's per-gate
 differences, which only the model's features give. :meth:`GateEstimator.surrogate` is that term (0 in value,
-its gradient the local expectation gradient); the head adds it to the loss (``BayesNCLHead.elbo_terms``), and
-it is 0 for every other estimator.
+its gradient the local expectation gradient); the head adds it to the loss (``BayesNCLHead.estimator_term``),
+so any ELBO of ``training_program()`` alone trains leg's gating head on the KL only.
 
 Every estimator trains with the KL clamped as the reference clamps it (``kl_clamp``: both rates in
 [c, 1 - c]; 0 gives the exact KL): the site's distribution in the trace becomes :class:`TrainedGates`, q's
@@ -76,8 +83,9 @@ def gate_class(name: str) -> type["GateEstimator"]:
 
 
 class TrainedGates(dist.Bernoulli):
-    """The gate site as an estimator trains it: q's Bernoulli, pathwise (its value carries the estimator's
-    gradient), with the KL the estimator trains with (:func:`_kl_trained`)."""
+    """The gate site as an estimator trains it: q's Bernoulli, pathwise (no score-function term: the gradient, where
+    the value carries one, is the estimator's; leg's comes from its surrogate), with the KL the estimator trains
+    with (:func:`_kl_trained`)."""
 
     has_rsample = True
 
@@ -139,6 +147,8 @@ class GateEstimator(Reparam):
         return f"{cls.kl_name}{clamp}"
 
     def apply(self, msg):
+        if msg["is_observed"]:  # a conditioned site has its value: nothing to estimate
+            return {"fn": msg["fn"], "value": msg["value"], "is_observed": True}
         fn, event_dim = self._unwrap(msg["fn"])
         if not isinstance(fn, self.family):
             raise UserError(f"the {self.name} estimator trains a {self.family.__name__} gate site, but site "
@@ -179,22 +189,28 @@ class SampledStraightThrough(GateEstimator):
         return q.sample() + (p - p.detach())
 
 
-@register("leg")
-class LocalExpectation(GateEstimator):
-    """Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
-    head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
-    draw (:meth:`surrogate`). Unbiased for the ELBO's gradient."""
-
-    unbiased = True
+class Draw(GateEstimator):
+    """A draw from q, with no gradient through it: what evaluating the objective needs (``BayesNCLHead.
+    objective_draw``), and leg's value. Not a training estimator by itself."""
 
     def value(self, q):
-        return q.sample()  # no gradient path: the head's gradient is the surrogate's
+        return q.sample()
+
+
+@register("leg")
+class LocalExpectation(Draw):
+    """Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
+    head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
+    draw (:meth:`surrogate`). Unbiased for the training objective's gradient (module docstring)."""
+
+    unbiased = True
 
     def surrogate(self, probs, features, gates, temperature):
         """sum_ik (p_ik - sg(p_ik)) * sg(D_ik), D = ``info_nce_flip_differences(features, gates)``: 0 in value, and
         its gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
         summed InfoNCE."""
-        d = info_nce_flip_differences(features.float(), gates, temperature).to(probs.dtype)
+        dtype = torch.promote_types(features.dtype, torch.float32)
+        d = info_nce_flip_differences(features.to(dtype), gates, temperature).to(probs.dtype)
         return ((probs - probs.detach()) * d).sum()
 
 

@@ -85,8 +85,8 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
                         num_workers=cfg.workers, collate_fn=collate_views)
     terms = ("neg_elbo", "nce", "kl", "nce_mode")
     total, batches = dict.fromkeys(terms, 0.0), 0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(cfg.seed)  # the same draws for every run of the command; the run's own RNG state restored
         for x in loader:
             h = learner.backbone(x.to(device)).float()
             for _ in range(draws if learner.gated else 1):

@@ -26,12 +26,9 @@ against exact enumeration of every gate configuration of a small batch.
 """
 
 import torch
-from pyro.infer import TraceGraph_ELBO
-from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, gate_class
-from bayesncl_pyro.head import own_params
+from bayesncl_pyro.estimators import GATES, Draw, gate_class
 from bayesncl_pyro.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
@@ -64,7 +61,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
 
-SCORE = "score"  # the program as written under TraceGraph_ELBO: Pyro's score-function gradient, for the table only
+SCORE = "score"  # the score-function (REINFORCE) gradient of the program as written, for the table only
 
 
 def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), draws: int = 64,
@@ -72,9 +69,9 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
     """Each estimator's gradient of the gating head against the unbiased gradient, on one batch x (2B rows
     ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
 
-    ``estimators``: names in ``GATES``, and ``score``: Pyro's ``TraceGraph_ELBO`` on the program as written (the
-    score function, with the exact KL sampled rather than the clamped one: at lambda = 3e-5 the difference is far
-    below its noise). For every estimator (the head's weights as trained, only the estimator swapped) returns a
+    ``estimators``: names in ``GATES``, and ``score``: the score-function (REINFORCE) gradient of InfoNCE at one
+    draw of q, no baseline, the KL's gradient exact: unbiased, and the estimator Pyro's ``TraceGraph_ELBO``
+    takes on the program as written (one scalar, the batch's InfoNCE, weights every gate's score). For every estimator (the head's weights as trained, only the estimator swapped) returns a
     dict: ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio``
     (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
     ``ste``), which removes its noise and leaves its bias;
@@ -133,10 +130,11 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
 
 
 def _score_loss(head, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """One draw of Pyro's score-function surrogate of -ELBO / 2N, ``TraceGraph_ELBO`` on the head's program as
-    written."""
-    model, guide, _ = head.program()
-    elbo = TraceGraph_ELBO(max_plate_nesting=1)
-    with own_params():  # TraceGraph_ELBO only offers loss_and_grads, which calls backward itself
-        model_trace, guide_trace = elbo._get_trace(model, guide, (z, h), {})
-        return _compute_elbo(model_trace, guide_trace)[1] / head.num_rows
+    """One draw of the score-function surrogate of the head's loss: at a draw g ~ q (no gradient through it), the
+    loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is InfoNCE's REINFORCE term and the KL's."""
+    trained, head.estimator = head.estimator, Draw(head.estimator.kl_clamp)
+    try:
+        loss, _, seen = head.elbo_terms(z, h)
+    finally:
+        head.estimator = trained
+    return loss + seen["nce"].detach().mean() * seen["q"].log_prob(seen["gates"]).sum()

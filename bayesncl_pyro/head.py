@@ -8,8 +8,9 @@
 
 The head takes the backbone's features h, not projections: it owns the projector (h -> z, the reference's
 2-layer MLP), the gating head that infers the gates from h.detach(), the prior, the Pyro model and guide
-and the ELBO, so the backbone is all a training loop brings. Its loss is ``-ELBO / 2N``, the paper's
-InfoNCE + lambda * KL per row (``models/bayesncl.py``). With ``prior=None`` the same head is NCL (no gates),
+and the ELBO, so the backbone is all a training loop brings. Its loss is the paper's InfoNCE + lambda * KL per
+row, ``-ELBO / 2N`` (``models/bayesncl.py``) estimated as the gate estimator estimates it; with the default
+``ste``, the reference's surrogate, InfoNCE at the posterior mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates),
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
@@ -29,7 +30,7 @@ from bayesncl_pyro.diagnostics import gate_pulls
 from bayesncl_pyro.elbo import MeanFieldELBO
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, LocalExpectation, SampledStraightThrough, gate_class
+from bayesncl_pyro.estimators import GATES, Draw, LocalExpectation, gate_class
 from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, info_nce_rows, normalize
 from bayesncl_pyro.metrics import ACTIVE_EPS
@@ -204,7 +205,7 @@ class BayesNCLHead(nn.Module):
     def training_program(self):
         """:meth:`program` with the gate estimator applied to the guide's gate site (``poutine.reparam``): what
         training differentiates. For ``leg`` the ELBO of this program lacks the head's gradient, which
-        :meth:`elbo_terms` adds (``GateEstimator.surrogate``)."""
+        :meth:`estimator_term` adds (``GateEstimator.surrogate``)."""
         model, guide, seen = self.program()
         if self.gated:
             guide = poutine.reparam(guide, config={"g": self.estimator})
@@ -219,15 +220,23 @@ class BayesNCLHead(nn.Module):
         model, guide, seen = self.training_program()
         with own_params():
             loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
-        if self.gated:
-            pulled = seen["q"].probs * 1.0  # a node of its own: the log's gate pull reads InfoNCE's gradient alone
-            extra = self.estimator.surrogate(pulled, seen["ungated"], seen["gates"], self.model.temperature)
-            if extra is not None:  # scaled up to the data set as the InfoNCE factor is
-                loss = loss + extra * (self.num_rows / z.shape[0])
-                if pulled.requires_grad:
-                    pulled.retain_grad()
-                    seen["pulled"] = pulled
-        return loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), seen
+        return (loss + self.estimator_term(seen, z.shape[0])) / self.num_rows, \
+            kl / (self.num_rows * self.model.kl_weight), seen
+
+    def estimator_term(self, seen: dict, rows: int) -> torch.Tensor | float:
+        """What the gate estimator adds to the ELBO of :meth:`training_program` (``seen``: what that program saw,
+        on a batch of ``rows`` rows), on the ELBO's scale: leg's surrogate (``GateEstimator.surrogate``), scaled up
+        to the data set as the InfoNCE factor is; 0 for every other estimator and without gates."""
+        if not self.gated:
+            return 0.0
+        pulled = seen["q"].probs * 1.0  # a node of its own: the log's gate pull reads InfoNCE's gradient alone
+        extra = self.estimator.surrogate(pulled, seen["ungated"], seen["gates"], self.model.temperature)
+        if extra is None:
+            return 0.0
+        if pulled.requires_grad:
+            pulled.retain_grad()
+            seen["pulled"] = pulled
+        return extra * (self.num_rows / rows)
 
     @torch.no_grad()
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -235,13 +244,18 @@ class BayesNCLHead(nn.Module):
         g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
         ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
         row) and ``kl``, its KL term per row; ``nce_mode``, the InfoNCE of the evaluation's representation
-        (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE."""
+        (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE. The rows are
+        contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
         model, guide, seen = self.program()
         if self.gated:
-            guide = poutine.reparam(guide, config={"g": SampledStraightThrough(kl_clamp=0.0)})  # its value: a draw
-        with own_params():
-            loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
+            guide = poutine.reparam(guide, config={"g": Draw(kl_clamp=0.0)})
+        gather, self.model.gather = self.model.gather, None
+        try:
+            with own_params():
+                loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
+        finally:
+            self.model.gather = gather
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
         nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
         return dict(neg_elbo=loss / self.num_rows, nce=seen["nce"].mean(), kl=kl, nce_mode=nce_mode)

@@ -47,21 +47,26 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
     with g_ik = 0, the other gates as given; l_j = ``info_nce_rows(normalize(features * gates), temperature)``.
 
     Args:
-        features: R x K non-negative features before gating (rows ``[view 1; view 2]``).
+        features: R x K features before gating (rows ``[view 1; view 2]``).
         gates: R x K in {0, 1}.
         max_elements: a bound on the flips x R work held at once (the flips are taken in chunks under it).
         every_flip: compute the flips of zero features too (same result); default: on a GPU, where picking the
-            non-zero ones would make the host wait for their count.
+            others would make the host wait for their count.
     Returns:
         D in the dtype of ``features``, detached; 0 exactly where a feature is 0 (its gate changes nothing).
 
     Flipping g_ik changes row i of the gated features only, so each flip's new losses follow from the current
     similarities S, row i's new ones and every row's log-partition: O(R^2 K) for all R K flips, where
     recomputing the loss for each would be O(R^3 K^2). Only the flipped state is computed (the current one is
-    the forward's); every change is a log-ratio near 0, which float32 keeps to about 1e-6 of the loss
-    (``tests/test_losses.py`` checks it against float64 at K = 2048 and against recomputing the loss).
+    the forward's); every change is a log-ratio near 0, which float32 keeps to about 1e-6 in loss units
+    (``tests/test_losses.py`` checks it against float64 at K = 2048 and against recomputing the loss), except
+    where closing a gate leaves its row a small remainder (a feature carrying all but 1 % of the row's norm: up
+    to 3e-4, from the cancellation in its new norm). The similarities' exps reach e^(1 / temperature), which
+    leaves float32's range below temperature 0.0113: below 0.025 the differences are computed in float64.
     """
     f, g = features.detach(), gates.detach().to(features.dtype)
+    if f.dtype == torch.float32 and temperature < 0.025:
+        return info_nce_flip_differences(f.double(), g, temperature, max_elements, every_flip).float()
     rows, dims = f.shape
     w = f * g
     sq = (w * w).sum(1)  # R: ||w_i||^2
@@ -75,7 +80,7 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
     partner = partner_rows(rows, f.device)
     step = (1 - 2 * g).flatten()  # +1 where the flip opens the gate, -1 where it closes it
     every_flip = f.is_cuda if every_flip is None else every_flip
-    flips = torch.arange(rows * dims, device=f.device) if every_flip else (f.flatten() > 0).nonzero()[:, 0]
+    flips = torch.arange(rows * dims, device=f.device) if every_flip else (f.flatten() != 0).nonzero()[:, 0]
     out = torch.zeros(rows * dims, dtype=f.dtype, device=f.device)
     chunk = max(1, max_elements // rows)
     for start in range(0, len(flips), chunk):  # a few chunks of flips: memory, not a loop over gates or rows
@@ -94,7 +99,7 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
         # every other row j: its log-partition with S_ji replaced, log(1 + new weight - old weight)
         others = e.mul_(inv_partition).sub_(weight.index_select(0, i)).log1p_().sum(1)
         out[flat] = sign * (own + others - 2 * pos_change)
-    return out.view(rows, dims)
+    return torch.where(f != 0, out.view(rows, dims), 0.0)
 
 
 def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:

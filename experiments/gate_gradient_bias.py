@@ -3,8 +3,8 @@
     python experiments/gate_gradient_bias.py runs/default                  # the default run: compositional, ste
     python experiments/gate_gradient_bias.py runs/default --draws 256 --reference-draws 256 --json bias.json
 
-For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: Pyro's TraceGraph_ELBO on the
-program as written; the run's gating head as trained, or with --untrained at initialisation, only the estimator
+For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: the score-function gradient
+of the program as written, as Pyro's TraceGraph_ELBO takes it; the run's gating head as trained, or with --untrained at initialisation, only the estimator
 swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
 (exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py). It prints, for the
 estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
@@ -43,8 +43,8 @@ def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
-    p.add_argument("--estimators", default=",".join((*GATES, SCORE)), help="comma-separated; score is Pyro's "
-                   "TraceGraph_ELBO on the program as written (default: %(default)s)")
+    p.add_argument("--estimators", default=",".join((*GATES, SCORE)), help="comma-separated; score is the "
+                   "score-function (REINFORCE) gradient of the program as written (default: %(default)s)")
     p.add_argument("--draws", type=int, default=64, help="gradient draws per sampled estimator (default: %(default)s)")
     p.add_argument("--reference-draws", type=int, default=64,
                    help="gate draws of the unbiased gradient (default: %(default)s)")

@@ -24,9 +24,9 @@ for a model whose gates are Bernoulli (``models/bayesncl.py``) it is not q: ``Tr
 density with a Bernoulli mass. These families keep its ``rsample`` and are Bernoullis otherwise.
 
 ``has_rsample`` is False: the gates are discrete, so the program as written is differentiated the way Pyro
-differentiates a discrete site, by the score function (``TraceGraph_ELBO`` on it is unbiased, and
-``TraceEnum_ELBO`` can enumerate it); ``pyro.infer.Predictive`` and ``poutine.trace(guide)`` get real draws
-from q. Pyro's ``has_rsample_(True)`` turns a site pathwise (its ``rsample``), which is the ``relaxed`` and
+differentiates a discrete site, by the score function (``TraceGraph_ELBO`` on it is unbiased);
+``pyro.infer.Predictive`` (sequential: InfoNCE is not batched over draws) and ``poutine.trace(guide)`` get real
+draws from q. Pyro's ``has_rsample_(True)`` turns a site pathwise (its ``rsample``), which is the ``relaxed`` and
 ``gs`` estimators; the others set the site's value themselves.
 
 The ``gs`` probability is exact: with G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1), the gate is on iff

@@ -30,10 +30,7 @@ def _loss_and_grads(learner, elbo, x):
         model, guide, seen = head.training_program()
         with own_params():
             loss = elbo.differentiable_loss(model, guide, z, h)
-        if head.gated:  # leg's term, which no ELBO of the program holds (estimators.py)
-            extra = head.estimator.surrogate(seen["q"].probs, seen["ungated"], seen["gates"], head.model.temperature)
-            loss = loss if extra is None else loss + extra * head.num_rows / z.shape[0]
-        loss = loss / head.num_rows
+        loss = (loss + head.estimator_term(seen, z.shape[0])) / head.num_rows  # leg's term: no ELBO holds it
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in learner.named_parameters() if p.grad is not None}
 

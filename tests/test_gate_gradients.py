@@ -19,9 +19,12 @@ def _total(features, gates, tau):
     return info_nce_rows(normalize(features.double() * gates.double()), tau).sum()
 
 
-def test_flip_differences_equal_recomputing_the_loss():
+@pytest.mark.parametrize("signed", [False, True])
+def test_flip_differences_equal_recomputing_the_loss(signed):
+    """Every gate's difference against recomputing the batch's InfoNCE with it on and off: non-negative features
+    (NCL's) and signed ones (a head built with nonneg="none"), zero rows and rows whose gates all close."""
     torch.manual_seed(0)
-    features = torch.rand(8, 5) * (torch.rand(8, 5) > 0.3)
+    features = (torch.randn(8, 5) if signed else torch.rand(8, 5)) * (torch.rand(8, 5) > 0.3)
     features[3] = 0.0  # a row with no feature at all
     gates = (torch.rand(8, 5) > 0.4).float()
     gates[5] = 0.0  # a row whose gates are all closed: flipping one opens it

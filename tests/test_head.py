@@ -174,6 +174,19 @@ def test_leg_is_refused_under_ddp_in_one_line(monkeypatch):
         head(torch.randn(8, D))
 
 
+def test_the_test_objective_contrasts_the_local_rows_under_ddp(monkeypatch):
+    """Evaluation runs on rank 0 alone: the objective's draws must not call the gather (a collective the other
+    ranks have left), and contrast the batch's own rows."""
+    head = BayesNCLHead(D, K, H, num_train=500)
+    calls = []
+    head.model.gather = lambda u: calls.append(1) or (u, 0)
+    monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
+    h = torch.randn(8, D)
+    terms = head.objective_draw(h)
+    assert not calls and head.model.gather is not None  # put back for training
+    torch.testing.assert_close(terms["nce_mode"], info_nce_rows(head.representation(h), 0.2).mean())
+
+
 def test_importing_the_package_stays_light():
     """`import bayesncl_pyro` loads neither torch nor Pyro; the head and load_run load on first use."""
     code = ("import sys, bayesncl_pyro; light = 'torch' not in sys.modules; "
