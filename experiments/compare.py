@@ -48,13 +48,15 @@ import io
 import itertools
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
+from bayesncl_pyro import rundir
+from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config, resolve
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.estimators import GATES
@@ -119,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=("cpu", "reference"), default="cpu",
                    help="cpu: small CNN, subset, 15 epochs (see above); reference: the dataset's recipe "
                    "(default: %(default)s)")
+    p.add_argument("--record", type=Path, help="a folder of finished runs' records (config.json, eval.json, "
+                   "log.jsonl of each, and the comparison), such as docs/results/NAME: a run recorded there with the "
+                   "same configuration is reused without training, and every finished run is recorded there after")
     p.add_argument("--budget-minutes", type=float, help="fit timing, training and evaluation of every run in "
                    "about this many minutes by choosing the number of epochs, at most --epochs (see above)")
     g = p.add_argument_group("shared settings (override the recipe; default: recipe)")
@@ -199,7 +204,6 @@ def plan_budget(args, shared: dict, configs: dict[str, dict], out: Path, started
     ``--budget-minutes`` (``budget_epochs``), at most --epochs or the recipe's. The plan is kept in
     <out>/budget.json and reused by a rerun with the same settings, so that its runs keep their configuration."""
     from bayesncl_pyro.evaluation import evaluate
-    from bayesncl_pyro.rundir import read_log
     from bayesncl_pyro.training import Trainer
 
     max_epochs = args.epochs or recipe(args)["epochs"]
@@ -222,7 +226,7 @@ def plan_budget(args, shared: dict, configs: dict[str, dict], out: Path, started
                 trainer = Trainer(cfg, progress=False)
                 build_s[name] = time.perf_counter() - tic
                 trainer.train(TIMING_STEPS)
-            records = read_log(trainer.out)[TIMING_SKIP:]
+            records = rundir.read_log(trainer.out)[TIMING_SKIP:]
             step_s[name] = statistics.median(trainer.cfg.batch_size / r["images_per_s"] for r in records)
             if eval_s is None:  # about the same for every method: the same encoder, data and probe
                 tic = time.perf_counter()
@@ -264,9 +268,7 @@ def paper_table(dataset: str, summary: dict, protocol: str) -> str:
 def train_time(run_dir: Path, batch_size: int) -> float:
     """Seconds spent in training steps, summed from log.jsonl (each line's images / images_per_s); steps
     replayed after a resume are counted once."""
-    from bayesncl_pyro.rundir import read_log
-
-    by_step = {rec["step"]: rec["images_per_s"] for rec in read_log(run_dir)}
+    by_step = {rec["step"]: rec["images_per_s"] for rec in rundir.read_log(run_dir)}
     total, last = 0.0, 0
     for step in sorted(by_step):
         total += (step - last) * batch_size / by_step[step]
@@ -351,23 +353,33 @@ def compare(args) -> dict:
                      f"--budget-minutes {args.budget_minutes:g} (timed: " + ", ".join(
                          f"{n} {1e3 * t:.0f} ms/step" for n, t in plan["step_s"].items())
                      + f", evaluation {plan['eval_s']:.0f} s); warm-up {shared.get('warmup_epochs'):g} epochs")
-    runs = []
+    runs, settings = [], None
     for name, fields in configs.items():
         for seed in args.seeds:
             run_dir = out / f"{name}-seed{seed}"
-            print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
-            trainer = Trainer(Config(**shared, **fields, seed=seed, out=str(run_dir)))
-            results = trainer.fit()
+            cfg = resolve(Config(**shared, **fields, seed=seed, out=str(run_dir)))
+            recorded = args.record and recorded_run(args.record / run_dir.name, cfg)
+            if recorded:
+                print(f"== {name}, seed {seed}: recorded in {args.record / run_dir.name}", flush=True)
+                run_dir = args.record / run_dir.name
+                results = rundir.read_eval(run_dir, cfg.gate)
+            else:
+                print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
+                results = Trainer(cfg).fit()
+                if args.record:
+                    record(run_dir, args.record / run_dir.name)
             runs.append(dict(name=name, seed=seed, folder=run_dir.name, **results,
-                             train_time_s=train_time(run_dir, trainer.cfg.batch_size)))
+                             train_time_s=train_time(run_dir, cfg.batch_size)))
+            settings = settings or cfg
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS))
     summary = summarise(runs, keys)
     per_run = {"method", "gate", "prior", "topk", "seed"} | ({"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
-    settings = {k: v for k, v in trainer.cfg.identity().items() if k not in per_run}
+    settings = {k: v for k, v in settings.identity().items() if k not in per_run}
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     report = dict(dataset=args.dataset, seeds=args.seeds, protocol=protocol, notes=notes, settings=settings,
                   summary=summary, runs=runs, paper=PAPER.get(args.dataset, {}), budget=plan,
                   wall_s=time.perf_counter() - started)
+    out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(runs, out / "consistency_vs_probe.png")
     md = [f"# {args.dataset}: " + " vs ".join(summary), "",
@@ -396,8 +408,28 @@ def compare(args) -> dict:
     md += ["", "Shared settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
            f"Wall time of this command: {report['wall_s'] / 60:.1f} min", ""]
     (out / "comparison.md").write_text("\n".join(md))
+    if args.record:
+        for name in ("comparison.md", "comparison.json"):
+            shutil.copyfile(out / name, args.record / name)
     print("\n".join(md))
     return report
+
+
+RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
+
+
+def recorded_run(folder: Path, cfg: Config) -> bool:
+    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``)."""
+    if not all((folder / name).exists() for name in RECORD):
+        return False
+    return not Config.from_dict(json.loads((folder / rundir.CONFIG).read_text())).differences(cfg)
+
+
+def record(run_dir: Path, folder: Path):
+    """Copy a finished run's record into ``folder`` (``--record``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in RECORD:
+        shutil.copyfile(run_dir / name, folder / name)
 
 
 def main(argv=None) -> int:

@@ -121,3 +121,33 @@ def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "--budget-minutes 0.01 is too short" in proc.stderr
     assert run(*PAPER_COMMAND, "--budget-minutes", "-1").stderr.strip() == "error: --budget-minutes must be positive, got -1"
+
+
+def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_record(tmp_path):
+    """Several --kl-weight values run each BayesNCL method once per value (NCL once), the table of the objective on
+    the test split comes with them, and --record keeps each run's record: a later command with another --out (a
+    fresh clone) trains nothing that is recorded, and prints the same numbers."""
+    args = ["--dataset", "digits", "--methods", "ncl,bayesncl-ste,bayesncl-leg", "--kl-weight", "3e-5", "0.1",
+            "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64", "--proj-hidden", "32", "--proj-dim", "16",
+            "--workers", "0", "--device", "cpu", "--record", str(tmp_path / "record")]
+    first = run(*args, "--out", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    names = ["ncl", "bayesncl-ste-lambda3e-05", "bayesncl-ste-lambda0.1", "bayesncl-leg-lambda3e-05",
+             "bayesncl-leg-lambda0.1"]
+    report = json.loads((tmp_path / "a" / "comparison.json").read_text())
+    assert [r["name"] for r in report["runs"]] == names
+    assert json.loads((tmp_path / "a" / "bayesncl-leg-lambda0.1-seed0" / "config.json").read_text())["kl_weight"] == 0.1
+    assert "kl_weight" not in report["settings"]
+    md = (tmp_path / "a" / "comparison.md").read_text()
+    assert "| Method | Cons. | Cons. ungated | Gates on | LP@1 | test -ELBO |" in md
+    for r in report["runs"]:  # -ELBO = E_q[InfoNCE] + lambda KL, at each run's own lambda
+        lam = float(r["name"].rpartition("lambda")[2]) if "lambda" in r["name"] else 0.0
+        assert r["test_neg_elbo"] == pytest.approx(r["test_nce"] + lam * r["test_kl"], rel=1e-5)
+        assert (r["test_kl"] > 0) == (lam > 0)
+    assert sorted(p.name for p in (tmp_path / "record").iterdir()) == sorted(
+        [f"{n}-seed0" for n in names] + ["comparison.json", "comparison.md"])
+    assert not (tmp_path / "record" / "ncl-seed0" / "checkpoint.pt").exists()
+    again = run(*args, "--out", str(tmp_path / "b"))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count(": recorded in") == 5 and not (tmp_path / "b" / "ncl-seed0").exists()
+    assert json.loads((tmp_path / "b" / "comparison.json").read_text())["summary"] == report["summary"]
