@@ -239,6 +239,11 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     i = next(c for c in cards if c["dim"] == k)["top"][0][0]
     assert tip.startswith(f"test image {i}: {data['classes'][data['images']['labels'][i]]} \u00b7 ")
     assert f"q(g_{k} = 1 | x) = " in tip
+    # a chart's bar says what it is on hover
+    box = first.locator("svg[data-tips]").first.bounding_box()
+    tab.page.mouse.move(box["x"] + 3, box["y"] + box["height"] / 2)
+    assert tab.page.locator("#tip").inner_text() == f"{data['classes'][0]}: active in " + \
+        f"{next(c for c in cards if c['dim'] == k)['class_counts'][0]} images"
     # sorting by a column reorders the cards as report.json says
     by_consistency = tab.dims()
     tab.page.select_option("#view-dims .sort", "frequency")
