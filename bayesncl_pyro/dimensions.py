@@ -148,17 +148,30 @@ def histograms(values: torch.Tensor, bins: int, high: torch.Tensor | float = 1.0
     return torch.bincount(b.flatten(), minlength=values.shape[1] * bins).view(values.shape[1], bins)
 
 
+def _standardised(features: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
+    """N x len(dims): the columns of F, centred and scaled to unit norm (dot products are Pearson's r)."""
+    x = features[:, dims].float()
+    x = x - x.mean(0)
+    return x / x.norm(dim=0).clamp_min(1e-12)
+
+
 def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dims, r), len(dims) x n each: for each of ``dims``, the n others among ``dims`` whose columns of F correlate
     most with it (Pearson r over the test images), most correlated first."""
-    n = min(n, len(dims) - 1)
-    x = features[:, dims].float()
-    x = x - x.mean(0)
-    x = x / x.norm(dim=0).clamp_min(1e-12)
+    x = _standardised(features, dims)
     r = x.T @ x
     r.fill_diagonal_(-torch.inf)
-    best = r.topk(n, dim=1)
-    return dims[best.indices], best.values.float()
+    best = r.topk(min(n, len(dims) - 1), dim=1)
+    return dims[best.indices], best.values
+
+
+def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor,
+                 other_dims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dim, r), len(dims) each: for each of ``dims`` of F, the one of ``other_dims`` of another representation of
+    the same test images (a baseline run's) whose column correlates most with it, and Pearson's r."""
+    r = _standardised(features, dims).T @ _standardised(other, other_dims)
+    best = r.max(dim=1)
+    return other_dims[best.indices], best.values
 
 
 def neighbours(features: torch.Tensor, n: int) -> torch.Tensor:

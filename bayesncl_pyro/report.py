@@ -69,7 +69,8 @@ def _nums(t: torch.Tensor) -> list:
 def dimension_cards(feats: dm.TestFeatures, kl: torch.Tensor | None = None) -> list[dict]:
     """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions. Image entries are
     ``[image, activation, q(g_k = 1 | x)]`` (the last only for a gated run), largest activation first; quantile
-    entries ``[quantile, image, activation, q]``."""
+    entries ``[quantile, image, activation, q]``. :func:`report_data` adds ``baseline_closest``, ``[dim, r]``: the
+    baseline's dimension that correlates most with this one."""
     f, n, c = feats.features, len(feats.labels), feats.num_classes
     dims = dm.in_use(f)
     if not len(dims):
@@ -229,6 +230,10 @@ def report_data(feats: dm.TestFeatures, run: dict, log: list[dict] | None = None
     if baseline is not None:
         base = baseline["features"]
         base_cards = dimension_cards(base)
+        if cards and base_cards:
+            near, r = dm.closest_dims(feats.features, dm.in_use(feats.features), base.features, dm.in_use(base.features))
+            for card, j, v in zip(cards, near.tolist(), _nums(r)):
+                card["baseline_closest"] = [j, v]
         out["baseline"] = dict(run=baseline["run"], evaluation=baseline.get("evaluation"), dims=base_cards,
                                dims_not_in_use=base.features.shape[1] - len(base_cards),
                                neighbours=dm.neighbours(base.features, NEIGHBOURS).tolist())

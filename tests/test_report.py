@@ -96,6 +96,8 @@ def test_report_json_invariants_and_eval_json(runs):
     assert len(base["dims"]) == read_eval(ncl)["active_dims"] and base["run"]["method"] == "ncl"
     _cards_are_sound(base["dims"], n, gated=False)
     assert "mean_inclusion" not in base["dims"][0] and base["evaluation"] == read_eval(ncl)
+    base_dims = {c["dim"] for c in base["dims"]}
+    assert all(c["baseline_closest"][0] in base_dims and -1 <= c["baseline_closest"][1] <= 1 for c in data["dims"])
     # training curves as logged; the log's loss is its nce + lambda * kl
     log = [json.loads(line) for line in (bayes / "log.jsonl").read_text().splitlines()]
     assert data["training"]["step"] == [r["step"] for r in log]
@@ -267,6 +269,9 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     tab.page.locator("#view-card figure.thumb").first.click()
     assert tab.page.locator("#view-image h2").inner_text().startswith("Test image")
     assert tab.page.locator("#view-image figure.thumb").count() == 3 * report.NEIGHBOURS  # F, open, baseline
+    tab.open(folder / "index.html", f"#dim/{cards[0]['dim']}")
+    tab.page.click("#view-card a[href^='#baseline-dim/']")  # the baseline's closest dimension, beside
+    assert tab.dims("#view-card") == [cards[0]["baseline_closest"][0]]
     tab.open(folder / "index.html", "#baseline")
     assert sorted(tab.scroll_all("#view-baseline")) == sorted(c["dim"] for c in data["baseline"]["dims"])
     tab.open(folder / "index.html", "#overview")
