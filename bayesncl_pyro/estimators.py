@@ -117,6 +117,7 @@ class GateEstimator(Reparam):
     unbiased = False  # whether its gradient is an unbiased estimate of the ELBO's (lambda * clamped KL included)
     # what the loss that training reports (the log's "loss", "nce") computes, in words
     objective = "-ELBO per row: E_q[InfoNCE] (one draw of q) + lambda * KL"
+    loss_name = "-ELBO per row"  # the same, in a plot title's few words
     kl_name = "KL(q(g | x) || p(g))"  # what its KL term computes
 
     def __init__(self, kl_clamp: float = REFERENCE_KL_CLAMP):
@@ -164,6 +165,7 @@ class ModeStraightThrough(GateEstimator):
     at the mode of q, not averaged over it (the paper's "BayesNCL (STE)")."""
 
     objective = "the reference's surrogate: InfoNCE at the mode of q + lambda * KL (not -ELBO)"
+    loss_name = "the reference's surrogate per row (not -ELBO)"
 
     def value(self, q):
         p = q.probs
@@ -231,6 +233,7 @@ class GumbelSigmoidReferenceKL(GumbelSigmoid):
     opens every gate with l > -0.367)."""
 
     objective = "the reference's GS loss: InfoNCE at one Gumbel-sigmoid draw + lambda * KL at sigmoid(l) (not -ELBO)"
+    loss_name = "the reference's GS loss per row (not -ELBO)"
     kl_name = "the reference's KL at sigmoid(l) (not KL(q || p))"
 
     def kl_probs(self, q):

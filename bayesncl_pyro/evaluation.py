@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.metrics import ACTIVE_EPS, factor_tracking, interpretability_metrics, retrieval_precision
+from bayesncl_pyro.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
 from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
 
 REFERENCE_RETRIEVAL_DIMS = 512
@@ -139,11 +139,9 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
     """
     results = {f"dims_tracking_{name}": int(mask.sum()) for name, mask in factor_tracking(features, factors).items()}
     if ungated is not None:
-        closed = 1 - gates.double()
-        active = (ungated.abs() > ACTIVE_EPS).double()
-        closed_share = (closed * active).sum(0) / active.sum(0).clamp_min(1)  # K
+        closed = closed_share(ungated, gates)
         for name, mask in factor_tracking(ungated, factors).items():
-            switched_off = (closed_share[mask] > 0.5).double()
+            switched_off = (closed[mask] > 0.5).double()
             results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
             results[f"gated_off_dims_{name}"] = int(switched_off.sum())
             results[f"gated_off_share_{name}"] = float(switched_off.mean()) if mask.any() else 0.0

@@ -21,12 +21,12 @@ _CHUNK_ROWS = 1024
 """Query rows per similarity block: 1024 x 10,000 floats is 40 MB."""
 
 
-def _alive(features):
-    """K bool mask of dimensions whose column of |F| sums to more than zero."""
+def alive(features):
+    """K bool mask of the dimensions in use: those whose column of |F| sums to more than zero."""
     return features.abs().sum(dim=0) > 0
 
 
-def _active_after_normalising(features):
+def active_entries(features):
     """N x K 0/1 (double): entry active once rows are L2-normalised, which makes ACTIVE_EPS scale-free."""
     return (F.normalize(features.double(), dim=1).abs() > ACTIVE_EPS).double()
 
@@ -57,7 +57,7 @@ def semantic_consistency(features, labels):
 def dim_consistency(features, labels):
     """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
     (0 where none is), and the C x K counts of active samples per class. features: N x K, labels: N."""
-    active = _active_after_normalising(features)
+    active = active_entries(features)
     counts = _class_mass(active, labels)
     return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1), counts
 
@@ -89,7 +89,7 @@ def sparsity(features):
 
 def active_dims(features):
     """Number of the K dims with non-zero mean |F| over the N samples."""
-    return int(_alive(features).sum())
+    return int(alive(features).sum())
 
 
 def activation_rate(features):
@@ -98,10 +98,10 @@ def activation_rate(features):
     Unlike 1 - sparsity, dead dims are left out, so this measures how selective the dims that are
     used are, not how many dims are used. 0.0 when no dim is alive.
     """
-    alive = _alive(features)
-    if not alive.any():
+    used = alive(features)
+    if not used.any():
         return 0.0
-    return float((features[:, alive].abs() > ACTIVE_EPS).double().mean())
+    return float((features[:, used].abs() > ACTIVE_EPS).double().mean())
 
 
 def effective_rank(features):
@@ -124,10 +124,10 @@ def orthogonality(features):
     0 for mutually orthogonal dims; the diagonal (always 1 - 1) is included in the mean, as in the
     reference. 0.0 when no dim is alive.
     """
-    alive = _alive(features)
-    if not alive.any():
+    used = alive(features)
+    if not used.any():
         return 0.0
-    columns = F.normalize(features[:, alive].double(), dim=0)
+    columns = F.normalize(features[:, used].double(), dim=0)
     gram = columns.T @ columns
     return float((gram - torch.eye(len(gram), dtype=gram.dtype)).abs().mean())
 
@@ -144,18 +144,24 @@ def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
     if max(ks) > len(features) - 1:
         raise ValueError(f"max(ks)={max(ks)} needs at least {max(ks) + 1} samples, got {len(features)}")
     column_mass = features.abs().sum(dim=0)
-    keep = int(_alive(features).sum()) if num_dims is None else min(num_dims, features.shape[1])
+    keep = int(alive(features).sum()) if num_dims is None else min(num_dims, features.shape[1])
     dims = column_mass.topk(keep).indices
     reduced = F.normalize(features[:, dims].float(), dim=1)
 
-    hits = []  # N x max(ks) bool: neighbour j of query i shares its label
-    for rows in torch.arange(len(reduced)).split(_CHUNK_ROWS):
-        sims = reduced[rows] @ reduced.T
-        sims[torch.arange(len(rows)), rows] = -math.inf
-        neighbours = sims.topk(max(ks), dim=1).indices
-        hits.append(labels[neighbours] == labels[rows, None])
-    hits = torch.cat(hits).double()
+    neighbours = nearest_neighbours(reduced, max(ks))
+    hits = (labels[neighbours] == labels[:, None]).double()  # N x max(ks): neighbour j of query i shares its label
     return {k: float(hits[:, :k].mean()) for k in ks}
+
+
+def nearest_neighbours(rows, k):
+    """N x k indices of each row's k nearest other rows by dot product (cosine for L2-normalised rows), nearest
+    first; the row itself is excluded by index, so a duplicate of it still counts. rows: N x K."""
+    out = []
+    for chunk in torch.arange(len(rows)).split(_CHUNK_ROWS):
+        sims = rows[chunk] @ rows.T
+        sims[torch.arange(len(chunk)), chunk] = -math.inf
+        out.append(sims.topk(k, dim=1).indices)
+    return torch.cat(out)
 
 
 def _binary_entropy(p):
@@ -170,7 +176,7 @@ def factor_information(features, factor):
     for some set of factor values, 0 when it is independent of the factor. Scores of factors with
     different numbers of values are comparable. Dims that are always or never on score 0.
     """
-    active = _active_after_normalising(features)
+    active = active_entries(features)
     one_hot = F.one_hot(factor).double()  # N x V
     p_value = one_hot.mean(dim=0)  # V
     p_on_given = (one_hot.T @ active) / (one_hot.sum(dim=0)[:, None]).clamp_min(1)  # V x K
@@ -178,6 +184,13 @@ def factor_information(features, factor):
     h_on_given = p_value @ _binary_entropy(p_on_given)
     score = (h_on - h_on_given) / h_on.clamp_min(torch.finfo(h_on.dtype).tiny)
     return torch.where(h_on > 1e-12, score, 0.0).clamp(0, 1)
+
+
+def closed_share(ungated, gates):
+    """K: per dim, the share of the samples in which its ungated feature is active whose gate is closed (0 where it
+    is active in none). ungated: N x K features before gating; gates: N x K 0/1, the gates the representation uses."""
+    active = (ungated.abs() > ACTIVE_EPS).double()
+    return ((1 - gates.double()) * active).sum(0) / active.sum(0).clamp_min(1)
 
 
 def factor_tracking(features, factors, min_score=0.1):

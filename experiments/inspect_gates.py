@@ -18,6 +18,7 @@ An NCL or CL run gets the figures that need no gates (elbo, top_images, conflict
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -27,14 +28,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bayesncl_pyro import dimensions as dm  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.estimators import GateEstimator, gate_class  # noqa: E402
-from bayesncl_pyro.evaluation import extract  # noqa: E402
-from bayesncl_pyro.losses import bernoulli_kl  # noqa: E402
-from bayesncl_pyro.metrics import dim_consistency  # noqa: E402
-from bayesncl_pyro.posterior import gate_posterior  # noqa: E402
 from bayesncl_pyro.rundir import load_learner, read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
@@ -42,40 +40,50 @@ plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
-def plot_elbo(log: list[dict], kl_label: str | None, kl_weight: float, path: Path) -> Path:
-    """``kl_label``: what the KL term computes (``Gate.kl_label``); None for an ungated method."""
+def plot_elbo(log: list[dict], estimator: type[GateEstimator] | None, kl_weight: float, path: Path) -> Path:
+    """The training log's terms over the steps, titled by what the log's fields are: for a gated run ``loss`` (what
+    the gate estimator minimised: -ELBO per row, or the reference's surrogate), ``nce`` and ``kl``; without gates
+    (``estimator`` None) the loss is InfoNCE alone."""
     steps = [r["step"] for r in log]
-    panels = [("loss", "-ELBO per row = InfoNCE + lambda * KL"), ("nce", "InfoNCE per row (at the gates training used)")]
-    if kl_label:
-        panels.append(("kl", f"{kl_label}\nper row, summed over dims (times lambda = {kl_weight:g} in the loss)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    if estimator is not None:
+        panels = [("loss", f"{estimator.loss_name} (log's loss)\n= nce + lambda * kl, lambda = {kl_weight:g}"),
+                  ("nce", "InfoNCE per row (log's nce)\nat the gate values training used"),
+                  ("kl", "KL term per row (log's kl)\nas trained, summed over dims")]
+    else:
+        panels = [("loss", "InfoNCE per row (log's loss)\nthe whole objective")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), layout="constrained")
     for ax, (key, title) in zip(np.atleast_1d(axes), panels):
         ax.plot(steps, [r[key] for r in log], lw=1.2)
         ax.set(title=title, xlabel="training step", ylabel="nats")
     return _save(fig, path)
 
 
-def plot_kl_per_dim(kl: np.ndarray, kl_label: str, path: Path) -> Path:
+def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
+    """KL per dimension, largest first: bars labelled by dimension for up to 64 dims, else the sorted curve with
+    its five largest dimensions named."""
     order = np.argsort(kl)[::-1]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(kl)), 3.4))
-    ax.bar(np.arange(len(kl)), kl[order], color="tab:purple")
-    ax.set(title=f"{kl_label} per dimension,\nmean over test images (sorted; a hierarchical prior at q(rate)'s mean)",
-           xlabel="dimension (sorted by KL)", ylabel="KL (nats)")
-    _dim_ticks(ax, order)
-    return _save(fig, path)
-
-
-def _dim_ticks(ax, order):
-    """Label the bars with dimension ids when there are few enough to read."""
-    if len(order) <= 64:
-        ax.set_xticks(np.arange(len(order)), [str(k) for k in order], fontsize=6, rotation=90)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+    if len(kl) <= 64:
+        ax.bar(np.arange(len(kl)), kl[order], color="tab:purple")
+        ax.set_xticks(np.arange(len(kl)), [str(k) for k in order], fontsize=6, rotation=90)
         ax.grid(False, axis="x")
+        ax.set_xlabel("dimension (sorted by KL)")
+    else:
+        ax.plot(np.arange(1, len(kl) + 1), kl[order], color="tab:purple", lw=1.5)
+        for rank, k in enumerate(order[:5]):
+            ax.annotate(f"dim {k}", (rank + 1, kl[k]), xytext=(8, -4 - 9 * rank), textcoords="offset points",
+                        fontsize=7)
+        ax.set(xscale="log", xlabel=f"rank of the dimension by KL (1 = largest, of {len(kl)})")
+    ax.set(title="\n".join(textwrap.wrap(f"{label} (a hierarchical prior at q(rate)'s mean)", 80)),
+           ylabel="KL (nats)")
+    return _save(fig, path)
 
 
 def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
@@ -101,8 +109,8 @@ def heatmap_order(class_means: np.ndarray) -> np.ndarray:
 
 
 def plot_class_heatmap(class_means: np.ndarray, classes: list[str], path: Path) -> Path:
-    """Top: mean inclusion per class; bottom: the same minus the dimension's mean over classes, where a
-    class-specific dimension stands out as one warm cell in a cool column."""
+    """Top: mean inclusion per class (``dimensions.inclusion_by_class``); bottom: the same minus the dimension's
+    mean over classes, where a class-specific dimension stands out as one warm cell in a cool column."""
     order = heatmap_order(class_means)
     k, c = len(order), len(classes)
     fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(7.0, 0.16 * k + 2.5)), 0.6 * c + 3.2), sharex=True)
@@ -122,7 +130,9 @@ def plot_class_heatmap(class_means: np.ndarray, classes: list[str], path: Path) 
             ax.axvline(x + 0.5, color="k", lw=0.8)
         fig.colorbar(im, ax=ax, label=label, fraction=0.03, pad=0.01)
     axes[1].set_xlabel("dimension, grouped by the class that includes it most (lines separate the groups)")
-    _dim_ticks(axes[1], order)
+    if k <= 64:
+        axes[1].set_xticks(np.arange(k), [str(d) for d in order], fontsize=6, rotation=90)
+        axes[1].grid(False, axis="x")
     return _save(fig, path)
 
 
@@ -133,36 +143,49 @@ def _image(item) -> tuple[np.ndarray, str | None]:
     return (image[..., 0], "gray_r") if image.ndim == 3 and image.shape[2] == 1 else (image, None)
 
 
-def top_dimensions(features: torch.Tensor, labels: torch.Tensor, n: int, min_active: int = 5) -> list[tuple]:
-    """The ``n`` most class-consistent dimensions active in at least ``min_active`` test images, as
-    (dim, share of its most frequent class, that class, number of active images)."""
-    share, counts = dim_consistency(features, labels)
-    used = (counts.sum(0) >= min_active).nonzero().flatten().tolist()
-    used.sort(key=lambda k: -share[k].item())
-    return [(k, share[k].item(), counts[:, k].argmax().item(), int(counts[:, k].sum())) for k in used[:n]]
-
-
 def plot_top_images(features, labels, dataset, classes, path: Path, dims: int = 8, per_dim: int = 10) -> Path:
-    chosen = top_dimensions(features, labels, dims)
+    """The test images of largest activation of the most class-consistent dimensions among those active in at least
+    ``dimensions.min_support`` test images, a row each, labelled by what the row shows."""
+    least = dm.min_support(len(labels), len(classes))
+    chosen = dm.consistent_dims(features, labels, len(classes), dims, least)
     if not chosen:
-        raise UserError("no dimension is active in 5 or more test images; the representation has collapsed")
-    fig, axes = plt.subplots(len(chosen), per_dim, figsize=(1.05 * per_dim + 1.6, 1.1 * len(chosen) + 0.6),
+        raise UserError(f"no dimension is active in {least} or more test images; the representation has collapsed")
+    share, dominant = dm.consistency(dm.class_counts(features, labels, len(classes)))
+    active = dm.support(features)
+    top = dm.Ranking(features).top(torch.tensor(chosen), per_dim)
+    fig, axes = plt.subplots(len(chosen), per_dim, figsize=(1.05 * per_dim + 2.2, 1.1 * len(chosen) + 0.8),
                              squeeze=False)
-    for row, (k, share, cls, active) in enumerate(chosen):
-        top = features[:, k].argsort(descending=True)[:per_dim]
-        for ax, i in zip(axes[row], top.tolist()):
+    for row, k in enumerate(chosen):
+        shown = [i for i in top[row].tolist() if i >= 0]
+        for ax, i in zip(axes[row], shown):
             image, cmap = _image(dataset[i][0])
             ax.imshow(image, cmap=cmap, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.grid(False)
             ax.set_title(classes[labels[i]], fontsize=8, pad=2)
-        axes[row, 0].set_ylabel(f"dim {k}\n{share:.0%} '{classes[cls]}'\n({active} on)", rotation=0,
-                                ha="right", va="center", fontsize=8)
-    fig.suptitle("test images that most activate the most class-consistent dimensions\n"
-                 "(row: dimension, share of its active images in its top class; title: image's class)",
+        for ax in axes[row]:
+            ax.set(xticks=[], yticks=[])
+            ax.grid(False)
+            if not ax.images:
+                ax.axis("off")
+        first = torch.bincount(labels[shown], minlength=len(classes)).argmax().item()
+        same = sum(labels[i] == first for i in shown)
+        axes[row, 0].set_ylabel(f"dim {k}: {same} of {len(shown)} '{classes[first]}'\nof its {int(active[k])} "
+                                f"active:\n{share[k]:.0%} '{classes[dominant[k]]}'", rotation=0, ha="right",
+                                va="center", fontsize=8)
+    fig.suptitle(f"the {len(chosen)} most class-consistent dimensions active in at least {least} test images, and "
+                 f"their {per_dim} test images of largest activation\n(row label: the shown images' most frequent "
+                 "class; the share of all its active images in its dominant class; title: the image's class)",
                  fontsize=10)
     return _save(fig, path)
+
+
+def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
+    """The summary's line on the most class-consistent dimensions (as ``top_images.png`` ranks them)."""
+    least = dm.min_support(len(labels), len(classes))
+    share, dominant = dm.consistency(dm.class_counts(features, labels, len(classes)))
+    active = dm.support(features)
+    dims = dm.consistent_dims(features, labels, len(classes), n, least)
+    return f"most class-consistent dims (active in >= {least} test images): " + ", ".join(
+        f"{k} ({share[k]:.0%} '{classes[dominant[k]]}', {int(active[k])} on)" for k in dims)
 
 
 def conflict_table(run_dir: Path) -> dict | None:
@@ -202,7 +225,8 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
                  fontsize=11)
     fig.tight_layout()
     if "incl" in main:
-        fig.colorbar(sc, ax=axes, label="mean inclusion probability of the dim's gate", fraction=0.02, pad=0.01)
+        fig.colorbar(sc, ax=axes, label="mean inclusion probability of the dim's gate\non the logged training batches",
+                     fraction=0.02, pad=0.01)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -214,7 +238,9 @@ def _median(x, mask=None) -> float:
     return float(np.median(x)) if len(x) else float("nan")
 
 
-def conflict_lines(name: str, t: dict) -> list[str]:
+def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> list[str]:
+    """The summary's lines on a conflict table; ``gated_off``: K bool, the dimensions mostly gated on the test split
+    (``dimensions.mostly_gated``, as the gate line of the summary counts them)."""
     freq = t["freq"]
     lines = [f"conflict ({name}), medians over dimensions: cancellation {_median(t['cancellation']):.3f}, "
              f"oscillation {_median(t['oscillation']):.3g}, sign flips {_median(t['sign_flips']):.2f}"]
@@ -223,9 +249,9 @@ def conflict_lines(name: str, t: dict) -> list[str]:
         rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
         rho = np.corrcoef(rank(freq[ok]), rank(t["cancellation"][ok]))[0, 1]
         lines.append(f"  Spearman(activation frequency, cancellation) = {rho:.2f}")
-    if "incl" in t:
-        for label, mask in (("mostly open (incl >= 0.5)", t["incl"] >= 0.5), ("mostly gated (incl < 0.5)",
-                                                                               t["incl"] < 0.5)):
+    if gated_off is not None:
+        for label, mask in (("mostly open on the test split", ~gated_off), ("mostly gated on the test split",
+                                                                            gated_off)):
             lines.append(f"  {label}: {int(mask.sum())} dims, cancellation {_median(t['cancellation'], mask):.3f}, "
                          f"oscillation {_median(t['oscillation'], mask):.3g}, activation {_median(freq, mask):.3f}")
     return lines
@@ -244,35 +270,40 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
 
         print(f"wrote {export_gates(run_dir, learner, data)}")
     log = read_log(run_dir)
-    kl_label = gate_class(cfg.gate).kl_label(cfg.kl_clamp) if learner.gated else None  # the KL as trained
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
     if log:
         last = log[-1]
-        plot_elbo(log, kl_label, cfg.kl_weight, out / "elbo.png")
-        summary.append(f"last record (step {last['step']}): -ELBO/row {last['loss']:.4f} = InfoNCE {last['nce']:.4f}"
+        estimator = gate_class(cfg.gate) if learner.gated else None
+        plot_elbo(log, estimator, cfg.kl_weight, out / "elbo.png")
+        loss = estimator.loss_name if estimator else "InfoNCE per row"
+        summary.append(f"last record (step {last['step']}): {loss} {last['loss']:.4f} = InfoNCE {last['nce']:.4f}"
                        + (f" + lambda * KL {cfg.kl_weight * last['kl']:.2e} (KL {last['kl']:.3f} nats)"
                           if learner.gated else ""))
         warned = [r for r in log if "warnings" in r]
         if warned:
             summary.append(f"degeneracy warnings in {len(warned)} records, first at step {warned[0]['step']}: "
                            + "; ".join(warned[0]["warnings"]))
+    feats = dm.test_features(learner, data)
+    features, labels = feats.features, feats.labels
+    gated_off = None
     if learner.gated:
-        post = gate_posterior(learner, data)
-        features, labels, probs = post.features, post.labels, post.probs.numpy()
-        rate = learner.model.prior.mean_rate(learner.guide.rate_guide)  # of q(rate), for a hierarchical prior
-        kl = bernoulli_kl(post.probs, rate, cfg.kl_clamp).mean(0).numpy()
-        plot_kl_per_dim(kl, GateEstimator.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")  # at q's own probabilities
-        plot_inclusion(probs, float(rate.mean()), out / "inclusion.png")
-        plot_class_heatmap(post.class_means.numpy(), data.classes, out / "class_heatmap.png")
-        mean_incl = probs.mean(0)
-        summary += [f"gates: mean inclusion {probs.mean():.3f}, open (q > 0.5) {(probs > 0.5).mean():.3f}; "
-                    f"{int((mean_incl < 0.5).sum())} of {len(mean_incl)} dims mostly gated off",
+        probs = feats.probs
+        rate = dm.prior_rate(learner)
+        kl = dm.kl_per_dim(probs, rate, cfg.kl_clamp).numpy()
+        plot_kl_per_dim(kl, dm.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")
+        plot_inclusion(probs.numpy(), float(rate.mean()), out / "inclusion.png")
+        plot_class_heatmap(dm.inclusion_by_class(probs, labels, feats.num_classes)[0].numpy(), data.classes,
+                           out / "class_heatmap.png")
+        gated_off = dm.mostly_gated(probs).numpy()
+        summary += [f"gates on the test split: mean inclusion {probs.mean():.3f}, open in the evaluation mask "
+                    f"{feats.mask.mean():.3f}; {int(gated_off.sum())} of {len(gated_off)} dims mostly gated (mean "
+                    "inclusion < 0.5)",
                     f"KL per dimension: mean {kl.mean():.4f}, max {kl.max():.4f} nats (dim {int(kl.argmax())})"]
-    else:
-        _, features, labels = extract(learner, data.test, cfg, data.channels, "cpu")
+        warning = dm.undecided_warning(probs)
+        if warning:
+            summary.append(f"warning: {warning}")
     plot_top_images(features, labels, data.test, data.classes, out / "top_images.png")
-    summary.append("most class-consistent dims: " + ", ".join(
-        f"{k} ({share:.0%} '{data.classes[c]}', {n} on)" for k, share, c, n in top_dimensions(features, labels, 8)))
+    summary.append(top_dimensions_line(features, labels, data.classes))
     main = conflict_table(run_dir)
     if main is None:
         summary.append("no conflict records (conflict.jsonl): train with --conflict-every N > 0")
@@ -280,7 +311,8 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         base = conflict_table(baseline) if baseline is not None else None
         base_name = load_learner(baseline)[1].method if baseline is not None else ""
         plot_conflict(main, cfg.method, base, base_name, out / "conflict.png")
-        summary += conflict_lines(cfg.method, main) + (conflict_lines(base_name, base) if base is not None else [])
+        summary += conflict_lines(cfg.method, main, gated_off) + (conflict_lines(base_name, base) if base is not None
+                                                                  else [])
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
     return summary
 

@@ -245,6 +245,7 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
     flags = " ".join(shlex.quote(a) for a in _without(argv, "--method", "--out", "--overwrite"))
     steps = [f"python experiments/inspect_gates.py {out}" + (f" --baseline {base}" if cfg.method == "bayesncl" else ""),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in {out}/inspect/)"]
+    steps += [steps[0].replace("inspect_gates", "report"), f"    a card per dimension, one page: {out}/report/index.html"]
     if cfg.method == "bayesncl":
         steps[:0] = [f"python experiments/run_svi.py {flags} --method ncl --out {base}".replace("  ", " "),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]

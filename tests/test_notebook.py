@@ -25,3 +25,8 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 5
     assert len(list(tmp_path.glob("inspect_gates_*/bayesncl/inspect/*.png"))) == 6
+    # the report inline, then one card on its own, each in an iframe of its own
+    pages = [html for c in nb.cells if c.cell_type == "code" for o in c.outputs
+             if (html := o.get("data", {}).get("text/html", "")).startswith("<iframe srcdoc=")]
+    assert len(pages) == 2 and "&quot;dim/" not in pages[0] and "&quot;dim/" in pages[1]
+    assert len(list(tmp_path.glob("inspect_gates_*/bayesncl/report/index.html"))) == 1

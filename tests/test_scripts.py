@@ -31,6 +31,8 @@ SCRIPTS = {
     "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
     "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
     "gate_gradient_bias.py": lambda tmp: [tiny_run(tmp), "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
+    "report.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "report")],
+    "bench_report.py": lambda tmp: ["--images", "64", "--dims", "32", "--classes", "4"],
 }
 
 
@@ -67,7 +69,8 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert consistency[1:] == [f"{results['semantic_consistency']:.4f}", f"{results['semantic_consistency_ungated']:.4f}"]
     assert results["active_dims"] <= results["active_dims_ungated"] <= 16
     assert "with every gate open" in proc.stdout
-    assert proc.stdout.rstrip().endswith(f"(figures in {run_dir}/inspect/)")
+    assert proc.stdout.rstrip().endswith(f"a card per dimension, one page: {run_dir}/report/index.html")
+    assert f"python experiments/report.py {run_dir} --baseline {run_dir}-ncl" in proc.stdout
     next_ncl = next(line for line in table if "--method ncl" in line).split()
     assert next_ncl[-2:] == ["--out", f"{run_dir}-ncl"] and "--proj-dim" in next_ncl
     assert f"python experiments/inspect_gates.py {run_dir} --baseline {run_dir}-ncl" in proc.stdout
@@ -118,7 +121,8 @@ def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     out = tmp_path / "cmp"
     proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    methods = ["cl", "ncl", "ncl+topk", "bayesncl-relaxed", "bayesncl-ste", "bayesncl-gs", "bayesncl-gs-reference-kl"]
+    methods = ["cl", "ncl", "ncl+topk", "bayesncl-ste", "bayesncl-relaxed", "bayesncl-st-sampled", "bayesncl-leg",
+               "bayesncl-gs", "bayesncl-gs-reference-kl"]
     assert {f"{m}-seed0" for m in methods} <= {p.name for p in out.iterdir()}
     assert {"comparison.md", "comparison.json", "consistency_vs_probe.png"} <= {p.name for p in out.iterdir()}
     md = (out / "comparison.md").read_text()
