@@ -5,13 +5,11 @@ so the saved config always holds the values that were actually used.
 """
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from bayesncl_pyro.errors import UserError
 
 METHODS = ("cl", "ncl", "bayesncl")
-NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
 AUGMENT = ("auto", "workers", "device")
@@ -124,8 +122,9 @@ class Config:
 def resolve(cfg: Config) -> Config:
     """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
+    from bayesncl_pyro.device import check_device
     from bayesncl_pyro.encoders import backbone_builder
-    from bayesncl_pyro.head import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
+    from bayesncl_pyro.head_arguments import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
     from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
     from bayesncl_pyro.probe import REFERENCE_PROBES
 
@@ -162,12 +161,6 @@ def resolve(cfg: Config) -> Config:
     if cfg.ckpt_minutes is not None and not cfg.ckpt_minutes > 0:
         raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
     return cfg
-
-
-def check_device(name: str, said: str = ""):
-    """A device as ``--device`` takes it: auto, cpu, cuda or cuda:N (``said``: how the error names it)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        raise UserError(f"unknown {said or '--device ' + name}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
 
 
 def _choice(flag: str, value, valid):

@@ -23,6 +23,7 @@ import torch
 
 from bayesncl_pyro import __version__
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 
@@ -216,8 +217,6 @@ def run_folder(run: str | os.PathLike) -> Path:
 def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[ContrastiveLearner, Config]:
     """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
     on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``)."""
-    from bayesncl_pyro.training import pick_device  # late: training imports this module
-
     path = run_folder(run_dir) / CHECKPOINT
     if not path.exists():
         raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")

@@ -27,10 +27,11 @@ from torch.utils.data import DataLoader, Sampler
 from bayesncl_pyro import __version__, distributed, rundir
 from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
-from bayesncl_pyro.config import Config, check_device, resolve
+from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
@@ -65,30 +66,6 @@ class EpochSampler(Sampler):
 
     def __len__(self):
         return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
-
-
-def pick_device(name: str, flag: str = "--device") -> torch.device:
-    """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
-    ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
-    input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
-    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
-    said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
-    check_device(name, said)
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    device = torch.device("cuda" if name == "auto" else name)
-    if not torch.cuda.is_available():
-        raise UserError(f"{said} was asked for but PyTorch sees no CUDA GPU; use cpu or auto")
-    local = distributed.local_rank()
-    if device.index is not None and local is not None:
-        raise UserError(f"{said} names one GPU, but torchrun starts one process per GPU, each on "
-                        "cuda:LOCAL_RANK; pass --device cuda")
-    index = device.index if device.index is not None else local if local is not None else torch.cuda.current_device()
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise UserError(f"{said}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
-                        "of those (CUDA_VISIBLE_DEVICES numbers the visible GPUs from 0)")
-    return torch.device("cuda", index)
 
 
 CHECK_EVERY = 100

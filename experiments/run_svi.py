@@ -23,11 +23,12 @@ INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
-    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, Config
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped, UserError
     from bayesncl_pyro.guides.gates import GATES
+    from bayesncl_pyro.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.rundir import GATES_FILE
 except KeyboardInterrupt:
