@@ -37,9 +37,12 @@ from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.monitor import Monitor
 from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
-from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
+from bayesncl_pyro.progress import reporter
+from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, LOG, append_line, atomic_save, write_json
 from bayesncl_pyro.tensorboard_log import TensorBoardLog
+from bayesncl_pyro.wandb_log import WandbLog
 
 
 class EpochSampler(Sampler):
@@ -135,7 +138,6 @@ class Trainer:
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         if self.rank == 0:
             rundir.claim(self.out, cfg, overwrite)
-        self.board = TensorBoardLog(self.out) if cfg.tensorboard and self.rank == 0 else None
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -194,6 +196,14 @@ class Trainer:
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
+        self.loggers, self.monitor = [], None
+        if self.rank == 0:  # set up without a refusal: the folder is this run's now
+            write_json(cfg.to_dict(), self.out / CONFIG)
+            if not (self.finished and (self.out / EVAL).exists()):  # else there is nothing left to log
+                self.loggers = ([TensorBoardLog(self.out)] if cfg.tensorboard else []) + (
+                    [WandbLog(self.out, cfg.to_dict())] if cfg.wandb else [])
+            if cfg.monitor_every:
+                self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
@@ -312,11 +322,11 @@ class Trainer:
                           f"{self.step} in {self.out}; rerun the same command to evaluate it", stop.signum)
         if self.rank:
             return {}
-        results = evaluate(self.learner, self.data, self.cfg, self.device)
+        results = evaluate(self.learner, self.data, self.cfg, self.device, reporter(bar=self.progress))
         write_json(results, self.out / EVAL)
-        if self.board is not None:
-            self.board.evaluation(results, self.step)
-            self.board.close()
+        for log in self.loggers:
+            log.evaluation(results, self.step)
+            log.close()
         print(format_table(results))
         self._report_skipped()
         return results
@@ -342,12 +352,15 @@ class Trainer:
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
-                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
+                    monitor = self.monitor is not None and self.step % (cfg.monitor_every * self.steps_per_epoch) == 0
+                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step or monitor):
                         rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
+                        if monitor:  # outside the time images_per_s measures
+                            rec.update(self.monitor())
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / LOG)
-                        if self.board is not None:
-                            self.board.record(rec, stats["probs"].mean(0) if learner.gated else None)
+                        for log in self.loggers:
+                            log.record(rec, stats["probs"].mean(0) if learner.gated else None)
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
