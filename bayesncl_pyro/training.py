@@ -39,7 +39,7 @@ from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.monitor import Monitor
 from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
-from bayesncl_pyro.progress import reporter
+from bayesncl_pyro.progress import duration, reporter
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, LOG, append_line, atomic_save, write_json
 from bayesncl_pyro.tensorboard_log import TensorBoardLog
 from bayesncl_pyro.wandb_log import WandbLog
@@ -340,7 +340,7 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        stopping, votes, minutes = 0, distributed.Votes(), cfg.ckpt_minutes
+        stopping, votes, minutes, estimated = 0, distributed.Votes(), cfg.ckpt_minutes, False
         self.saved_at = time.monotonic()  # rank 0's clock decides --ckpt-minutes; nothing is unsaved yet
         with pyro.validation_enabled(False), self._stop as stop, self._naming_divergence():
             tic, seen = time.perf_counter(), 0
@@ -352,7 +352,9 @@ class Trainer:
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
-                    monitor = self.monitor is not None and self.step % (cfg.monitor_every * self.steps_per_epoch) == 0
+                    # not at the last step: the evaluation that follows has the whole data's kNN
+                    monitor = self.monitor is not None and self.step % (cfg.monitor_every * self.steps_per_epoch) == 0 \
+                        and self.step < last_step
                     if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step or monitor):
                         rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
                         if monitor:  # outside the time images_per_s measures
@@ -364,6 +366,11 @@ class Trainer:
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
+                            if not estimated:  # a bar shows the time to go; a log needs a line for it
+                                estimated = True
+                                left = (last_step - self.step) * cfg.batch_size / rec["images_per_s"]
+                                print(f"at {rec['images_per_s']:.4g} images/s, the {last_step - self.step} steps "
+                                      f"left take about {duration(left)}", flush=True)
                         else:
                             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                     if bar is not None:
