@@ -5,13 +5,17 @@ so the saved config always holds the values that were actually used.
 """
 
 import dataclasses
+import difflib
+import hashlib
+import json
 import re
+import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bayesncl_pyro.errors import UserError
 
 METHODS = ("cl", "ncl", "bayesncl")
-NONNEG = ("relu", "rep_relu", "none")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
 AUGMENT = ("auto", "workers", "device")
@@ -38,6 +42,10 @@ DATASET_DEFAULTS["cifar100"] = dict(DATASET_DEFAULTS["cifar10"])  # a copy: chan
 DATASET_DEFAULTS["imagefolder"] = dict(DATASET_DEFAULTS["in100"], proj_hidden=2048, proj_dim=256, eval_protocol="fast")
 
 
+RUNS = "runs"
+"""Where a run given no ``--out`` goes: ``runs/<run_name>``, below the current folder."""
+
+
 @dataclass
 class Config:
     # data
@@ -59,7 +67,7 @@ class Config:
     prior_args: dict = field(default_factory=dict)  # the prior's other constructor arguments, by name
     kl_weight: float = 3e-5
     kl_clamp: float = 0.01  # the KL's rates clamped to [c, 1 - c] as the reference; 0 = the exact KL
-    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: guides/gates.py, GATES
+    gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: estimators.py, GATES
     gate_temperature: float = 1.0
     head_depth: int = 2
     logit_bound: float = 5.0
@@ -78,7 +86,7 @@ class Config:
     batch_size: int | None = None
     max_steps: int | None = None
     # run
-    out: str = "runs/default"
+    out: str | None = None  # the run folder; None: runs/<what the run is> (run_name)
     seed: int = 0
     device: str = "auto"
     amp: bool = True
@@ -91,6 +99,8 @@ class Config:
     # evaluation
     eval_protocol: str | None = None  # linear probe and retrieval: "fast" (small runs) or "reference" (the paper's)
     tensorboard: bool = False  # also write the log and the evaluation as TensorBoard events in the run folder
+    wandb: bool = False  # also log them, and the config, to a Weights & Biases run (wandb_log.py)
+    monitor_every: int = 5  # epochs between online kNN top-1 and RankMe records in the log (monitor.py), 0 = off
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,7 +121,8 @@ class Config:
     def identity(self) -> dict:
         d = self.to_dict()
         for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "ckpt_minutes", "conflict_every",
-                  "data_dir", "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard"):
+                  "data_dir", "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard", "wandb",
+                  "monitor_every"):
             d.pop(k)
         return d
 
@@ -121,19 +132,88 @@ class Config:
         return ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
 
 
+def read_file(path: str | Path) -> dict:
+    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``), checked: a key that is no field is
+    refused naming the closest one, and a value of the wrong type naming the field. A run's own ``config.json`` reads
+    as it is, but for its ``out``: the folder it sits in is where that run is, not where another one goes."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(f"cannot read --config {path}: {e.strerror or e}") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml  # late: only a YAML file needs it
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as e:  # json's and yaml's errors: the file is not what its name says
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"--config {path} is not readable {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}"
+                        f" ({cause}); a file of Config fields, e.g. {{\"dataset\": \"cifar10\", \"epochs\": 100}}")
+    if not isinstance(values, dict):
+        raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "the fields are those of bayesncl_pyro.config.Config"
+            raise UserError(f"--config {path}: unknown key {key!r}; {hint}")
+        _check_type(path, key, value, fields[key])
+    if values.get("out") is not None and Path(values["out"]).resolve() == path.parent.resolve():
+        del values["out"]
+    return values
+
+
+def _check_type(path: Path, key: str, value, annotation):
+    allowed = annotation.__args__ if isinstance(annotation, types.UnionType) else (annotation,)
+    for t in allowed:
+        if value is None if t is type(None) else isinstance(value, t) and (type(value) is not bool or t is bool) or (
+                t is float and type(value) is int):
+            return
+    names = " or ".join("null" if t is type(None) else {"int": "an integer", "float": "a number", "str": "a string",
+                                                       "bool": "true or false", "dict": "a mapping"}[t.__name__]
+                        for t in allowed)
+    raise UserError(f"--config {path}: {key} must be {names}, got {value!r}")
+
+
+def run_name(cfg: Config) -> str:
+    """The folder name of a run given no ``--out``: what it is, ``<dataset>-<method>[-<gate>]``, then the settings of
+    its identity that differ from its dataset's recipe as ``name=value`` (a hash of them when they are many), e.g.
+    ``compositional-bayesncl-ste``, ``compositional-ncl-topk=16``, ``cifar10-bayesncl-ste-encoder=cnn,seed=1``.
+    ``cfg``: with its recipe's defaults filled in."""
+    mine, recipe = cfg.identity(), _with_recipe(Config(dataset=cfg.dataset, method=cfg.method)).identity()
+    named = ["dataset", "method"] + (["gate"] if cfg.method == "bayesncl" else [])
+    changed = {**{k: mine[k] for k in mine if k not in named and mine[k] != recipe[k]}, **mine["prior_args"]}
+    changed.pop("prior_args", None)  # its arguments stand for it, by their names
+    # a name that every file system and shell takes as it is
+    tag = ",".join(f"{k}={re.sub(r'[^A-Za-z0-9._+-]', '.', str(v))}" for k, v in changed.items())
+    if len(tag) > 48:
+        tag = hashlib.sha1(tag.encode()).hexdigest()[:8]
+    return "-".join([mine[k] for k in named] + ([tag] if tag else []))
+
+
+def _with_recipe(cfg: Config) -> Config:
+    """``cfg`` with the fields it leaves None set by its dataset's recipe (``DATASET_DEFAULTS``)."""
+    defaults = {k: v for k, v in DATASET_DEFAULTS[cfg.dataset].items() if getattr(cfg, k) is None}
+    if cfg.method == "cl" and cfg.nonneg is None:
+        defaults["nonneg"] = "none"
+    return dataclasses.replace(cfg, **defaults)
+
+
 def resolve(cfg: Config) -> Config:
-    """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one."""
+    """Fill dataset defaults (and a run folder named by what the run is: :func:`run_name`) and check every value;
+    raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
+    from bayesncl_pyro.device import check_device
     from bayesncl_pyro.encoders import backbone_builder
-    from bayesncl_pyro.head import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
+    from bayesncl_pyro.head_arguments import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
     from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
     from bayesncl_pyro.probe import REFERENCE_PROBES
 
     _choice("dataset", cfg.dataset, DATASETS)
-    defaults = {k: v for k, v in DATASET_DEFAULTS[cfg.dataset].items() if getattr(cfg, k) is None}
-    if cfg.method == "cl" and cfg.nonneg is None:
-        defaults["nonneg"] = "none"
-    cfg = dataclasses.replace(cfg, **defaults)
+    cfg = _with_recipe(cfg)
     _choice("method", cfg.method, METHODS)
     check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
@@ -153,21 +233,18 @@ def resolve(cfg: Config) -> Config:
     checked_guide(build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args))
     if cfg.batch_size < 2:
         raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
-    if cfg.weight_decay < 0 or cfg.warmup_epochs < 0 or cfg.workers < 0 or cfg.conflict_every < 0:
-        raise UserError("--weight-decay, --warmup-epochs, --workers and --conflict-every must not be negative")
+    if min(cfg.weight_decay, cfg.warmup_epochs, cfg.workers, cfg.conflict_every, cfg.monitor_every) < 0:
+        raise UserError("--weight-decay, --warmup-epochs, --workers, --conflict-every and --monitor-every must not be "
+                        "negative")
     if cfg.warmup_epochs >= cfg.epochs:
         raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise UserError(f"--max-steps must be at least 1, got {cfg.max_steps}")
     if cfg.ckpt_minutes is not None and not cfg.ckpt_minutes > 0:
         raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
+    if cfg.out is None:
+        cfg = dataclasses.replace(cfg, out=str(Path(RUNS) / run_name(cfg)))
     return cfg
-
-
-def check_device(name: str, said: str = ""):
-    """A device as ``--device`` takes it: auto, cpu, cuda or cuda:N (``said``: how the error names it)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        raise UserError(f"unknown {said or '--device ' + name}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
 
 
 def _choice(flag: str, value, valid):

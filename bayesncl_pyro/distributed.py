@@ -35,7 +35,7 @@ def local_rank() -> int | None:
 
 
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world size, this rank's device) for the device ``training.pick_device`` resolved (under torchrun: this
+    """(rank, world size, this rank's device) for the device ``device.pick_device`` resolved (under torchrun: this
     process's GPU). Makes a GPU the current device of the calling thread, and joins the process group that torchrun
     describes in the environment (nccl on CUDA, gloo on CPU; the control messages' gloo group besides) when
     WORLD_SIZE > 1; a plain run is rank 0 of 1."""

@@ -79,25 +79,56 @@ def torchvision_backbone(name: str, in_channels: int, image_size: int) -> nn.Mod
     """A torchvision classification model without its classifier (see the module docstring)."""
     import torchvision  # late: importing it costs a second, and the command line's --help needs none of it
 
+    net = torchvision.models.get_model(name, weights=None, **_torchvision_kwargs(name, image_size))
+    for path, module in _torchvision_edits(name, net, in_channels, image_size):
+        _replace(net, path, module)
+    return net
+
+
+def _torchvision_kwargs(name: str, image_size: int) -> dict:
     kwargs = {}
     if name.startswith("vit_"):  # its position embedding is made for one image size
         kwargs["image_size"] = image_size
     if name in ("googlenet", "inception_v3"):  # one output, not (logits, aux logits) in training mode
         kwargs.update(aux_logits=False, init_weights=True)
-    net = torchvision.models.get_model(name, weights=None, **kwargs)
+    return kwargs
+
+
+def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: int) -> list[tuple[str, nn.Module]]:
+    """(dotted path, new module) that make torchvision's ``net`` the backbone: the CIFAR stem of a small ResNet, a first
+    convolution for other than 3 channels, the classifier (the last ``Linear``) replaced by ``Identity``."""
+    import torchvision
+
+    edits = []
     if isinstance(net, torchvision.models.ResNet) and image_size < CIFAR_STEM_BELOW:
-        net.conv1 = nn.Conv2d(in_channels, net.conv1.out_channels, 3, stride=1, padding=2, bias=False)
-        net.maxpool = nn.Identity()
+        edits += [("conv1", nn.Conv2d(in_channels, net.conv1.out_channels, 3, stride=1, padding=2, bias=False)),
+                  ("maxpool", nn.Identity())]
     elif in_channels != 3:
         first, conv = next((n, m) for n, m in net.named_modules() if isinstance(m, nn.Conv2d))
-        _replace(net, first, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                                      conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode))
+        edits.append((first, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                                       conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)))
     linear = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     if not linear:
         raise UserError(f"--encoder {name}: found no Linear classifier to remove; wrap the model in a function "
                         "of your own that returns its feature extractor and pass it as package.module:function")
-    _replace(net, linear[-1], nn.Identity())
-    return net
+    return edits + [(linear[-1], nn.Identity())]
+
+
+def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] | None:
+    """The lines of Python that build the backbone of ``--encoder spec`` from torchvision alone (``backbone = ...``,
+    then its edits: :func:`torchvision_backbone`), or None when torchvision does not build it."""
+    import torchvision
+
+    if spec not in torchvision.models.list_models(module=torchvision.models):  # (the project's resnet18 is)
+        return None
+    kwargs = _torchvision_kwargs(spec, image_size)
+    net = torchvision.models.get_model(spec, weights=None, **kwargs)
+    args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    lines = [f"backbone = torchvision.models.get_model({spec!r}{args})"]
+    for path, module in _torchvision_edits(spec, net, in_channels, image_size):
+        attribute = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in path.split("."))
+        lines.append(f"backbone{attribute} = torch.nn.{module!r}")
+    return lines
 
 
 def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Subset
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
+from bayesncl_pyro.progress import Progress
 from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
 
 REFERENCE_RETRIEVAL_DIMS = 512
@@ -49,13 +50,17 @@ class _Transformed(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def extract(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h: N x D backbone features, F: N x K the method's representation, labels: N), in eval mode."""
+def extract(learner, dataset, cfg: Config, channels: int, device,
+            progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h: N x D backbone features, F: N x K the method's representation, labels: N), in eval mode; ``progress``
+    (``progress.reporter``) shows the batches go by."""
     learner.eval()
     loader = DataLoader(_Transformed(dataset, eval_transform(cfg.image_size, channels)),
                         batch_size=max(cfg.batch_size, 256), num_workers=cfg.workers)
     hs, fs, ys = [], [], []
-    for x, y in loader:
+    what = f"features of {len(dataset)} images"
+    batches = loader if progress is None else progress(loader, len(loader), what, "batch")
+    for x, y in batches:
         h, f = learner.representation(x.to(device))
         hs.append(h.cpu())
         fs.append(f.cpu())
@@ -96,7 +101,7 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
     return {f"test_{k}": total[k] / batches for k in terms}
 
 
-def evaluate(learner, data, cfg: Config, device) -> dict:
+def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
     and retrieval precision on the test split's representation F; on generated data whose test split
     records its factors, which factor each dimension tracks; the training objective on the test split
@@ -104,11 +109,12 @@ def evaluate(learner, data, cfg: Config, device) -> dict:
     done (``cfg.eval_protocol``).
 
     For BayesNCL the interpretability metrics are also reported for the same model's features before
-    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed."""
-    h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device)
-    h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device)
+    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed. ``progress``
+    (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs."""
+    h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
+    h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device, progress)
     recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
-    probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed)
+    probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed, progress=progress)
     results = interpretability_metrics(f_te, y_te)
     ungated = gates = None
     if learner.gated:

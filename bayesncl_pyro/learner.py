@@ -15,6 +15,15 @@ from bayesncl_pyro.head import BayesNCLHead
 _HEAD_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name in inspect.signature(BayesNCLHead).parameters]
 
 
+def head_arguments(cfg: Config) -> dict:
+    """The :class:`BayesNCLHead` arguments of a run's config, but D and num_train: its fields of the same names, and
+    for NCL and CL no prior."""
+    args = {name: getattr(cfg, name) for name in _HEAD_FIELDS}
+    if cfg.method != "bayesncl":
+        args.update(prior=None, prior_args=None)
+    return args
+
+
 class ContrastiveLearner(nn.Module):
     """Owns the backbone (``cfg.encoder``, see ``encoders.py``) and the head (projector, Pyro model and guide,
     ELBO).
@@ -28,10 +37,7 @@ class ContrastiveLearner(nn.Module):
         super().__init__()
         self.cfg, self.in_channels = cfg, in_channels
         self.backbone, feat_dim = build_backbone(cfg.encoder, in_channels, cfg.image_size)
-        args = {name: getattr(cfg, name) for name in _HEAD_FIELDS}
-        if cfg.method != "bayesncl":
-            args.update(prior=None, prior_args=None)
-        self.head = BayesNCLHead(feat_dim, num_train=num_train, gather_distributed=True, **args)
+        self.head = BayesNCLHead(feat_dim, num_train=num_train, gather_distributed=True, **head_arguments(cfg))
 
     @property
     def gated(self) -> bool:

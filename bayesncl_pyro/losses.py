@@ -150,6 +150,10 @@ def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return torch.where(norm <= eps, torch.zeros_like(x), x / norm.clamp_min(eps))
 
 
+NONNEG = ("relu", "rep_relu", "none")
+"""The kinds of :func:`nonneg` (``--nonneg``)."""
+
+
 def nonneg(z: torch.Tensor, kind: str) -> torch.Tensor:
     """Make features non-negative.
 
@@ -163,7 +167,7 @@ def nonneg(z: torch.Tensor, kind: str) -> torch.Tensor:
         return g - g.detach() + F.relu(z).detach()
     if kind == "none":
         return z
-    raise ValueError(f"unknown non-negativity {kind!r}; expected relu, rep_relu or none")
+    raise ValueError(f"unknown non-negativity {kind!r}; expected {', '.join(NONNEG)}")
 
 
 def topk_mask(z: torch.Tensor, k: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.optim import build_optimizer, warmup_cosine
+from bayesncl_pyro.progress import Progress
 
 _CHUNK_ROWS = 1024
 """Test rows per similarity block in kNN: 1024 x 50,000 floats is 200 MB."""
@@ -51,12 +52,14 @@ epochs and cosine, ImageNet-100 SGD lr 1.0 held constant (its decay milestones, 
 50 epochs trained)."""
 
 
-def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE, *, seed=0) -> torch.nn.Linear:
+def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE, *, seed=0,
+                 progress: Progress | None = None) -> torch.nn.Linear:
     """Linear(D, C) trained on frozen features (N x D) by ``recipe``: cross-entropy, the lr set every batch.
 
     ``seed`` drives all the randomness (the batch order and, unless ``recipe.zero_init``, the initial
     weights) through private generators: the result is deterministic and leaves the global RNG alone.
     With ``recipe.standardise`` the returned layer expects standardised inputs (``_standardise``).
+    ``progress`` (``progress.reporter``) shows the epochs go by.
     """
     train_x = train_x.float()
     if recipe.standardise:
@@ -77,7 +80,8 @@ def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE
     total_steps = recipe.epochs * steps_per_epoch
     warmup_steps = round(recipe.warmup_epochs * steps_per_epoch)
     step = 0
-    for _ in range(recipe.epochs):
+    epochs = range(recipe.epochs)
+    for _ in epochs if progress is None else progress(epochs, recipe.epochs, "linear probe", "epoch"):
         order = torch.randperm(len(train_x), generator=generator)
         for batch in order.split(recipe.batch_size)[:steps_per_epoch]:
             scheduled = recipe.cosine or step < warmup_steps
@@ -91,10 +95,11 @@ def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE
     return head
 
 
-def linear_probe(train_x, train_y, test_x, test_y, num_classes, recipe: ProbeRecipe = FAST_PROBE, *, seed=0):
+def linear_probe(train_x, train_y, test_x, test_y, num_classes, recipe: ProbeRecipe = FAST_PROBE, *, seed=0,
+                 progress: Progress | None = None):
     """Train Linear(D, C) on frozen train features by ``recipe`` (``train_linear``); return
     {"top1": float, "top5": float} on the test features. top5 is top-min(5, C)."""
-    head = train_linear(train_x, train_y, num_classes, recipe, seed=seed)
+    head = train_linear(train_x, train_y, num_classes, recipe, seed=seed, progress=progress)
     test_x = test_x.float()
     if recipe.standardise:
         test_x = _standardise(test_x, train_x.float())

@@ -12,6 +12,8 @@ Nothing here deletes a file: an earlier run is moved into a ``previous-<time>`` 
 is replaced by a rename, so a crash mid-write leaves the previous version intact.
 """
 
+import contextlib
+import errno
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ import torch
 
 from bayesncl_pyro import __version__
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 
@@ -37,7 +40,9 @@ PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlie
 
 def claim(out: Path, cfg: Config, overwrite: bool):
     """Create the run folder ``out`` for ``cfg``, or check that the one there holds this very run; with
-    ``overwrite`` move whatever it holds aside first. Writes ``config.json``."""
+    ``overwrite`` move whatever it holds aside first. Writes nothing: the trainer writes ``config.json`` once the
+    run is set up, so that a run refused before it trains (a batch larger than the data set) leaves nothing that
+    would refuse the corrected command."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -56,7 +61,6 @@ def claim(out: Path, cfg: Config, overwrite: bool):
             raise UserError(f"{out} holds a run with a different configuration ({what}); "
                             "rerun with the same flags to resume it, pass --overwrite to move it aside "
                             "and start afresh, or pass another --out")
-    write_json(cfg.to_dict(), saved)
 
 
 def move_aside(out: Path):
@@ -93,7 +97,8 @@ def atomic_save(obj, path: Path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
+            tmp.unlink(missing_ok=True)
         raise UserError(f"{cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
     except RuntimeError as e:  # torch.save's zip writer, interrupted (a second Ctrl-C), fails on closing: say so
         if isinstance(e.__context__, KeyboardInterrupt):
@@ -115,7 +120,9 @@ def append_line(line: str, path: Path):
 
 
 def cannot_write(path: Path, e: OSError) -> str:
-    return f"cannot write {path}: {e.strerror or e}; free some space or choose another --out"
+    fix = "choose another --out, in a folder you can write" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) \
+        else "free some space or choose another --out"
+    return f"cannot write {path}: {e.strerror or e}; {fix}"
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -216,8 +223,6 @@ def run_folder(run: str | os.PathLike) -> Path:
 def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[ContrastiveLearner, Config]:
     """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
     on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``)."""
-    from bayesncl_pyro.training import pick_device  # late: training imports this module
-
     path = run_folder(run_dir) / CHECKPOINT
     if not path.exists():
         raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")

@@ -36,6 +36,11 @@ class TensorBoardLog:
         self.writer.close()
 
     def _scalars(self, prefix: str, values: dict, step: int):
-        for key, value in values.items():
-            if key != "step" and type(value) in (int, float):  # not bool, str or lists
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        for key, value in scalars(prefix, values).items():
+            self.writer.add_scalar(key, value, step)
+
+
+def scalars(prefix: str, values: dict) -> dict:
+    """The numeric fields of a log record or an eval dict (not bool, str or lists; not ``step``), as
+    ``{"<prefix>/<field>": value}``: the tags that every logger of a run gives them."""
+    return {f"{prefix}/{k}": v for k, v in values.items() if k != "step" and type(v) in (int, float)}

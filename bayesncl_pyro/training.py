@@ -27,18 +27,22 @@ from torch.utils.data import DataLoader, Sampler
 from bayesncl_pyro import __version__, distributed, rundir
 from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
-from bayesncl_pyro.config import Config, check_device, resolve
+from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluation import evaluate, format_table
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.monitor import Monitor
 from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
-from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, EVAL, LOG, append_line, atomic_save, write_json
+from bayesncl_pyro.progress import duration, reporter
+from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, LOG, append_line, atomic_save, write_json
 from bayesncl_pyro.tensorboard_log import TensorBoardLog
+from bayesncl_pyro.wandb_log import WandbLog
 
 
 class EpochSampler(Sampler):
@@ -65,30 +69,6 @@ class EpochSampler(Sampler):
 
     def __len__(self):
         return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
-
-
-def pick_device(name: str, flag: str = "--device") -> torch.device:
-    """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
-    ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
-    input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
-    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
-    said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
-    check_device(name, said)
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    device = torch.device("cuda" if name == "auto" else name)
-    if not torch.cuda.is_available():
-        raise UserError(f"{said} was asked for but PyTorch sees no CUDA GPU; use cpu or auto")
-    local = distributed.local_rank()
-    if device.index is not None and local is not None:
-        raise UserError(f"{said} names one GPU, but torchrun starts one process per GPU, each on "
-                        "cuda:LOCAL_RANK; pass --device cuda")
-    index = device.index if device.index is not None else local if local is not None else torch.cuda.current_device()
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise UserError(f"{said}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
-                        "of those (CUDA_VISIBLE_DEVICES numbers the visible GPUs from 0)")
-    return torch.device("cuda", index)
 
 
 CHECK_EVERY = 100
@@ -152,7 +132,6 @@ class Trainer:
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         if self.rank == 0:
             rundir.claim(self.out, cfg, overwrite)
-        self.board = TensorBoardLog(self.out) if cfg.tensorboard and self.rank == 0 else None
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -211,6 +190,14 @@ class Trainer:
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
+        self.loggers, self.monitor = [], None
+        if self.rank == 0:  # set up without a refusal: the folder is this run's now
+            write_json(cfg.to_dict(), self.out / CONFIG)
+            if not (self.finished and (self.out / EVAL).exists()):  # else there is nothing left to log
+                self.loggers = ([TensorBoardLog(self.out)] if cfg.tensorboard else []) + (
+                    [WandbLog(self.out, cfg.to_dict())] if cfg.wandb else [])
+            if cfg.monitor_every:
+                self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
     def state_dict(self) -> dict:
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
@@ -329,11 +316,11 @@ class Trainer:
                           f"{self.step} in {self.out}; rerun the same command to evaluate it", stop.signum)
         if self.rank:
             return {}
-        results = evaluate(self.learner, self.data, self.cfg, self.device)
+        results = evaluate(self.learner, self.data, self.cfg, self.device, reporter(bar=self.progress))
         write_json(results, self.out / EVAL)
-        if self.board is not None:
-            self.board.evaluation(results, self.step)
-            self.board.close()
+        for log in self.loggers:
+            log.evaluation(results, self.step)
+            log.close()
         print(format_table(results))
         self._report_skipped()
         return results
@@ -347,7 +334,7 @@ class Trainer:
         if self.progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=last_step, initial=self.step, unit="step", dynamic_ncols=True)
-        stopping, votes, minutes = 0, distributed.Votes(), cfg.ckpt_minutes
+        stopping, votes, minutes, estimated = 0, distributed.Votes(), cfg.ckpt_minutes, False
         self.saved_at = time.monotonic()  # rank 0's clock decides --ckpt-minutes; nothing is unsaved yet
         with pyro.validation_enabled(False), self._stop as stop, self._naming_divergence():
             tic, seen = time.perf_counter(), 0
@@ -359,15 +346,25 @@ class Trainer:
                     seen += x.shape[0] // 2 * self.world
                     # rank 0 logs its own rows' loss (an unbiased estimate of the global one); reading
                     # it syncs with the GPU, so only every log_every steps
-                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step):
+                    # not at the last step: the evaluation that follows has the whole data's kNN
+                    monitor = self.monitor is not None and self.step % (cfg.monitor_every * self.steps_per_epoch) == 0 \
+                        and self.step < last_step
+                    if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == last_step or monitor):
                         rec = self._record(loss, stats, epoch, seen / (time.perf_counter() - tic))
+                        if monitor:  # outside the time images_per_s measures
+                            rec.update(self.monitor())
                         tic, seen = time.perf_counter(), 0
                         append_line(json.dumps(rec), self.out / LOG)
-                        if self.board is not None:
-                            self.board.record(rec, stats["probs"].mean(0) if learner.gated else None)
+                        for log in self.loggers:
+                            log.record(rec, stats["probs"].mean(0) if learner.gated else None)
                         if bar is None:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in rec.items()), flush=True)
+                            if not estimated:  # a bar shows the time to go; a log needs a line for it
+                                estimated = True
+                                left = (last_step - self.step) * cfg.batch_size / rec["images_per_s"]
+                                print(f"at {rec['images_per_s']:.4g} images/s, the {last_step - self.step} steps "
+                                      f"left take about {duration(left)}", flush=True)
                         else:
                             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                     if bar is not None:

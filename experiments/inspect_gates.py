@@ -306,7 +306,9 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
     summary.append(top_dimensions_line(features, labels, data.classes))
     main = conflict_table(run_dir)
     if main is None:
-        summary.append("no conflict records (conflict.jsonl): train with --conflict-every N > 0")
+        summary.append("no conflict records (conflict.jsonl): " + (
+            f"the run is shorter than one conflict interval (--conflict-every {cfg.conflict_every} steps)"
+            if cfg.conflict_every else "train with --conflict-every N > 0"))
     else:
         base = conflict_table(baseline) if baseline is not None else None
         base_name = load_learner(baseline)[1].method if baseline is not None else ""

@@ -4,7 +4,13 @@
     python experiments/run_svi.py --dataset in100 --data-dir /data/imagenet --out runs/in100
     torchrun --nproc-per-node=4 experiments/run_svi.py --dataset in100 --data-dir ...
 
-Rerunning a command with the same --out resumes it, also on another number of processes. Defaults marked
+A run without --out goes to runs/<what it is> (runs/compositional-bayesncl-ste for the first); rerunning a command
+resumes it, also on another number of processes. --config FILE (JSON or YAML, a run's config.json too) sets the
+fields the flags do not.
+
+Cost on a CPU: the default run (225 steps) takes about 3 minutes on 2 cores; the CIFAR-10/100 and ImageNet-100
+recipes (ResNet-18, 39,000 steps for CIFAR) are GPU recipes: a step of 256 CIFAR images took about 12 minutes on
+2 shared CPU cores. After its first log line every run prints how long its steps left take. Defaults marked
 "dataset" come from the dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and
 a SLURM job that requeues itself: README.md and experiments/slurm_svi.sh.
 
@@ -15,20 +21,26 @@ Stopped runs saved a checkpoint first (one "stopped:" line); rerunning the comma
 """
 
 import argparse
+import dataclasses
+import os
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
-    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, NONNEG, ON_NAN, OPTIMIZERS, Config
+    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, read_file,
+                                      run_name)
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped, UserError
     from bayesncl_pyro.estimators import GATES
+    from bayesncl_pyro.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
@@ -117,7 +129,10 @@ def parser() -> argparse.ArgumentParser:
                    "docs/METHOD.md) (default: dataset)")
 
     g = p.add_argument_group("run")
-    g.add_argument("--out", default=d.out, help="run folder; rerunning into it resumes (default: %(default)s)")
+    g.add_argument("--config", metavar="FILE", help="a JSON or YAML file of Config fields (bayesncl_pyro/config.py; "
+                   "a run's own config.json works as it is); the flags given here override it")
+    g.add_argument("--out", help="run folder; rerunning into it resumes (default: runs/<what the run is>: dataset, "
+                   "method, gate, and the settings that differ from the recipe, e.g. runs/compositional-bayesncl-ste)")
     g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the files already "
                    "there (e.g. a run with another config) into <out>/previous-<time>/; nothing is deleted")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
@@ -135,6 +150,11 @@ def parser() -> argparse.ArgumentParser:
                    "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
     g.add_argument("--tensorboard", action="store_true", help="also write the log, the per-dimension inclusion "
                    "histogram and the evaluation as TensorBoard events in --out (pip install -e '.[tensorboard]')")
+    g.add_argument("--wandb", action="store_true", help="also log them, and the config, to a Weights & Biases run "
+                   "kept in <out>/wandb/ (pip install -e '.[wandb]'; WANDB_MODE=offline: no network, wandb sync later)")
+    g.add_argument("--monitor-every", type=int, default=d.monitor_every, help="epochs between records of the online "
+                   "kNN top-1 (backbone features, 1,024 training against 256 test images) and RankMe of the "
+                   "representation in the log, 0 = off; about 4%% of the first run's time (default: %(default)s)")
     return p
 
 
@@ -146,17 +166,25 @@ def _name_value(text: str) -> tuple[str, str]:
 
 
 def config(argv: list[str]) -> tuple[Config, bool]:
-    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite)."""
-    args = vars(parser().parse_args(argv))
+    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite): the --config
+    file's fields, if any, with the flags given on the command line over them."""
+    p = parser()
+    file = p.parse_known_args(argv)[0].config
+    if file is not None:
+        values = read_file(file)
+        values["prior_args"] = list(values.get("prior_args", {}).items())  # --prior-arg appends to them
+        p.set_defaults(**values)
+    args = vars(p.parse_args(argv))
     overwrite = args.pop("overwrite")
+    del args["config"]
     args["prior_args"] = dict(args["prior_args"])  # [(name, value), ...] from the repeated --prior-arg
     return Config(**args), overwrite
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, overwrite = config(argv)
     try:
+        cfg, overwrite = config(argv)
         from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
 
         trainer = Trainer(cfg, overwrite=overwrite)
@@ -218,8 +246,8 @@ def export(trainer) -> int:
     except Exception as e:  # training and evaluation are done and saved: explain, never lose them
         cause = str(e).splitlines()[0] if str(e) else ""
         print(f"error: the gate export failed ({e.__class__.__name__}: {cause}); eval.json and the checkpoint are "
-              f"kept in {trainer.out}; redo the export with: python experiments/inspect_gates.py {trainer.out} "
-              "--export", file=sys.stderr)
+              f"kept in {trainer.out}; redo the export with: "
+              f"{command(trainer.cfg, 'inspect_gates.py', str(trainer.out), '--export')}", file=sys.stderr)
         return 1
     return 0
 
@@ -232,24 +260,47 @@ def outcome(results: dict) -> str:
     lines = [f"the gates keep {results['gates_open']:.0%} of the (image, feature) pairs open; semantic consistency "
              f"{gated:.3f} with the gates, {ungated:.3f} with every gate open ({gated / max(ungated, 1e-12):.2f}x), "
              f"active dims {results['active_dims']} of {results['active_dims_ungated']}"]
-    for key, n in results.items():
-        if key.startswith("ungated_dims_tracking_"):
-            factor = key.removeprefix("ungated_dims_tracking_")
-            lines.append(f"of the {n} dims that track the {factor}, the gates close {results[f'gated_off_dims_{factor}']}")
+    factors = [k.removeprefix("ungated_dims_tracking_") for k in results if k.startswith("ungated_dims_tracking_")]
+    if factors:  # generated data that records its factors: which of them the dims follow, before and after gating
+        def tracking(prefix: str) -> str:
+            counts = [results[f"{prefix}dims_tracking_{f}"] for f in factors]
+            return f"{counts[0]} dim{'s track' if counts[0] != 1 else ' tracks'} the {factors[0]}" + "".join(
+                f" and {n} the {f}" for n, f in zip(counts[1:], factors[1:]))
+        off = " and ".join(str(results[f"gated_off_dims_{f}"]) for f in factors)
+        lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
+                  "images where they fire)", f"with the gates, {tracking('')}"]
     return "\n".join(lines)
 
 
 def next_steps(cfg: Config, argv: list[str]) -> str:
     """The commands that look at the gates and train the NCL baseline on the same budget."""
-    out, base = shlex.quote(cfg.out), shlex.quote(cfg.out + "-ncl")
-    flags = " ".join(shlex.quote(a) for a in _without(argv, "--method", "--out", "--overwrite"))
-    steps = [f"python experiments/inspect_gates.py {out}" + (f" --baseline {base}" if cfg.method == "bayesncl" else ""),
-             f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in {out}/inspect/)"]
-    steps += [steps[0].replace("inspect_gates", "report"), f"    a card per dimension, one page: {out}/report/index.html"]
+    named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
+    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl"))) if named else cfg.out + "-ncl"
+    baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
+    steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
+             f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
+             f"{shlex.quote(cfg.out)}/inspect/)",
+             command(cfg, "report.py", cfg.out, *baseline),
+             f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
     if cfg.method == "bayesncl":
-        steps[:0] = [f"python experiments/run_svi.py {flags} --method ncl --out {base}".replace("  ", " "),
+        flags = _without(argv, "--method", "--out", "--overwrite")
+        steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]
     return "next:\n" + "\n".join("  " + line for line in steps)
+
+
+def command(cfg: Config, script: str, *args: str) -> str:
+    """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
+    of the user's own (``package.module:name``), with its PYTHONPATH; paths as seen from the current folder."""
+    env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
+    words = [_near(sys.executable), _near(Path(__file__).with_name(script)), *args]
+    return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
+
+
+def _near(path) -> str:
+    """``path`` relative to the current folder when it lies below it, else absolute."""
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.abspath(path)
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

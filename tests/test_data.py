@@ -265,10 +265,19 @@ def test_in100_accepts_an_in100_folder_and_names_missing_classes(tmp_path, in100
         load_dataset("in100", tmp_path)
 
 
+def test_loose_images_are_counted_and_the_layout_named(tmp_path):
+    for i in range(50):
+        write_image(tmp_path / "train" / f"{i}.png")
+    write_image(tmp_path / "val" / "cat" / "0.png")
+    with pytest.raises(UserError, match=r"train holds 50 images and no class folders; sort the images into one folder "
+                       r"per class, .*train/<class>/<image> \(e\.g\. .*train/cat/0001\.jpg\)"):
+        load_dataset("imagefolder", tmp_path)
+
+
 def test_in100_flat_val_asks_for_class_folders(tmp_path, in100_wnids):
     make_tree(tmp_path, {"train": in100_wnids})
     write_image(tmp_path / "val" / "ILSVRC2012_val_00000001.JPEG", fmt="JPEG")
-    with pytest.raises(UserError, match="val/<wnid>/ class folders"):
+    with pytest.raises(UserError, match="holds 1 image files directly; .*val/<wnid>/ class folders"):
         load_dataset("in100", tmp_path)
 
 

@@ -167,24 +167,43 @@ def test_all_zero_features_do_not_crash():
 def test_factor_information_on_hand_built_features():
     from bayesncl_pyro.metrics import factor_information, factor_tracking
 
-    # 8 samples: class = i % 4, background = i // 4 (two backgrounds, crossed with four classes)
-    cls, bg = torch.arange(8) % 4, torch.arange(8) // 4
-    feats = torch.zeros(8, 5)
-    feats[cls == 1, 0] = 1.0  # fires for class 1 only
-    feats[bg == 1, 1] = 2.0  # fires for background 1 only
-    feats[:, 2] = 1.0  # always on: carries no information
-    feats[[0, 3, 5, 6], 3] = 1.0  # independent of both: on in half of each class pair and each background
-    feats[(cls == 1) & (bg == 1), 4] = 1.0  # a conjunction
+    # 8 samples, 50 times: class = i % 4, background = i // 4 (two backgrounds, crossed with four classes)
+    cls, bg = torch.arange(8).repeat(50) % 4, torch.arange(8).repeat(50) // 4
+    pattern = torch.zeros(8, 5)
+    pattern[[1, 5], 0] = 1.0  # fires for class 1 only
+    pattern[4:, 1] = 2.0  # fires for background 1 only
+    pattern[:, 2] = 1.0  # always on: carries no information
+    pattern[[0, 3, 5, 6], 3] = 1.0  # independent of both: on in half of each class pair and each background
+    pattern[5, 4] = 1.0  # a conjunction: class 1 on background 1
+    feats = pattern.repeat(50, 1)
     info_cls, info_bg = factor_information(feats, cls), factor_information(feats, bg)
-    assert info_cls[:3].tolist() == pytest.approx([1, 0, 0]) and info_bg[:3].tolist() == pytest.approx([0, 1, 0])
-    # dim 4 is on for 1 of 8: H = h(1/8); given the class, only class 1 is uncertain (h(1/2), weight 1/4)
+    # the plug-in information less its bias under independence, (V - 1) / 2N, over the dim's entropy
     h = lambda p: -p * math.log(p) - (1 - p) * math.log(1 - p)
-    assert info_cls[4].item() == pytest.approx(1 - 0.25 * h(0.5) / h(1 / 8))
-    assert info_bg[4].item() == pytest.approx(1 - 0.5 * h(0.25) / h(1 / 8))
-    assert info_cls[3].item() == pytest.approx(0) and info_bg[3].item() == pytest.approx(0)
+    bias_cls, bias_bg = 3 / 800, 1 / 800
+    assert info_cls[:3].tolist() == pytest.approx([1 - bias_cls / h(1 / 4), 0, 0])
+    assert info_bg[:3].tolist() == pytest.approx([0, 1 - bias_bg / h(1 / 2), 0])
+    # dim 4 is on for 1 of 8: H = h(1/8); given the class, only class 1 is uncertain (h(1/2), weight 1/4)
+    assert info_cls[4].item() == pytest.approx(1 - (0.25 * h(0.5) + bias_cls) / h(1 / 8))
+    assert info_bg[4].item() == pytest.approx(1 - (0.5 * h(0.25) + bias_bg) / h(1 / 8))
+    assert info_cls[3].item() == 0 and info_bg[3].item() == 0
     tracks = factor_tracking(feats, {"class": cls, "background": bg})
     assert tracks["class"].tolist() == [True, False, False, False, True]
     assert tracks["background"].tolist() == [False, True, False, False, False]
+
+
+def test_a_dim_that_fires_in_a_few_images_does_not_track_a_factor_by_chance():
+    """1,280 images of 8 classes: a dim on in 4 random images, independent of the class, once scored at least 0.1
+    (its entropy is as small as the plug-in information's bias); a dim on for one class scores about 1."""
+    from bayesncl_pyro.metrics import factor_information
+
+    generator = torch.Generator().manual_seed(0)
+    cls = torch.arange(1280) % 8
+    feats = torch.zeros(1280, 201)
+    for k in range(200):
+        feats[torch.randperm(1280, generator=generator)[:4], k] = 1.0
+    feats[cls == 3, 200] = 1.0
+    info = factor_information(feats, cls)
+    assert (info[:200] >= 0.1).float().mean() < 0.01 and info[200] > 0.99
 
 
 def test_factor_report_counts_the_dims_the_gates_close_per_factor():

@@ -1,5 +1,5 @@
 """The README's "Use it in your own code" section: every Python snippet runs, in order, in a folder that holds
-what they name (a finished run in runs/default, a folder of photos); the files they define are written where
+what they name (a finished run in runs/compositional-bayesncl-ste, a folder of photos); the files they define are written where
 they say; every command line parses and its configuration resolves."""
 
 import re
@@ -40,7 +40,7 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=. in the commands
     for name in ("my_nets", "my_priors"):  # the snippets' modules, not another test's of the same name
         monkeypatch.delitem(sys.modules, name, raising=False)
-    assert run_svi.main([*TINY, "--out", "runs/default"]) == 0
+    assert run_svi.main([*TINY, "--out", "runs/compositional-bayesncl-ste"]) == 0
     (tmp_path / "my_photos").mkdir()
     for i in range(2):
         Image.new("RGB", (50, 40), (40 * i, 90, 200)).save(tmp_path / "my_photos" / f"{i}.jpg")

@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -437,11 +438,35 @@ def test_read_only_or_full_output_folder(tmp_path, monkeypatch, code):
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(UserError, match=f"cannot write .*checkpoint.pt: {os.strerror(code)}; free some space or "
-                       "choose another --out \\(any previous checkpoint.pt is unchanged\\)"):
+    fix = "choose another --out, in a folder you can write" if code == errno.EROFS else \
+        "free some space or choose another --out"
+    with pytest.raises(UserError, match=f"cannot write .*checkpoint.pt: {os.strerror(code)}; {fix} "
+                       "\\(any previous checkpoint.pt is unchanged\\)"):
         trainer.train(4)  # checkpoints at step 4
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
     assert not (tmp_path / "run" / "checkpoint.pt.tmp").exists()
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path):
+    """On a read-only mount (a bind mount remounted read-only in a mount namespace of its own, which ends with the
+    process: root ignores file modes, not a read-only mount): one error line, exit status 2."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to make a read-only mount")
+    (tmp_path / "src" / "run").mkdir(parents=True)
+    (tmp_path / "ro").mkdir()
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    mount = f"mount --bind {src} {ro} && mount -o remount,bind,ro {ro}"
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", f"{mount} && ! touch {ro}/x"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"cannot make a read-only mount here (needs root or CAP_SYS_ADMIN): {probe.stderr.decode()[:200]}")
+    args = " ".join(cli(fast(ro / "run", max_steps=2)))
+    env = dict(os.environ, PYTHONPATH=str(RUN_SVI.parents[1]))
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", f"{mount} && exec {sys.executable} {RUN_SVI} {args}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"error: cannot write {ro}/run/config.json: Read-only file system; choose another --out, "
+                           "in a folder you can write (any previous config.json is unchanged)\n")
+    assert not list((src / "run").iterdir())
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")

@@ -1,6 +1,7 @@
 """run_svi.py's end of a run: a failed gate export keeps the results, says why in one line, and can be redone."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ def test_a_failed_export_keeps_the_results_and_names_the_cause_and_the_redo(tmp_
         assert run_svi.main(args) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and cause in err and type(failure).__name__ in err
-    redo = f"python experiments/inspect_gates.py {run_dir} --export"
-    assert err.endswith(redo)
+    python, script, *redo = shlex.split(err.split("redo the export with: ")[1])
+    assert Path(python).absolute() == Path(sys.executable) and redo == [str(run_dir), "--export"]
+    assert Path(script).resolve() == Path(inspect_gates.__file__).resolve()
     assert {"eval.json", "checkpoint.pt"} <= {p.name for p in run_dir.iterdir()}
     assert not (run_dir / "gates.nc").exists()
     assert json.loads((run_dir / "eval.json").read_text())["method"] == "bayesncl"
@@ -70,3 +72,50 @@ def test_the_training_loop_does_not_import_the_arviz_code():
             "print(sorted(m for m in sys.modules if m.startswith('bayesncl_pyro.') or m == 'arviz'))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "arviz" not in loaded and "posterior" not in loaded and "bayesncl_pyro.rundir" in loaded
+
+
+def test_a_runs_config_json_again_with_another_seed(tmp_path, monkeypatch, capsys):
+    """--config FILE takes a file of Config fields, a run's own config.json as it is; the flags override it, and a
+    run without --out goes to a folder named by what it is, so the changed run does not collide with the first."""
+    from bayesncl_pyro.config import Config, resolve
+
+    monkeypatch.chdir(tmp_path)
+    assert run_svi.main(TINY_RUN) == 0
+    (first,) = Path("runs").iterdir()
+    assert first.name.startswith("digits-bayesncl-ste-") and f"writing to {first}/" in capsys.readouterr().out
+    saved = Config.from_dict(json.loads((first / "config.json").read_text()))
+
+    again = resolve(run_svi.config(["--config", str(first / "config.json")])[0])
+    assert again == saved  # the same run: rerun, it resumes (here: is finished)
+    seed1 = resolve(run_svi.config(["--config", str(first / "config.json"), "--seed", "1"])[0])
+    assert saved.differences(seed1) == "seed: 0 -> 1" and seed1.out not in (saved.out, None)
+    assert run_svi.main(["--config", str(first / "config.json")]) == 0
+    assert "already holds a finished run" in capsys.readouterr().out
+
+
+def test_a_yaml_recipe_under_the_flags(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("dataset: digits\nlr: 0.3\nprior: beta-bernoulli\nprior_args:\n  concentration: 5\n"
+                      "tensorboard: true\nout: runs/mine\n")
+    cfg, _ = run_svi.config(["--config", str(recipe), "--lr", "0.2", "--prior-arg", "concentration=7"])
+    assert (cfg.dataset, cfg.lr, cfg.prior, cfg.prior_args, cfg.tensorboard) == (
+        "digits", 0.2, "beta-bernoulli", {"concentration": "7"}, True)
+    assert cfg.out == "runs/mine"  # a recipe's out is kept; only a run's own config.json's is not
+
+
+def test_a_bad_config_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "r.json").write_text('{"epoch": 3}')
+    assert run_svi.main(["--config", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'epoch'; did you mean 'epochs'?" in err
+
+
+def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(monkeypatch):
+    from bayesncl_pyro.config import Config
+
+    monkeypatch.setenv("PYTHONPATH", "/my code")
+    line = run_svi.command(Config(encoder="my_nets:small"), "inspect_gates.py", "runs/x")
+    env, python, script, run = shlex.split(line)
+    assert env == "PYTHONPATH=/my code" and Path(python).absolute() == Path(sys.executable)
+    assert Path(script).resolve() == Path(inspect_gates.__file__).resolve() and run == "runs/x"
+    assert "PYTHONPATH" not in run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")

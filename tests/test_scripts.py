@@ -1,6 +1,7 @@
 """Every script in experiments/ runs as a subprocess with tiny arguments; a script missing here fails."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ SCRIPTS = {
                                   "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
                                   "--workers", "0"],
     "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
+    "export.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "weights" / "backbone.pt")],
     "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
     "gate_gradient_bias.py": lambda tmp: [tiny_run(tmp), "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
     "report.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "report")],
@@ -70,10 +72,18 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert results["active_dims"] <= results["active_dims_ungated"] <= 16
     assert "with every gate open" in proc.stdout
     assert proc.stdout.rstrip().endswith(f"a card per dimension, one page: {run_dir}/report/index.html")
-    assert f"python experiments/report.py {run_dir} --baseline {run_dir}-ncl" in proc.stdout
-    next_ncl = next(line for line in table if "--method ncl" in line).split()
-    assert next_ncl[-2:] == ["--out", f"{run_dir}-ncl"] and "--proj-dim" in next_ncl
-    assert f"python experiments/inspect_gates.py {run_dir} --baseline {run_dir}-ncl" in proc.stdout
+    # the next commands, as printed, run: by this interpreter (`python` may be another one, without the package)
+    next_ncl = next(line for line in table if "--method ncl" in line).strip()
+    assert shlex.split(next_ncl)[-2:] == ["--out", f"{run_dir}-ncl"] and "--proj-dim" in next_ncl
+    assert Path(shlex.split(next_ncl)[0]).absolute() == Path(sys.executable)
+    inspect = next(line for line in table if "inspect_gates.py" in line).strip()
+    assert inspect.endswith(f"inspect_gates.py {run_dir} --baseline {run_dir}-ncl")
+    assert next(line for line in table if "report.py" in line).strip().endswith(
+        f"report.py {run_dir} --baseline {run_dir}-ncl")
+    assert subprocess.run(["bash", "-c", next_ncl], capture_output=True, timeout=600).returncode == 0
+    shown = subprocess.run(["bash", "-c", inspect], capture_output=True, text=True, timeout=600)
+    assert shown.returncode == 0, shown.stderr
+    assert "the run is shorter than one conflict interval (--conflict-every 5 steps)" in shown.stdout  # 2 steps
 
 
 @pytest.mark.parametrize("args, message", [

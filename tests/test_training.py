@@ -101,9 +101,11 @@ def test_impossible_configs_are_rejected(tmp_path, bad, match):
         resolve(tiny(tmp_path, **bad))
 
 
-def test_batch_larger_than_the_data_is_rejected(tmp_path):
+def test_batch_larger_than_the_data_is_rejected_and_leaves_nothing_that_blocks_the_corrected_run(tmp_path):
     with pytest.raises(UserError, match="larger than the training set"):
         Trainer(tiny(tmp_path, batch_size=5000), progress=False)
+    assert not list((tmp_path / "run").iterdir())
+    assert Trainer(tiny(tmp_path), progress=False).step == 0  # the corrected command is not "another configuration"
 
 
 def test_schedule_warms_up_from_reference_start_then_cosine():
@@ -270,3 +272,19 @@ def test_the_logged_grad_norm_is_the_losss_with_the_prior_on_its_scale(tmp_path)
     hooked = torch.nn.utils.get_total_norm(list(grads.values())).item()
     logged = read_log(tmp_path / "run")[-1]["grad_norm"]
     assert logged == pytest.approx(loss_scale, rel=1e-5) and hooked > logged * 1.01
+
+
+def test_monitoring_logs_knn_and_rankme_every_few_epochs_and_changes_nothing_else(tmp_path):
+    monitored = Trainer(tiny(tmp_path / "a", monitor_every=1, log_every=5), progress=False)
+    monitored.train(monitored.total_steps)
+    plain = Trainer(tiny(tmp_path / "b", monitor_every=0, log_every=5), progress=False)
+    plain.train(plain.total_steps)
+    a, b = _params(monitored), _params(plain)
+    for k in a:  # no random stream, mode or BatchNorm statistic of the run is touched
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    log = read_log(tmp_path / "a" / "run")
+    assert [r["step"] for r in log] == [5, 7, 10, 14]  # every 5 steps, and at an epoch's end (7 steps an epoch)
+    for r in log:
+        assert ("knn_top1" in r) == (r["step"] == 7)  # not at the last: the evaluation follows
+    assert all(0 < r["knn_top1"] <= 1 and 1 <= r["rankme"] <= 32 for r in log if "knn_top1" in r)
+    assert not any("knn_top1" in r for r in read_log(tmp_path / "b" / "run"))

@@ -169,8 +169,9 @@ def _class_dirs(split_dir: Path) -> list[Path]:
     return sorted(p for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _has_loose_images(split_dir: Path) -> bool:
-    return any(p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS for p in split_dir.iterdir())
+def _loose_images(split_dir: Path) -> int:
+    """The number of image files directly in ``split_dir``, outside any class folder."""
+    return sum(p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS for p in split_dir.iterdir())
 
 
 def _scan_split(split_dir: Path, classes: list[str] | None = None) -> dict[str, list[Path]]:
@@ -181,7 +182,10 @@ def _scan_split(split_dir: Path, classes: list[str] | None = None) -> dict[str, 
     if classes is None:
         dirs = _class_dirs(split_dir)
         if not dirs:
-            raise UserError(f"{split_dir} has no class folders; expected {split_dir}/<class>/<images>")
+            loose = _loose_images(split_dir)
+            found = f"{loose} images and no class folders" if loose else "no class folders"
+            raise UserError(f"{split_dir} holds {found}; sort the images into one folder per class, "
+                            f"{split_dir}/<class>/<image> (e.g. {split_dir}/cat/0001.jpg)")
     else:
         dirs = [split_dir / c for c in classes]
     found = {}
@@ -220,8 +224,8 @@ def _load_in100(root: Path, skip_bad: bool) -> DataSpec:
         split_dir = root / split
         if not split_dir.is_dir():
             raise UserError(f"{root} has no {split}/ folder; expected {_EXPECTED_LAYOUT['in100']}")
-        if split == "val" and _has_loose_images(split_dir):
-            raise UserError(f"{split_dir} holds image files directly; validation images must be sorted into "
+        if split == "val" and (loose := _loose_images(split_dir)):
+            raise UserError(f"{split_dir} holds {loose} image files directly; validation images must be sorted into "
                             "val/<wnid>/ class folders (e.g. with the common valprep.sh script or LOC_val_solution.csv)")
         # Only the listed folders are scanned: a full ImageNet has 900 more we do not need.
         missing = [c for c in classes if not (split_dir / c).is_dir()]

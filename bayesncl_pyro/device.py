@@ -1,0 +1,39 @@
+"""The training device: the one check of a ``--device`` name and the one resolution of it to a ``torch.device``,
+for the trainer and for everything that loads a run (``rundir.load_learner``, ``load_run``)."""
+
+import re
+
+import torch
+
+from bayesncl_pyro import distributed
+from bayesncl_pyro.errors import UserError
+
+
+def check_device(name: str, said: str = ""):
+    """A device as ``--device`` takes it: auto, cpu, cuda or cuda:N (``said``: how the error names it)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise UserError(f"unknown {said or '--device ' + name}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+
+
+def pick_device(name: str, flag: str = "--device") -> torch.device:
+    """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
+    ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
+    input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
+    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
+    said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
+    check_device(name, said)
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda" if name == "auto" else name)
+    if not torch.cuda.is_available():
+        raise UserError(f"{said} was asked for but PyTorch sees no CUDA GPU; use cpu or auto")
+    local = distributed.local_rank()
+    if device.index is not None and local is not None:
+        raise UserError(f"{said} names one GPU, but torchrun starts one process per GPU, each on "
+                        "cuda:LOCAL_RANK; pass --device cuda")
+    index = device.index if device.index is not None else local if local is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise UserError(f"{said}: PyTorch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; pick one "
+                        "of those (CUDA_VISIBLE_DEVICES numbers the visible GPUs from 0)")
+    return torch.device("cuda", index)

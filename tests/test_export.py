@@ -1,0 +1,47 @@
+"""experiments/export.py: the backbone's plain state_dict loads into a fresh torchvision model by the lines it prints,
+and with the head's gives load_run's features."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bayesncl_pyro import load_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import export  # noqa: E402
+import run_svi  # noqa: E402
+from test_scripts import TINY_RUN  # noqa: E402
+
+
+def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_svi.main([*TINY_RUN, "--encoder", "resnet18", "--out", str(run_dir)]) == 0  # 1-channel 8 px digits
+    lines = export.export(run_dir, tmp_path / "weights" / "backbone.pt")
+    code = "\n".join(line.removeprefix("    ") for line in lines[lines.index("load them with:") + 1:])
+    assert "torchvision.models.get_model('resnet18')" in code and "backbone.fc = torch.nn.Identity()" in code
+    # in a fresh interpreter: nothing of the run's is in memory
+    script = code + "\nbackbone.eval(); head.eval()\nx = torch.load(INPUTS)\n" + \
+        "torch.save((backbone(x), head.representation(backbone(x))), OUT)\n"
+    run = load_run(run_dir)
+    images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8)
+    torch.save(run.inputs(images), tmp_path / "x.pt")
+    subprocess.run([sys.executable, "-c", f"INPUTS, OUT = {str(tmp_path / 'x.pt')!r}, {str(tmp_path / 'y.pt')!r}\n"
+                    + script], check=True, cwd=tmp_path)
+    h, features = torch.load(tmp_path / "y.pt")
+    torch.testing.assert_close(h, run.backbone_features(images), rtol=0, atol=0)
+    torch.testing.assert_close(features, run.representation(images), rtol=0, atol=0)
+    # a plain state_dict: the tensors and nothing else, the head's beside it
+    assert set(torch.load(tmp_path / "weights" / "backbone.pt")) == set(run.learner.backbone.state_dict())
+    assert set(torch.load(tmp_path / "weights" / "backbone_head.pt")) == set(run.learner.head.state_dict())
+
+
+def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(run_dir)]) == 0
+    assert export.main([str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "build_backbone('cnn', 1, 8)" in printed and (run_dir / "backbone.pt").exists()
+    assert export.main([str(run_dir), "--out", str(run_dir / "checkpoint.pt")]) == 2
+    assert "is the run's own checkpoint.pt" in capsys.readouterr().err

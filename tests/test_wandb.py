@@ -1,0 +1,93 @@
+"""--wandb, offline (WANDB_MODE=offline: no network): the run's W&B records hold what TensorBoard gets, every numeric
+log field, the per-dimension inclusion histogram and eval.json, plus the config; a resumed run logs into the same W&B
+run."""
+
+import json
+import struct
+import sys
+
+import pytest
+
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir import read_log
+from bayesncl_pyro.tensorboard_log import INCLUSION
+from bayesncl_pyro.training import Trainer
+
+TINY = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=200, epochs=2, warmup_epochs=0, workers=0,
+            log_every=3, monitor_every=1, wandb=True)
+
+
+def records(path):
+    """The protobuf records of a W&B run file (``run-<id>.wandb``): the LevelDB log format, 32 KiB blocks of
+    chunks, each with a 7-byte header (CRC, length, kind: 1 whole, 2 first, 3 middle, 4 last), after a 7-byte file
+    header."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunks = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the block's zero padding
+            pos += left
+            continue
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def history(run_dir):
+    """{step: {key: value}} logged to the run's W&B runs (all of them: one per process that trained), and its config."""
+    rows, config = {}, {}
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for record in records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                rows.setdefault(items["_step"], {}).update(items)
+            elif kind == "run":
+                config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    return rows, config
+
+
+def test_wandb_offline_holds_the_log_the_histogram_the_evaluation_and_the_config(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is an optional extra: pip install -e '.[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    first = Trainer(Config(out=str(out), **TINY), progress=False)
+    first.train(5)  # then stopped, as by Ctrl-C: the checkpoint saved, the W&B run closed
+    first.save()
+    first.loggers[0].close()
+    Trainer(Config(out=str(out), **TINY), progress=False).fit()  # resumed: the same W&B run goes on
+    rows, config = history(out)
+    assert len({p.name for p in (out / "wandb").glob("offline-run-*")}) == 2
+    assert len({p.name.split("-")[-1] for p in (out / "wandb").glob("offline-run-*")}) == 1  # one run id
+    log = read_log(out)
+    assert any("knn_top1" in r for r in log)  # the monitoring records go along
+    for r in log:
+        for key, value in r.items():
+            if key != "step" and type(value) in (int, float):
+                assert rows[r["step"]][f"train/{key}"] == pytest.approx(value, rel=1e-6), (r["step"], key)
+        histogram = {k.removeprefix(INCLUSION + "/"): v for k, v in rows[r["step"]].items()
+                     if k.startswith(INCLUSION + "/")}  # W&B writes its fields as nested keys
+        assert histogram["_type"] == "histogram" and sum(histogram["values"]) == 16  # the K dims' mean inclusion
+    results = json.loads((out / "eval.json").read_text())
+    numeric = {k: v for k, v in results.items() if type(v) in (int, float)}
+    assert {"linear_probe_top1", "semantic_consistency", "active_dims"} <= numeric.keys()
+    last = rows[log[-1]["step"]]
+    for key, value in numeric.items():
+        assert last[f"eval/{key}"] == pytest.approx(value, rel=1e-6), key
+    assert config["seed"] == 0 and config["proj_dim"] == 16 and config["dataset"] == "digits"
+
+
+def test_wandb_missing_is_one_line_before_training(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # its import fails, as without the package
+    with pytest.raises(UserError, match=r"--wandb needs the wandb package: pip install -e '\.\[wandb\]'"):
+        Trainer(Config(out=str(tmp_path / "run"), **TINY), progress=False)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
