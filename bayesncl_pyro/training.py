@@ -29,7 +29,7 @@ from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, simclr_transform
 from bayesncl_pyro.config import Config, check_device, resolve
 from bayesncl_pyro.data import image_files, load_dataset
-from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, no_jpeg_decoder
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.divergence import DivergenceGuard
@@ -178,12 +178,11 @@ class Trainer:
             if resident is not None:
                 self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)
             elif files is not None:
-                on_device = nvjpeg_is_safe(self.device)
-                if not on_device and self.rank == 0:
-                    print(f"note: {ASYNC_ALLOCATOR_NOTE}; JPEGs are decoded in the loader workers instead",
-                          file=sys.stderr)
-                self.views = pipeline.FileViews(EncodedImages(self.data.train, on_device), cfg.image_size, cfg.seed,
-                                                self.rank, self.device)
+                why_not = no_jpeg_decoder(self.device)
+                if why_not is not None and self.rank == 0:
+                    print(f"note: {why_not}; JPEGs are decoded in the loader workers instead", file=sys.stderr)
+                self.views = pipeline.FileViews(EncodedImages(self.data.train, why_not is None), cfg.image_size,
+                                                cfg.seed, self.rank, self.device)
             elif cfg.augment == "device":
                 raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
                                 f"{self.device.type} memory free; use --augment workers")
@@ -291,7 +290,7 @@ class Trainer:
         if isinstance(self.views, pipeline.ResidentViews):  # the images are on the device already
             return self.views.batches(sampler, cfg.batch_size // self.world)
         if self.views is not None:  # workers only read files; _input decodes and augments
-            dataset, collate = self.views.encoded, list
+            dataset, collate = self.views.encoded, EncodedBatch
         else:
             dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
             collate = collate_views
