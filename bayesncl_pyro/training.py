@@ -163,6 +163,9 @@ class Trainer:
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
                                  train_subset=cfg.train_subset)
+        # the rows every rank gathers each step follow from these, and the steps and checkpoints of all
+        distributed.check_agreement(dict(cfg.identity(), max_steps=cfg.max_steps, ckpt_every=cfg.ckpt_every,
+                                         training_images=len(self.data.train)))
         files = image_files(self.data.train)
         for split in (files, image_files(self.data.test)):
             if split is not None:  # image files: every loader worker appends what it skips here
@@ -213,6 +216,10 @@ class Trainer:
             on_gpu = self.device.type == "cuda"
             self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
+            # after the wrap, as PyTorch documents for DDP (notes/ddp, "TorchDynamo DDPOptimizer"); compilation is
+            # lazy: dynamo compiles the backbone at its first call, inside DDP's forward, sees the DDP module there and
+            # splits the graph at DDP's gradient buckets, so that each bucket's all-reduce starts as soon as its part
+            # of the backward has run, while the rest runs
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
