@@ -112,25 +112,27 @@ from bayesncl_pyro.data.decode import JPEG_DECODERS
 print(f"bayesncl_pyro from {root}; Python {platform.python_version()}, torch {torch.__version__}, torchvision "
       f"{torchvision.__version__}, pyro {pyro.__version__}; JPEG decoders {[d.name for d in JPEG_DECODERS]}; "
       f"{os.cpu_count()} CPUs, ulimit -n {sys.argv[1]}")
+device = torch.device("cpu")
 if torch.cuda.is_available():
+    device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
           f"allocator backend {torch.cuda.get_allocator_backend()}")
-    # each JPEG decoder on the GPU (nvJPEG): data/decode.py takes the first that works there
-    buffer = io.BytesIO()
-    Image.fromarray((torch.arange(3 * 16 * 16) % 251).to(torch.uint8).view(16, 16, 3).numpy()).save(buffer, "JPEG")
-    jpeg = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    working = []
-    for decoder in JPEG_DECODERS:
-        try:
-            (decoded,) = decoder.decode([jpeg], torch.device("cuda", torch.cuda.current_device()))
-        except RuntimeError as err:
-            print(f"{decoder.name}: decoding a 16x16 JPEG on cuda: FAILED: {err}")
-            continue
-        working.append(decoder.name)
-        print(f"{decoder.name}: decodes a 16x16 JPEG on cuda (nvJPEG) to {tuple(decoded.shape)} on {decoded.device}: ok")
-    if not working:
-        print("no JPEG decoder decodes on the GPU: FAILED")
-        sys.exit(2)  # the later sections run all the same
+# each JPEG decoder on the device (nvJPEG on a GPU): data/decode.py takes the first that works there
+buffer = io.BytesIO()
+Image.fromarray((torch.arange(3 * 16 * 16) % 251).to(torch.uint8).view(16, 16, 3).numpy()).save(buffer, "JPEG")
+jpeg = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+working = []
+for decoder in JPEG_DECODERS:
+    try:
+        (decoded,) = decoder.decode([jpeg], device)
+    except RuntimeError as err:
+        print(f"{decoder.name}: decoding a 16x16 JPEG on {device}: FAILED: {err}")
+        continue
+    working.append(decoder.name)
+    print(f"{decoder.name}: decodes a 16x16 JPEG on {device} to {tuple(decoded.shape)} on {decoded.device}: ok")
+if not working:
+    print(f"no JPEG decoder decodes on {device}: FAILED")
+    sys.exit(2)  # the later sections run all the same
 EOF
 rc=$?
 (( rc == 2 )) && status=1

@@ -201,6 +201,7 @@ def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
     assert all(f"\n== {n}. " in log for n in range(6))  # 6 needs two GPUs
     imported_from = log.split("bayesncl_pyro from ", 1)[1].split(";")[0]
     assert not imported_from.startswith(str(EXPERIMENTS.parent))  # the copy installed into the temporary folder
+    assert "decodes a 16x16 JPEG on cpu to (3, 16, 16) on cpu: ok" in log and ", ulimit -n " in log
     assert "section 3 drew the device views from files decoded per batch: ok" in log
     assert "section 4 held the training set on the device: ok" in log
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.txt", "section3.txt", "section4.txt"]
