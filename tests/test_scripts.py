@@ -25,6 +25,7 @@ def tiny_run(tmp, *args: str) -> str:
 
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
+    "bench_decode.py": lambda tmp: ["--batch", "4", "--repeats", "1", "--size", "32"],
     "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
                                   "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
                                   "--workers", "0"],
