@@ -100,6 +100,19 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def check_agreement(settings: dict):
+    """Raise ``UserError`` unless every rank has the same ``settings`` (one gather over the control group, at start-up).
+    The ranks must gather rows of the same number and width at every step (``_GatherRows``: NCCL checks neither, and a
+    mismatch hangs or mixes rows up) and take the same steps and checkpoints (each a collective). Every rank raises the
+    same error; a single process has nothing to check."""
+    everyone = all_gather_objects(settings)
+    differ = [k for k in settings if any(other.get(k) != settings[k] for other in everyone)]
+    if differ:
+        raise UserError("the processes disagree on " + "; ".join(
+            f"{k} ({', '.join(f'rank {r}: {other.get(k)!r}' for r, other in enumerate(everyone))})" for k in differ)
+            + "; start every process with the same command and the same data")
+
+
 class Votes:
     """Small non-negative integers that each rank posts at every step, combined by max over ranks. Under DDP a
     step's votes are exchanged on the CPU in the background and read at the next step: the exchange neither

@@ -11,9 +11,12 @@ With ``mask`` (``--on-nan skip``) a bad step's update is undone on the device, a
 GradScaler's ``found_inf``: the module buffers its forward pass updates (BatchNorm's running statistics; ``begin``),
 the parameters and the optimizer state the step touches are copied first, then put back by ``torch.where`` on the
 flag. State the step creates (SGD's and LARS's momentum, AdamW's moments and step count) goes to zero, which is what
-their first step starts from (SGD without dampening: ``momentum * 0 + g == g``). Without
-``mask`` (``--on-nan stop``) a bad step is applied in memory; the trainer checks before writing any checkpoint, so
-none holds it.
+their first step starts from (SGD without dampening: ``momentum * 0 + g == g``). The cost, in that mode only: one
+more copy of the parameters, the optimizer state and the buffers in memory, kept from step to step, and per step
+two fused copies into it (``torch._foreach_copy_``: a few kernels per device and dtype) and one ``torch.where`` per
+tensor (PyTorch has no foreach select, and a NaN rules out a select by arithmetic). Without ``mask``
+(``--on-nan stop``) a bad step is applied in memory; the trainer checks before writing any checkpoint, so none
+holds it.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ class DivergenceGuard:
         self.rows: torch.Tensor | None = None  # capacity x (3 + parameters), on the device, made at the first step
         self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
         self.saved_buffers: list[torch.Tensor] = []
+        self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # what _copy keeps: originals, copies
 
     def begin(self):
         """With ``mask``: keep the buffers as they are before the forward pass updates them."""
         if self.mask:
-            self.saved_buffers = [b.clone() for b in self.buffers]
+            self.saved_buffers = self._copy("buffers", self.buffers)
 
     def step(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
         """Record step ``number``'s verdict on the device and take the optimizer step (undone by the verdict with
@@ -67,12 +71,26 @@ class DivergenceGuard:
         else:
             self.optimizer.step()
 
+    def _copy(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors``, into memory allocated at the first call (and again when the tensors change, as when
+        the first step creates the optimizer's state), with one fused copy per device and dtype."""
+        originals, copies = self.copies.get(name, ([], []))
+        if len(originals) != len(tensors) or any(a is not b for a, b in zip(originals, tensors)):
+            originals, copies = list(tensors), [torch.empty_like(t) for t in tensors]
+            self.copies[name] = originals, copies
+        groups: dict[tuple, tuple[list, list]] = {}
+        for t, c in zip(tensors, copies):
+            group = groups.setdefault((t.device, t.dtype), ([], []))
+            group[0].append(c)
+            group[1].append(t)
+        for targets, sources in groups.values():
+            torch._foreach_copy_(targets, sources)
+        return copies
+
     @torch.no_grad()
     def _masked_step(self, ok: torch.Tensor):
         tensors = self._touched()
-        saved = [torch.empty_like(t) for t in tensors]
-        if tensors:
-            torch._foreach_copy_(saved, tensors)
+        saved = self._copy("step", tensors)
         self.optimizer.step()
         for t, s in zip(tensors + self.buffers, saved + self.saved_buffers, strict=True):  # strict: begin() was called
             torch.where(ok, t, s, out=t)

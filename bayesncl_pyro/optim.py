@@ -10,9 +10,10 @@ WARMUP_START_LR = 3e-5  # the reference warms every group up from this absolute 
 class LARS(torch.optim.Optimizer):
     """SGD with momentum and a layer-wise trust ratio (You et al., 2017), as solo-learn uses it.
 
-    For every weight with more than one dimension the step is scaled by
-    ``eta * ||w|| / (||g|| + wd * ||w||)``, capped at 1 relative to the group lr (``clip_lr``); biases,
-    norm layers and other 1-D parameters take plain SGD steps without weight decay.
+    For every weight with more than one dimension the step is ``g + wd * w`` scaled by
+    ``eta * ||w|| / (||g|| + wd * ||w||)``, capped at 1 relative to the group lr (``clip_lr``), or, when ``||w||`` or
+    ``||g||`` is 0, the plain gradient ``g``, without weight decay (solo-learn's LARS); biases, norm layers and other
+    1-D parameters take plain SGD steps without weight decay.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -36,9 +37,12 @@ class LARS(torch.optim.Optimizer):
                 trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
                 if group["clip_lr"]:
                     trust = (trust / lr).clamp(max=1.0)
-                # tensors, not Python branches: no host sync per parameter
-                trust = torch.where((p_norm > 0) & (g_norm > 0), trust, 1.0)
+                # tensors, not Python branches: no host sync per parameter. Where a norm is 0 the step is g: with
+                # ||w|| = 0, g + wd * w is g; with ||g|| = 0, g is 0, so the decayed step is scaled to 0
+                trust = torch.where(g_norm > 0, torch.where(p_norm > 0, trust, 1.0), 0.0)
                 decayed = torch._foreach_add(grads, weights, alpha=wd)
+                # one kernel per tensor: foreach's fused path takes a list of tensors of equal shapes, or host scalars
+                # (a host sync), not one device scalar per tensor
                 torch._foreach_mul_(decayed, list(trust.unbind()))
                 for k, update in zip(scaled, decayed):
                     updates[k] = update

@@ -29,7 +29,7 @@ from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import image_files, load_dataset
-from bayesncl_pyro.data.decode import ASYNC_ALLOCATOR_NOTE, EncodedImages, nvjpeg_is_safe
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, no_jpeg_decoder
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
@@ -136,6 +136,9 @@ class Trainer:
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
                                  train_subset=cfg.train_subset)
+        # the rows every rank gathers each step follow from these, and the steps and checkpoints of all
+        distributed.check_agreement(dict(cfg.identity(), max_steps=cfg.max_steps, ckpt_every=cfg.ckpt_every,
+                                         training_images=len(self.data.train)))
         files = image_files(self.data.train)
         for split in (files, image_files(self.data.test)):
             if split is not None:  # image files: every loader worker appends what it skips here
@@ -151,12 +154,11 @@ class Trainer:
             if resident is not None:
                 self.views = pipeline.ResidentViews(resident, cfg.image_size, cfg.seed, self.rank)
             elif files is not None:
-                on_device = nvjpeg_is_safe(self.device)
-                if not on_device and self.rank == 0:
-                    print(f"note: {ASYNC_ALLOCATOR_NOTE}; JPEGs are decoded in the loader workers instead",
-                          file=sys.stderr)
-                self.views = pipeline.FileViews(EncodedImages(self.data.train, on_device), cfg.image_size, cfg.seed,
-                                                self.rank, self.device)
+                why_not = no_jpeg_decoder(self.device)
+                if why_not is not None and self.rank == 0:
+                    print(f"note: {why_not}; JPEGs are decoded in the loader workers instead", file=sys.stderr)
+                self.views = pipeline.FileViews(EncodedImages(self.data.train, why_not is None), cfg.image_size,
+                                                cfg.seed, self.rank, self.device)
             elif cfg.augment == "device":
                 raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
                                 f"{self.device.type} memory free; use --augment workers")
@@ -187,6 +189,10 @@ class Trainer:
             on_gpu = self.device.type == "cuda"
             self.net = DistributedDataParallel(self.learner, device_ids=[self.device] if on_gpu else None)
         if cfg.compile:
+            # after the wrap, as PyTorch documents for DDP (notes/ddp, "TorchDynamo DDPOptimizer"); compilation is
+            # lazy: dynamo compiles the backbone at its first call, inside DDP's forward, sees the DDP module there and
+            # splits the graph at DDP's gradient buckets, so that each bucket's all-reduce starts as soon as its part
+            # of the backward has run, while the rest runs
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
@@ -272,7 +278,7 @@ class Trainer:
         if isinstance(self.views, pipeline.ResidentViews):  # the images are on the device already
             return self.views.batches(sampler, cfg.batch_size // self.world)
         if self.views is not None:  # workers only read files; _input decodes and augments
-            dataset, collate = self.views.encoded, list
+            dataset, collate = self.views.encoded, EncodedBatch
         else:
             dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
             collate = collate_views

@@ -14,8 +14,10 @@
 # the python must have the project installed (pip install -e .).
 #
 # Sections, each under its own timeout (seconds; below), all under a 6-minute budget that no section may overrun:
-# 0. install and environment: GPU, torch, the allocator backend, where bayesncl_pyro is imported from; that
-#    torchvision decodes JPEGs on the GPU (nvJPEG), which data/decode.py refuses to replace by a silent fallback.
+# 0. install and environment, in seconds: everything the later sections import is imported (every module of the
+#    project, both experiment scripts), so a missing package fails here; Python, torch, torchvision, pyro, the JPEG
+#    decoders, the GPU, the allocator backend, ulimit -n, the CPU count, where bayesncl_pyro is imported from; that a
+#    JPEG decoder (TorchCodec's, torchvision's) decodes on the GPU (nvJPEG).
 # 1. model only, ImageNet-100 recipe (ResNet-18, 224 px, K=2048, bf16 autocast, channels_last), batch 256, data
 #    already on the GPU: the float32/bf16 loss against a float64 CPU reference and the BayesNCL paths against each
 #    other (fails if off); images/s, Pyro/plain, BayesNCL/NCL (and its FLOPs floor), peak memory.
@@ -92,30 +94,49 @@ if [ -n "$WHEELS" ]; then
     "${PIP[@]}" --find-links "$WHEELS" $isolation "$SRC" || exit 1
     export PYTHONPATH=$SITE
 fi
-"$PY" - <<'EOF' || exit 1
-import os, sys, torch, bayesncl_pyro, bayesncl_pyro.data, bayesncl_pyro.models, bayesncl_pyro.guides
+# everything the later sections import, first (every module of the project, and what the experiment scripts import
+# besides), in one process: a wheel folder that lacks a package fails here, in seconds
+"$PY" - "$(ulimit -n)" <<'EOF'
+import importlib, io, os, pkgutil, platform, sys
+import numpy, PIL, pyro, pyro.infer, torch, torch.distributed.run, torch.utils.flop_counter, torchvision
+from PIL import Image
+import bayesncl_pyro
+
 root = os.path.dirname(bayesncl_pyro.__file__)
-for package in (bayesncl_pyro.data, bayesncl_pyro.models, bayesncl_pyro.guides):
-    if not package.__file__.startswith(root + os.sep):  # found elsewhere: the install lacks it
-        sys.exit(f"error: {package.__name__} is imported from {package.__file__}, not from {root}: the install is incomplete")
-print(f"bayesncl_pyro from {root}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+for module in pkgutil.walk_packages(bayesncl_pyro.__path__, "bayesncl_pyro."):  # data, models, guides and the rest
+    imported = importlib.import_module(module.name)
+    if not imported.__file__.startswith(root + os.sep):  # found elsewhere: the install lacks it
+        sys.exit(f"error: {module.name} is imported from {imported.__file__}, not from {root}: the install is incomplete")
+from bayesncl_pyro.data.decode import JPEG_DECODERS
+
+print(f"bayesncl_pyro from {root}; Python {platform.python_version()}, torch {torch.__version__}, torchvision "
+      f"{torchvision.__version__}, pyro {pyro.__version__}; JPEG decoders {[d.name for d in JPEG_DECODERS]}; "
+      f"{os.cpu_count()} CPUs, ulimit -n {sys.argv[1]}")
+device = torch.device("cpu")
 if torch.cuda.is_available():
+    device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name()}, {torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
           f"allocator backend {torch.cuda.get_allocator_backend()}")
-EOF
-"$PY" - <<'EOF' || status=1
-import sys, torch, torchvision
-from torchvision.io import decode_jpeg, encode_jpeg
-
-if torch.cuda.is_available():  # what data/decode.py raises on instead of decoding around it
-    image = (torch.arange(3 * 16 * 16) % 251).to(torch.uint8).view(3, 16, 16)
+# each JPEG decoder on the device (nvJPEG on a GPU): data/decode.py takes the first that works there
+buffer = io.BytesIO()
+Image.fromarray((torch.arange(3 * 16 * 16) % 251).to(torch.uint8).view(16, 16, 3).numpy()).save(buffer, "JPEG")
+jpeg = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+working = []
+for decoder in JPEG_DECODERS:
     try:
-        (decoded,) = decode_jpeg([encode_jpeg(image)], device="cuda")
+        (decoded,) = decoder.decode([jpeg], device)
     except RuntimeError as err:
-        sys.exit(f"torchvision {torchvision.__version__}: decode_jpeg on cuda: FAILED: {err}")
-    print(f"torchvision {torchvision.__version__}: decode_jpeg on cuda (nvJPEG) decodes a 16x16 JPEG to "
-          f"{tuple(decoded.shape)} on {decoded.device}: ok")
+        print(f"{decoder.name}: decoding a 16x16 JPEG on {device}: FAILED: {err}")
+        continue
+    working.append(decoder.name)
+    print(f"{decoder.name}: decodes a 16x16 JPEG on {device} to {tuple(decoded.shape)} on {decoded.device}: ok")
+if not working:
+    print(f"no JPEG decoder decodes on {device}: FAILED")
+    sys.exit(2)  # the later sections run all the same
 EOF
+rc=$?
+(( rc == 2 )) && status=1
+(( rc && rc != 2 )) && exit 1
 date -u
 # sizes, and each section's timeout: the smoke figure of that section times the factor stated beside it
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then  # CPU, tiny: every command runs, no figure means anything
@@ -169,10 +190,8 @@ for name, n, large in (("jpeg224", n224, True), ("jpeg32", n32, False)):
             list(pool.map(write, [(root, i, large) for i in range(n)], chunksize=100))
     print(f"{root}: {sum(1 for _ in root.rglob('*.jpg'))} JPEGs, {'400-500 x 300-375' if large else '32x32'} px")
 
-from torchvision.io import ImageReadMode, decode_jpeg  # noqa: E402
-
 from bayesncl_pyro.data import load_dataset  # noqa: E402
-from bayesncl_pyro.data.decode import EncodedImages  # noqa: E402
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, jpeg_decoders  # noqa: E402
 from bayesncl_pyro.training import pick_device  # noqa: E402
 
 device = pick_device(device)
@@ -180,6 +199,10 @@ cuda = device.type == "cuda"
 if cuda:
     torch.cuda.set_device(device)
 side = torch.cuda.Stream(device) if cuda else None  # the input pipeline decodes on a stream of its own
+decoders = jpeg_decoders(device)
+# the control: a decoder that writes from a stream of its own (torchvision's), called without the wait decode.py makes
+control = next((d for d in decoders if d.own_stream), None)
+print(f"JPEG decoder on {device}: {decoders[0].name if decoders else None}; control: {control and control.name}")
 
 
 def churn(images):
@@ -196,16 +219,16 @@ def churn(images):
 failed = False
 for name in ("jpeg32", "jpeg224"):
     encoded = EncodedImages(load_dataset("imagefolder", out / name).train)
-    batch = [encoded[i] for i in range(64)]
+    batch = EncodedBatch([encoded[i] for i in range(64)])
     cpu = encoded.decode(batch, torch.device("cpu"))
     with torch.cuda.stream(side):
         decodes, raw = [], []
         for _ in range(repeats):
             churn(cpu)
-            decodes.append(encoded.decode(batch, device))  # waits for the stream, then decodes
-        for _ in range(repeats):  # the control: torchvision's decoder without that wait
+            decodes.append(encoded.decode(batch, device))  # as the input pipeline decodes
+        for _ in range(repeats if control else 0):
             churn(cpu)
-            raw.append(decode_jpeg([data for data, _ in batch], mode=ImageReadMode.RGB, device=device))
+            raw.append(control.decode([data for data, _ in batch], device))
     if cuda:
         torch.cuda.synchronize(device)
 
@@ -218,7 +241,9 @@ for name in ("jpeg32", "jpeg224"):
     print(f"{name}: 64 JPEGs decoded {repeats} times on {device} under allocator churn: "
           f"{repeats - 1 - differing(decodes)} of {repeats - 1} repeats bit-identical to the first; mean |GPU - CPU| "
           f"{diff.mean():.3f}, max {diff.max():.0f} (of 255; limit on the mean 2) {'ok' if ok else 'FAILED'}")
-    print(f"{name}: without the wait (control, not judged): {differing(raw)} of {repeats - 1} repeats differ")
+    if control:
+        print(f"{name}: {control.name} without the wait (control, not judged): {differing(raw)} of {repeats - 1} "
+              "repeats differ")
 sys.exit(1 if failed else 0)
 EOF
 

@@ -18,19 +18,31 @@ the fake devices and checks what CUDA checks:
   tensor;
 - a forked worker process that touches CUDA raises, as CUDA's runtime cannot be used after a fork.
 
+How memory is used across streams, as the caching allocator and the stream order decide it. Every op runs on its
+thread's current stream, which counts its ops (a logical clock); what each storage went through is kept in a
+``Block``: the stream it was allocated on, its last write, the reads since, every stream's last use. An op on one
+stream that reads memory another stream wrote, or writes memory another stream read or wrote, must be ordered after
+that use: its stream waited for an event recorded after it (``wait_event``, ``wait_stream``), or the host waited for
+the other stream since (``synchronize``, a syncing op). When a storage is freed, each use on a stream other than the
+one it was allocated on must be ordered likewise before that stream's next op, or marked by ``record_stream``:
+otherwise the caching allocator, which hands a freed block to the next allocation on its own stream at once, could
+give it to new work while the other stream still uses it; that is raised at the next op (or when the test ends).
+Writes through a view are writes of its base's memory. A view runs no kernel: making one neither reads nor writes
+(using it does). These rules, and the ones below, raise ``Race`` (not a RuntimeError: no code should handle them).
+
 Stricter than CUDA, to catch what CUDA lets pass silently (and what this project's stream hand-offs rely on):
 
 - waiting on an event that was never recorded raises (CUDA: a no-op, so nothing is ordered);
 - ``record_stream`` takes a stream of the tensor's own device;
-- every op runs on its thread's current stream with a logical clock; a stream that reads a tensor another stream wrote
-  must have waited for that write (``wait_event`` on an event recorded after it), or the host must have synchronized the
-  writer since: otherwise the read races the write;
-- torchvision's ``decode_jpeg`` on CUDA (replaced by ``decode_jpeg`` here, which decodes on the CPU) requires the current
-  stream of the target device (torchvision switches to that device itself, whatever the thread's current one) to have
-  no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does not wait for
-  the current one), and refuses to run under the ``cudaMallocAsync`` backend; after
-  a decode that failed part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the
-  decoder's stream may still write into the outputs it freed).
+- memory is judged per storage: two streams that use disjoint parts of one storage without ordering are refused,
+  where CUDA would let them run (nothing here does that);
+- torchvision's ``decode_jpeg`` on CUDA (stood in for by ``torchvision_decode``, which decodes on the CPU) requires the
+  current stream of the target device (torchvision switches to that device itself, whatever the thread's current one)
+  to have no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does not
+  wait for the current one), and refuses to run under the ``cudaMallocAsync`` backend; after a decode that failed
+  part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the decoder's stream may still
+  write into the outputs it freed). TorchCodec's (``torchcodec_decode``) decodes on the current stream and the host
+  then waits for it, as TorchCodec does; ``use_decoders`` picks which ``data.decode`` uses.
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
@@ -43,8 +55,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -61,8 +75,13 @@ def _runtime() -> FakeCuda:
     return RUNTIME
 
 
+class Race(AssertionError):
+    """A use of streams or memory that CUDA lets pass but that can race (the rules "stricter than CUDA" above): the code
+    under test is wrong. Not a RuntimeError, which the project may catch as a CUDA failure and work around."""
+
+
 class CudaTensor(torch.Tensor):
-    """A CPU tensor that says it is on ``cuda:<_index>``; ``_writer`` is (stream, clock) of the op that wrote it last."""
+    """A CPU tensor that says it is on ``cuda:<_index>``; what was done to its memory is in ``FakeCuda.blocks``."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -115,9 +134,11 @@ class Stream:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event expects a torch.cuda.Event, got {type(event).__name__}")
         if event.stream is None:
-            raise RuntimeError(f"fake CUDA: {self} waits on an event that was never recorded; CUDA would not wait at "
+            raise Race(f"fake CUDA: {self} waits on an event that was never recorded; CUDA would not wait at "
                                "all (cudaStreamWaitEvent on an unrecorded event is a no-op)")
-        self.seen[event.stream] = max(self.seen.get(event.stream, 0), event.clock)
+        # ordering is transitive: what the recording stream had waited for, this one now has too
+        for stream, clock in [*event.seen.items(), (event.stream, event.clock)]:
+            self.seen[stream] = max(self.seen.get(stream, 0), clock)
 
     def wait_stream(self, stream: Stream):
         self.wait_event(stream.record_event())
@@ -137,18 +158,30 @@ class Stream:
         return False
 
 
+class Block:
+    """What the caching allocator would know of one storage on a fake GPU: ``stream``, the stream it was allocated on
+    (whose pool it goes back to when freed); ``writer``, (stream, clock) of its last write; ``reads``, the streams that
+    read it since, each with the clock of its last read; ``uses``, each stream's last use; ``recorded``, the streams
+    ``record_stream`` marked. Freeing the storage calls ``FakeCuda.freed``."""
+
+    def __init__(self, stream: Stream, storage: torch.UntypedStorage, runtime: FakeCuda):
+        self.stream, self.writer, self.reads = stream, (stream, stream.clock), {}
+        self.uses, self.recorded = {stream: stream.clock}, set()
+        weakref.finalize(storage, runtime.freed, storage.data_ptr()).atexit = False
+
+
 class Event:
-    """``torch.cuda.Event``: ``record`` notes the stream and its clock."""
+    """``torch.cuda.Event``: ``record`` notes the stream, its clock and what it had waited for."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self.stream, self.clock = None, 0
+        self.stream, self.clock, self.seen = None, 0, {}
 
     def record(self, stream: Stream | None = None):
         stream = stream or _runtime().current_stream()
         if self.stream is not None and self.stream.device_index != stream.device_index:
             raise RuntimeError(f"Event device index {self.stream.device_index} does not match recording stream's "
                                f"device index {stream.device_index}.")
-        self.stream, self.clock = stream, stream.clock
+        self.stream, self.clock, self.seen = stream, stream.clock, dict(stream.seen)
 
     def wait(self, stream: Stream | None = None):
         (stream or _runtime().current_stream()).wait_event(self)
@@ -201,6 +234,8 @@ _METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel
 _NO_CPU_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 # factories that copy host data (not a tensor) to the device: a pageable copy, which the host waits for
 _FROM_HOST = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
+# in-place ops that write their first argument without reading it
+_FILLS = {"copy_", "fill_", "zero_", "__setitem__", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
 # ops whose result the host waits for
 _SYNCING = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
             torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal, torch.Tensor.equal,
@@ -231,9 +266,10 @@ class FakeCuda:
         self.streams: list[Stream] = []
         self.lock = threading.RLock()
         self.syncs: collections.Counter = collections.Counter()  # thread name -> host syncs
-        self.recorded: dict[int, set] = collections.defaultdict(set)  # storage address -> streams (record_stream)
+        self.blocks: dict[int, Block] = {}  # storage address -> what the caching allocator would know of it
+        self.faults: list[str] = []  # uses found wrong when a block was freed, raised at the next op (_raise_faults)
         self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
-        self.decodes = 0  # decode_jpeg calls on CUDA
+        self.decodes = 0  # JPEG decoder calls on CUDA
         self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
         self.default_streams = []
@@ -328,32 +364,73 @@ class FakeCuda:
         return index
 
     def wrap(self, out, index: int, stream: Stream, inputs: list):
-        """The op's tensor results as tensors on ``cuda:index`` written by ``stream`` now (results that are inputs, as
-        in-place ops return, are the same objects, rewritten)."""
+        """The op's tensor results as tensors on ``cuda:index`` (results that are inputs, as in-place ops return, are
+        the same objects). A result in memory the stand-in has not seen is allocated and written by ``stream`` now;
+        a view of known memory is only a view."""
         def one(t):
             if not isinstance(t, torch.Tensor) or any(t is x for x in inputs):
                 return t
-            if self.dirty.get(index) is stream:
-                raise RuntimeError(f"fake CUDA: memory allocated on {stream} after decode_jpeg failed part-way: "
-                                   "the decoder's stream may still write into the outputs it freed there; "
-                                   "torch.cuda.synchronize(device) first")
             if not isinstance(t, CudaTensor):
                 with torch._C.DisableTorchFunction():
                     t = t.as_subclass(CudaTensor)
-            t._index, t._writer = index, (stream, stream.clock)
+            t._index = index
+            storage = t.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in self.blocks:
+                if self.dirty.get(index) is stream:
+                    raise Race(f"fake CUDA: memory allocated on {stream} after decode_jpeg failed part-way: "
+                                       "the decoder's stream may still write into the outputs it freed there; "
+                                       "torch.cuda.synchronize(device) first")
+                self.blocks[storage.data_ptr()] = Block(stream, storage, self)
             return t
 
         return tree_map(one, out)
 
-    def reads(self, stream: Stream, tensors):
-        """Check that ``stream`` may read ``tensors`` now; one more op on it."""
+    def access(self, stream: Stream, reads, writes=()):
+        """One op on ``stream`` that reads the memory of the CUDA tensors ``reads`` and writes that of ``writes``: check
+        that every earlier use of that memory on another stream is ordered before it (``ordered``), then note it."""
+        self.raise_faults()
         stream.clock += 1
-        for t in tensors:
-            writer, clock = getattr(t, "_writer", (stream, 0))
-            if writer is not stream and max(stream.seen.get(writer, 0), writer.done) < clock:
-                raise RuntimeError(f"fake CUDA: {stream} reads a tensor that {writer} wrote (its op {clock}) without "
-                                   f"waiting for it: record an event on {writer} after the write and wait_event on it, "
-                                   "or synchronize")
+        for t, writing in [(t, False) for t in reads] + [(t, True) for t in writes]:
+            block = self.blocks.get(t.untyped_storage().data_ptr()) if isinstance(t, CudaTensor) else None
+            if block is None:
+                continue
+            uses = [("wrote", *block.writer)] + ([("reads", r, c) for r, c in block.reads.items()] if writing else [])
+            for what, other, clock in uses:
+                if other is not stream and not self.ordered(stream, other, clock):
+                    raise Race(
+                        f"fake CUDA: {stream} {'writes' if writing else 'reads'} memory that {other} {what} (its op "
+                        f"{clock}) without waiting for it: record an event on {other} after that op and wait_event on "
+                        "it, or synchronize")
+            if writing:
+                block.writer, block.reads = (stream, stream.clock), {}
+            else:
+                block.reads[stream] = stream.clock
+            block.uses[stream] = stream.clock
+
+    @staticmethod
+    def ordered(stream: Stream, other: Stream, clock: int) -> bool:
+        """Whether op ``clock`` of ``other`` has run before anything ``stream`` queues from now: ``stream`` waited for
+        an event recorded after it, or the host waited for ``other`` since."""
+        return max(stream.seen.get(other, 0), other.done) >= clock
+
+    def freed(self, address: int):
+        """The memory at ``address`` is freed: the caching allocator gives it back to the stream it was allocated on, for
+        that stream's next allocation, at once. A use on another stream that that stream has not waited for, and that
+        ``record_stream`` did not mark, may still run then, on memory handed to someone else."""
+        block = self.blocks.pop(address, None)
+        if block is None:
+            return
+        for other, clock in block.uses.items():
+            if other is not block.stream and other not in block.recorded and not self.ordered(block.stream, other, clock):
+                self.faults.append(
+                    f"fake CUDA: memory allocated on {block.stream} was used on {other} (its op {clock}) and freed "
+                    f"without record_stream({other}) or {block.stream} waiting for that use: the caching allocator "
+                    f"hands it to {block.stream}'s next allocation while {other} may still use it")
+
+    def raise_faults(self):
+        if self.faults:
+            fault, self.faults = self.faults[0], []
+            raise Race(fault)
 
     def run(self, func, args, kwargs):
         flat = tree_flatten((args, kwargs))[0]
@@ -391,20 +468,22 @@ class FakeCuda:
                                        f"devices, cuda:{index} and cpu! ({getattr(func, '__name__', func)})")
         with self.lock:
             stream = self.current_stream(index)
-            self.reads(stream, [t for t in tensors if isinstance(t, CudaTensor)])
             out = func(*args, **kwargs)
+            written = [t for t in written if isinstance(t, CudaTensor)]
+            if written or not _views_of(out, tensors):  # a view runs no kernel: it neither reads nor writes
+                only_written = [kwargs.get("out"), *(args[:1] if getattr(func, "__name__", "") in _FILLS else ())]
+                self.access(stream, [t for t in tensors if isinstance(t, CudaTensor)
+                                     and not any(t is w for w in only_written)], written)
             if func in _SYNCING or _waits_for_host(func, args, device):
                 self.host_waits(stream, why=getattr(func, "__name__", str(func)))
             if _is_cpu_device(device):
                 return out
-            for t in written:
-                if isinstance(t, torch.Tensor):
-                    t._writer = (stream, stream.clock)
             return self.wrap(out, index, stream, tensors)
 
     # ------------------------------------------------------------------------------------- what moves between devices
-    def _copy(self, src: torch.Tensor, index: int | None, non_blocking: bool, **how) -> torch.Tensor:
-        """``src`` on ``cuda:index`` (None: the CPU), as ``Tensor.to`` copies it."""
+    def _copy(self, src: torch.Tensor, index: int | None, non_blocking: bool, into: torch.Tensor | None = None,
+              **how) -> torch.Tensor:
+        """``src`` on ``cuda:index`` (None: the CPU), as ``Tensor.to`` copies it; to a GPU, into ``into`` if given."""
         source = src._index if isinstance(src, CudaTensor) else None
         if index is not None:
             self.check_process()
@@ -412,7 +491,7 @@ class FakeCuda:
         with self.lock:
             if source is not None:
                 stream = self.current_stream(source)
-                self.reads(stream, [src])
+                self.access(stream, [src])
             if index is None:  # to the host: waits for the copy unless non_blocking
                 if non_blocking and source is not None:
                     raise RuntimeError("fake CUDA: a non_blocking copy to the CPU is not modelled (on CUDA its data is "
@@ -423,12 +502,22 @@ class FakeCuda:
                     self.host_waits(self.current_stream(source), why="to the CPU")
                 return out
             stream = self.current_stream(index)
-            if source is None and (not non_blocking or not isinstance(src, PinnedTensor)):
-                self.host_waits(stream, why="to the GPU")  # memcpy_and_sync, or pageable memory staged synchronously
-            stream.clock += 1
+            if source is None and non_blocking and not isinstance(src, PinnedTensor):
+                # CUDA stages pageable memory synchronously: the host waits for the stream, then the copy is queued
+                self.host_waits(stream, why="pageable to the GPU")
             with torch._C.DisableTorchFunction():
                 out = src.as_subclass(torch.Tensor).to(copy=True, **how)
-            return self.wrap(out, index, stream, [])
+            if into is None:
+                self.access(stream, [])
+                out = self.wrap(out, index, stream, [])
+            else:
+                self.access(stream, [], [into])
+                with torch._C.DisableTorchFunction():
+                    into.copy_(out)
+                out = into
+            if source is None and not non_blocking:
+                self.host_waits(stream, why="to the GPU")  # memcpy_and_sync: the host waits for the copy
+            return out
 
     def copy_(self, dst: torch.Tensor, src, non_blocking: bool = False) -> torch.Tensor:
         """``dst.copy_(src)``: between devices it waits and refuses as ``_copy`` (``Tensor.to``) does, then writes
@@ -437,6 +526,8 @@ class FakeCuda:
         here = src._index if isinstance(src, CudaTensor) else None
         if not isinstance(src, torch.Tensor) or here == there:
             return self.run(torch.Tensor.copy_, (dst, src), dict(non_blocking=non_blocking))
+        if here is None:  # from the host: straight into dst, which the host then waits for unless non_blocking
+            return self._copy(src, there, non_blocking, into=dst)
         return self.run(torch.Tensor.copy_, (dst, self._copy(src, there, non_blocking)), {})
 
     def to(self, tensor, *args, **kwargs):
@@ -476,8 +567,10 @@ class FakeCuda:
         if not isinstance(tensor, CudaTensor):
             raise NotImplementedError("Could not run 'aten::record_stream' with arguments from the 'CPU' backend")
         if stream.device_index != tensor._index:
-            raise RuntimeError(f"fake CUDA: record_stream of a tensor on cuda:{tensor._index} with {stream}")
-        self.recorded[tensor.untyped_storage().data_ptr()].add(stream)
+            raise Race(f"fake CUDA: record_stream of a tensor on cuda:{tensor._index} with {stream}")
+        block = self.blocks.get(tensor.untyped_storage().data_ptr())
+        if block is not None:
+            block.recorded.add(stream)
 
     def numpy(self, tensor, *, force=False):
         if isinstance(tensor, CudaTensor):
@@ -486,42 +579,66 @@ class FakeCuda:
         with torch._C.DisableTorchFunction():
             return tensor.numpy(force=force)
 
-    # ------------------------------------------------------------------------------------------- torchvision's decoder
-    def decode_jpeg(self, input, mode=None, device="cpu", apply_exif_orientation=False):
-        """``torchvision.io.decode_jpeg``: on the CPU as it is; on CUDA decoded on the CPU after the checks above."""
-        from torchvision.io import ImageReadMode, decode_jpeg
+    # ------------------------------------------------------------------------------------------------- JPEG decoders
+    def use_decoders(self, *names: str):
+        """Have ``data.decode`` decode JPEGs with these stand-ins, preferred in this order: "TorchCodec", "torchvision"."""
+        from bayesncl_pyro.data import decode
 
-        mode = ImageReadMode.UNCHANGED if mode is None else mode
+        fakes = {"TorchCodec": decode.JpegDecoder("TorchCodec (fake)", self.torchcodec_decode, own_stream=False),
+                 "torchvision": decode.JpegDecoder("torchvision (fake)", self.torchvision_decode, own_stream=True)}
+        self.monkeypatch.setattr(decode, "JPEG_DECODERS", [fakes[name] for name in names])
+
+    def torchvision_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """torchvision's ``decode_jpeg``: on CUDA after the checks above (nvJPEG on a stream of its own)."""
         if not _is_cuda(device):
-            return decode_jpeg(input, mode=mode, device=device, apply_exif_orientation=apply_exif_orientation)
-        single = isinstance(input, torch.Tensor)
-        encoded = [input] if single else list(input)
+            return self.cpu_decode(jpegs, device)
+        index = self._check_jpegs(jpegs, device)
+        if self.backend != "native":
+            raise Race("fake CUDA: torchvision's nvJPEG under the cudaMallocAsync backend: its outputs may get "
+                               "memory other streams still use")
+        stream = self.current_stream(index)
+        if stream.clock > stream.done:
+            raise Race(f"fake CUDA: torchvision's decode_jpeg with work queued on {stream} that the host has not "
+                               "waited for: nvJPEG writes its outputs from its own stream, into memory that work may still "
+                               "use")
+        try:
+            images = self.cpu_decode(jpegs, "cpu")
+        except RuntimeError as err:  # decoding started: the decoder's stream may still write into what it freed
+            self.dirty[index] = stream
+            raise RuntimeError(f"Error while decoding JPEG images: {err}") from None
+        self.access(stream, [])  # torchvision then makes the current stream wait for its own
+        return [self.wrap(image, index, stream, []) for image in images]
+
+    def torchcodec_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """TorchCodec's ``decode_jpeg``: on CUDA nvJPEG decodes on the current stream, and the host waits for that
+        stream before the call returns."""
+        if not _is_cuda(device):
+            return self.cpu_decode(jpegs, device)
+        index = self._check_jpegs(jpegs, device)
+        stream = self.current_stream(index)
+        images = self.cpu_decode(jpegs, "cpu")
+        self.access(stream, [])
+        images = [self.wrap(image, index, stream, []) for image in images]
+        self.host_waits(stream, why="TorchCodec's decode_jpeg")
+        return images
+
+    def _check_jpegs(self, jpegs, device) -> int:
         index = self.index_of(device)
         self.check_process()
-        for data in encoded:
+        for data in jpegs:
             if data.dtype != torch.uint8:
                 raise RuntimeError("Expected a torch.uint8 tensor")
             if isinstance(data, CudaTensor):
                 raise RuntimeError("The input tensor must be on CPU when decoding with nvjpeg")
             if data.dim() != 1 or data.numel() == 0:
                 raise RuntimeError("Expected a non empty 1-dimensional tensor")
-        if self.backend != "native":
-            raise RuntimeError("fake CUDA: nvJPEG under the cudaMallocAsync backend: its outputs may get memory other "
-                               "streams still use")
-        stream = self.current_stream(index)
-        if stream.clock > stream.done:
-            raise RuntimeError(f"fake CUDA: decode_jpeg with work queued on {stream} that the host has not waited for: "
-                               "nvJPEG writes its outputs from its own stream, into memory that work may still use")
         self.decodes += 1
-        try:
-            with torch._C.DisableTorchFunction():
-                images = [decode_jpeg(data.as_subclass(torch.Tensor), mode=mode) for data in encoded]
-        except RuntimeError as err:  # decoding started: the decoder's stream may still write into what it freed
-            self.dirty[index] = stream
-            raise RuntimeError(f"Error while decoding JPEG images: {err}") from None
-        stream.clock += 1
-        out = [self.wrap(image, index, stream, []) for image in images]
-        return out[0] if single else out
+        return index
+
+    def cpu_decode(self, jpegs, device) -> list[torch.Tensor]:
+        """The first installed decoder's, on the CPU."""
+        with torch._C.DisableTorchFunction():
+            return self.installed_decoders[0].decode([data.as_subclass(torch.Tensor) for data in jpegs], device)
 
     # -------------------------------------------------------------------------------------------------- installing
     def install(self, monkeypatch: pytest.MonkeyPatch):
@@ -555,7 +672,9 @@ class FakeCuda:
         monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
         from bayesncl_pyro.data import decode
 
-        monkeypatch.setattr(decode, "decode_jpeg", self.decode_jpeg)
+        self.monkeypatch, self.installed_decoders = monkeypatch, decode.JPEG_DECODERS
+        self.use_decoders("TorchCodec", "torchvision")
+        monkeypatch.setattr(decode, "_CANNOT", {})
         from bayesncl_pyro.data import pipeline
 
         monkeypatch.setattr(pipeline, "_STREAMS", {})  # a stream of an earlier test's runtime is not one of ours
@@ -592,6 +711,13 @@ def _foreach_targets(func, args) -> list[torch.Tensor]:
             if any(i < len(p) and isinstance(p[i], CudaTensor) for p in partners)]
 
 
+def _views_of(out, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``out`` holds tensors and each lies in the memory of one of ``inputs`` (an input, or a view of one)."""
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    memory = {t.untyped_storage().data_ptr() for t in inputs}
+    return bool(outputs) and all(t.untyped_storage().data_ptr() in memory for t in outputs)
+
+
 def _in_place(func) -> bool:
     name = getattr(func, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
@@ -610,5 +736,7 @@ def fake_cuda(monkeypatch):
     try:
         with _Mode(runtime):
             yield runtime
+            gc.collect()  # what the test freed in reference cycles is freed now, and judged
+            runtime.raise_faults()
     finally:
         RUNTIME = None

@@ -2,6 +2,7 @@
 stream hand-off, nvJPEG decoding and its fallback, the training set held on the GPU, and the training step's host syncs
 and divergence guard (which these tests also run on the CPU)."""
 
+import gc
 import threading
 
 import pytest
@@ -11,11 +12,11 @@ from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset, pipeline
 from bayesncl_pyro.data import resident as resident_module
-from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.training import Trainer, pick_device
-from fake_cuda import CudaTensor, Event, PinnedTensor, Stream
+from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
 from test_device_views import _truncate, assert_resume_is_exact, photo_tree, write_photo
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
@@ -50,13 +51,13 @@ def test_the_stand_in_checks_arguments_as_cuda_does(fake_cuda):
 
     with pytest.raises(NotImplementedError, match="'CPU' backend"):
         torch.ones(2).record_stream(torch.cuda.current_stream(0))
-    with pytest.raises(RuntimeError, match="record_stream of a tensor on cuda:1"):
+    with pytest.raises(Race, match="record_stream of a tensor on cuda:1"):
         x.record_stream(torch.cuda.current_stream(0))
     with pytest.raises(TypeError, match="must be Stream"):
         x.record_stream(None)
 
     side = Stream(1)
-    with pytest.raises(RuntimeError, match="never recorded"):
+    with pytest.raises(Race, match="never recorded"):
         side.wait_event(Event())
     event = Event()
     event.record(side)
@@ -92,19 +93,72 @@ def test_the_stand_in_keeps_an_rng_state_per_device(fake_cuda):
     assert torch.accelerator.current_stream().is_capturing() is False
 
 
-def test_the_stand_in_catches_a_read_that_races_a_write(fake_cuda):
+def _on(stream, op):
+    with torch.cuda.stream(stream):
+        return op()
+
+
+def test_the_stand_in_orders_every_use_of_memory_across_streams(fake_cuda):
+    """Each rule both ways: a read after a write, a write after a read, a write after a write, on another stream
+    without waiting is refused; the same after a wait_stream (an event) or a host synchronize passes."""
     torch.cuda.set_device(1)
     side, main = Stream(1), torch.cuda.current_stream(1)
-    with torch.cuda.stream(side):
-        assert torch.cuda.current_stream() is side
-        y = torch.ones(3, device="cuda") * 2  # written on the side stream
+    y = _on(side, lambda: torch.ones(3, device="cuda") * 2)
     assert torch.cuda.current_stream() is main
-    with pytest.raises(RuntimeError, match="without waiting for it"):
+    with pytest.raises(Race, match="reads memory that .* wrote .* without waiting for it"):
         y + 1
-    done = Event()
-    done.record(side)
-    main.wait_event(done)
-    assert (y + 1).tolist() == [3.0] * 3
+    main.wait_stream(side)
+    z = y + 1  # main reads y
+    with pytest.raises(Race, match="writes memory that .* reads .* without waiting for it"):
+        _on(side, lambda: y.add_(1))
+    side.wait_stream(main)
+    _on(side, lambda: y.add_(1))
+    with pytest.raises(Race, match="writes memory that .* wrote .* without waiting for it"):
+        y.fill_(5)
+    torch.cuda.synchronize()
+    y.fill_(5)
+    assert y.tolist() == [5.0] * 3 and z.tolist() == [3.0] * 3
+    third = Stream(1)
+    w = _on(third, lambda: torch.ones(2, device="cuda") + 0)
+    side.wait_stream(third)
+    main.wait_stream(side)  # after side, which had waited for third: after third too, as on CUDA
+    assert (w + 1).tolist() == [2.0, 2.0]
+
+
+def test_the_stand_in_sees_a_write_through_a_view_and_takes_a_view_for_no_kernel(fake_cuda):
+    side, main = Stream(0), torch.cuda.current_stream(0)
+    x = torch.zeros(4, device="cuda")
+    side.wait_stream(main)
+    _on(side, lambda: x[:2].fill_(1))  # writes x's memory through a view
+    with pytest.raises(Race, match="reads memory that .* wrote"):
+        x.sum()
+    main.wait_stream(side)
+    assert x.sum().item() == 2
+    z = _on(side, lambda: torch.ones(3, device="cuda") + 0)
+    view = z[1:].view(2, 1).t()  # views run no kernel: no wait needed to make them (CUDA's rule)
+    with pytest.raises(Race, match="reads memory that .* wrote"):
+        view + 1  # a kernel that reads it does need one
+
+
+@pytest.mark.parametrize("made_safe", [None, "record_stream", "wait_stream", "synchronize"])
+def test_the_stand_in_catches_memory_freed_while_another_stream_may_use_it(fake_cuda, made_safe):
+    """The caching allocator hands a freed block to the next allocation on the stream it was allocated on, at once:
+    memory read on another stream must be marked (record_stream), or its stream must wait for that use, first."""
+    side, main = Stream(0), torch.cuda.current_stream(0)
+    x = _on(side, lambda: torch.ones(1000, device="cuda") + 0)  # in the side stream's pool
+    main.wait_stream(side)
+    y = x * 2  # read on the main stream
+    if made_safe == "record_stream":
+        x.record_stream(main)
+    elif made_safe == "wait_stream":
+        side.wait_stream(main)
+    elif made_safe == "synchronize":
+        torch.cuda.synchronize()
+    del x
+    if made_safe is None:
+        with pytest.raises(Race, match="freed without record_stream"):
+            y + 1  # the next op reports it
+    assert (y + 1).tolist() == [3.0] * 1000
 
 
 def test_the_stand_in_counts_host_syncs_and_keeps_the_device_per_thread(fake_cuda):
@@ -231,22 +285,47 @@ def test_prefetched_batches_are_handed_to_the_training_stream(fake_cuda):
         got = []
         for x in pipeline.prefetch(range(4), make, CUDA1, ahead=2):
             got.append((x + 0).tolist())  # the training stream reads it: it must have waited for its event
-            assert fake_cuda.recorded[x.untyped_storage().data_ptr()] == {training_stream}
+            assert fake_cuda.blocks[x.untyped_storage().data_ptr()].recorded == {training_stream}
         assert got == [[2.0 * (11 * k)] * 3 for k in range(4)]
     assert pipeline._STREAMS[CUDA1] is pipeline._stream(CUDA1)
     assert fake_cuda.syncs["input-pipeline"] == 0  # the pipeline never waits for the GPU here
 
 
+def test_the_prefetcher_without_record_stream_is_caught(fake_cuda, monkeypatch):
+    """What record_stream is for: a batch the training stream read, freed after the step, goes back to the pipeline's
+    stream, whose next batch could be written into it while the step still reads it."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+    steps = []
+    with pytest.raises(Race, match="freed without record_stream") as caught:
+        for x in pipeline.prefetch(range(4), lambda batch, k: torch.full((3,), k, device=CUDA0) * 2, CUDA0):
+            steps.append(x + 0)  # the step reads its batch, the host does not wait for it
+            del x
+    del caught  # its traceback holds the batches in flight: they are freed now, and found alike
+    gc.collect()
+    fake_cuda.faults.clear()
+
+
+def test_batches_drawn_ahead_and_never_taken_are_waited_for_when_the_prefetcher_closes(fake_cuda):
+    images = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=CUDA0)  # the training stream's, like a resident set
+    for x in pipeline.prefetch(range(3), lambda batch, k: images[batch] * 2, CUDA0):
+        break  # the step limit: the batches drawn ahead are dropped, unread
+    assert x.tolist() == [2.0, 4.0]
+    del x, images  # freed onto the training stream while the pipeline's last reads of them are unordered: a Race
+    torch.ones(1, device=CUDA0)
+
+
 # ---------------------------------------------------------------------------------------------------- decoding
 
 
-def test_jpegs_decoded_on_the_gpu_are_the_cpus(fake_cuda, tmp_path):
+@pytest.mark.parametrize("decoder", ["TorchCodec", "torchvision"])
+def test_jpegs_decoded_on_the_gpu_are_the_cpus(fake_cuda, tmp_path, decoder):
+    fake_cuda.use_decoders(decoder)
     spec = load_dataset("imagefolder", photo_tree(tmp_path))
     encoded = EncodedImages(spec.train)
-    batch = [encoded[i] for i in range(len(encoded))]
+    batch = EncodedBatch([encoded[i] for i in range(len(encoded))])
     side = Stream(0)
     with torch.cuda.stream(side):
-        busy = torch.ones(8, device="cuda") * 3  # queued work on the decoding stream: decoding must wait for it
+        busy = torch.ones(8, device="cuda") * 3  # queued work on the decoding stream: torchvision's must wait for it
         images = encoded.decode(batch, CUDA0)
     assert fake_cuda.decodes == 1 and busy.device == CUDA0
     torch.cuda.synchronize()  # before another stream reads what the side stream wrote
@@ -254,68 +333,111 @@ def test_jpegs_decoded_on_the_gpu_are_the_cpus(fake_cuda, tmp_path):
         assert image.device == CUDA0 and torch.equal(image.cpu(), expected)
 
 
-def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cuda, tmp_path):
+def test_torchvisions_decoder_without_the_wait_is_caught(fake_cuda, tmp_path, monkeypatch):
+    """The stand-in's rule for torchvision's nvJPEG, which writes from a stream of its own: a decode with work queued
+    on the current stream is refused (TorchCodec's, on the current stream, needs no wait)."""
+    from bayesncl_pyro.data import decode
+
+    fake_cuda.use_decoders("torchvision")
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JPEG_DECODERS[0]._replace(own_stream=False)])
+    encoded = EncodedImages(load_dataset("imagefolder", photo_tree(tmp_path)).train)
+    torch.ones(8, device="cuda") * 3
+    with pytest.raises(Race, match="work queued on .* that the host has not waited for"):
+        encoded.decode(EncodedBatch([encoded[0]]), CUDA0)
+
+
+@pytest.mark.parametrize("decoder", ["TorchCodec", "torchvision"])
+def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cuda, tmp_path, decoder):
+    fake_cuda.use_decoders(decoder)
     root = photo_tree(tmp_path)
     bad = _truncate(root / "train" / "a" / "3.jpg")
     spec = load_dataset("imagefolder", root)
     index = {path: i for i, (path, _) in enumerate(spec.train.samples)}
     encoded = EncodedImages(spec.train)
     with pytest.raises(UserError, match=str(bad)):
-        encoded.decode([encoded[0], encoded[index[bad]]], CUDA0)
+        encoded.decode(EncodedBatch([encoded[0], encoded[index[bad]]]), CUDA0)
     skipping = load_dataset("imagefolder", root, skip_bad=True).train
     encoded = EncodedImages(skipping)
-    images = encoded.decode([encoded[0], encoded[index[bad]], encoded[1]], CUDA0)
+    images = encoded.decode(EncodedBatch([encoded[0], encoded[index[bad]], encoded[1]]), CUDA0)
     assert [image.device for image in images] == [CUDA0] * 3
     assert skipping.bad_files == [str(bad)]
 
 
 def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fake_cuda, tmp_path, monkeypatch, capsys):
-    """Any RuntimeError fell back to decoding image by image, then to PIL, silently: an out-of-memory error and a
-    torchvision without nvJPEG too."""
+    """Any RuntimeError fell back to decoding image by image, then to PIL, silently: an out-of-memory error, nvJPEG's
+    own allocation failures (a status code) and a decoder without nvJPEG too."""
     from bayesncl_pyro.data import decode
 
     root = photo_tree(tmp_path)
     bad = _truncate(root / "train" / "a" / "3.jpg")
     spec = load_dataset("imagefolder", root, skip_bad=True)
     encoded = EncodedImages(spec.train)
-    batch = [encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]]
+    batch = EncodedBatch([encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]])
     for _ in range(2):
         assert [image.device for image in encoded.decode(batch, CUDA0)] == [CUDA0] * 3
     err = capsys.readouterr().err
     assert err.count("warning: nvJPEG failed on a batch of 3 JPEGs") == 1 and "the 1 that failed alone too" in err
 
     calls = []
+    good = EncodedBatch([encoded[0], encoded[1]])
     for error, raised, match in (
             (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), torch.OutOfMemoryError, "memory"),
             (RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"),
              RuntimeError, "out of memory"),  # torchvision's wrapping of an out-of-memory error inside its decoder
+            (RuntimeError("Error while decoding JPEG images: Failed to decode batch: 5"), torch.OutOfMemoryError,
+             r"nvJPEG could not allocate memory on cuda:0 to decode 2 JPEGs \(Error while decoding JPEG images: Failed "
+             r"to decode batch: 5: an allocation failure\); lower --batch-size"),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
+            (RuntimeError("nvjpegDecode failed: 5"), torch.OutOfMemoryError, "nvJPEG could not allocate"),  # TorchCodec's
+            (RuntimeError("Failed to synchronize CUDA stream: 2"), torch.OutOfMemoryError, "could not allocate"),
             (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
-             r"cannot decode JPEGs on cuda:0 \(it was built without nvJPEG\); install a CUDA build of torchvision"),
+             r"torchvision 9.9 cannot decode JPEGs on cuda:0: decode_jpegs_cuda: torchvision not compiled with nvJPEG "
+             r"support; install a TorchCodec \(or torchvision\) build made for torch .* or pass --augment workers"),
             (RuntimeError("Couldn't load the image extension. If you built torchvision from source, ..."), UserError,
-             r"cannot load its image extension, so it decodes no JPEG; install the torchvision build made for torch")):
-        def failing(*args, error=error, **kwargs):
+             "torchvision 9.9 cannot decode JPEGs on cuda:0: Couldn't load the image extension")):
+        def failing(jpegs, device, error=error):
             calls.append(1)
             raise error
 
-        monkeypatch.setattr(decode, "decode_jpeg", failing)
+        monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("torchvision 9.9", failing, True)])
+        monkeypatch.setattr(decode, "_CANNOT", {})
         calls.clear()
         with pytest.raises(raised, match=match):
-            encoded.decode(batch[::2], CUDA0)
+            encoded.decode(good, CUDA0)
         assert len(calls) == 1  # no image-by-image retry
 
+    # a decoder that cannot decode on this GPU gives way to the next, once, and the user hears of it
+    fake_cuda.use_decoders("torchvision")
+    monkeypatch.setattr(decode, "_CANNOT", {})
+    error = RuntimeError("Failed to initialize nvjpeg with hardware backend: 7")
+    calls.clear()
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [
+        decode.JpegDecoder("TorchCodec 9.9", lambda jpegs, device: calls.append(1) or (_ for _ in ()).throw(error), False),
+        *decode.JPEG_DECODERS])
+    for _ in range(2):
+        assert [image.device for image in encoded.decode(good, CUDA0)] == [CUDA0] * 2
+    assert len(calls) == 1
+    assert capsys.readouterr().err.count("note: TorchCodec 9.9 cannot decode JPEGs on cuda:0 (Failed to initialize "
+                                         "nvjpeg with hardware backend: 7); torchvision (fake) decodes them instead") == 1
 
-def test_under_cudamallocasync_the_workers_decode(fake_cuda, tmp_path, capsys):
+
+@pytest.mark.parametrize("decoders", [("TorchCodec", "torchvision"), ("torchvision",)])
+def test_under_cudamallocasync_torchvisions_decoder_is_not_used(fake_cuda, tmp_path, capsys, decoders):
+    """torchvision's nvJPEG writes from its own stream, which cudaMallocAsync's cross-stream reuse does not order;
+    TorchCodec's decodes on the current stream, which it does."""
     fake_cuda.backend = "cudaMallocAsync"
+    fake_cuda.use_decoders(*decoders)
     photo_tree(tmp_path / "data")
     cfg = Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=16, proj_hidden=16,
                  proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=0, log_every=1, device="cuda",
                  augment="auto", out=str(tmp_path / "run"))
     trainer = Trainer(cfg, progress=False)
-    assert "cudaMallocAsync" in capsys.readouterr().err
     assert isinstance(trainer.views, pipeline.FileViews)
-    assert all(trainer.views.encoded[i][0].ndim == 3 for i in range(len(trainer.views.encoded)))
     trainer.train(2)
-    assert fake_cuda.decodes == 0
+    workers_decode = decoders == ("torchvision",)
+    assert ("cudaMallocAsync" in capsys.readouterr().err) is workers_decode
+    assert all((trainer.views.encoded[i][0].ndim == 3) is workers_decode or trainer.views.encoded[i][0].ndim == 3
+               for i in range(len(trainer.views.encoded)))
+    assert (fake_cuda.decodes == 0) is workers_decode
 
 
 # ------------------------------------------------------------------------------------- the training set on the GPU

@@ -1,5 +1,7 @@
 """The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
 
+import subprocess
+import sys
 from functools import partial
 
 import numpy as np
@@ -13,7 +15,7 @@ from bayesncl_pyro.data import device_views as D
 from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
-from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.data.pipeline import FileViews, ResidentViews
 from bayesncl_pyro.training import EpochSampler, Trainer
@@ -141,7 +143,7 @@ def test_encoded_items_decode_to_the_images_pil_reads(tmp_path):
     names = [path.name for path, _ in spec.train.samples]
     # colour JPEGs travel as bytes; the others were decoded by the worker
     assert [data.ndim for data, _ in batch] == [3 if n in ("png.png", "gray.jpg", "cmyk.jpg") else 1 for n in names]
-    images = encoded.decode(batch, torch.device("cpu"))
+    images = encoded.decode(EncodedBatch(batch), torch.device("cpu"))
     for (pil, _), image in zip(spec.train, images, strict=True):
         assert image.dtype == torch.uint8 and image.shape == (3, pil.height, pil.width)
         assert (image.int() - TF.pil_to_tensor(pil).int()).abs().max() <= 1
@@ -149,10 +151,87 @@ def test_encoded_items_decode_to_the_images_pil_reads(tmp_path):
     assert [EncodedImages(subset)[i][1] for i in range(4)] == subset.indices
 
 
+def test_a_rotated_jpeg_is_decoded_by_the_worker_as_pil_reads_it(tmp_path):
+    """TorchCodec applies a JPEG's EXIF rotation, PIL (the worker path) does not: such a file is decoded by the worker."""
+    from bayesncl_pyro.data import decode
+
+    photo_tree(tmp_path)
+    path = write_photo(tmp_path / "train" / "a" / "rotated.jpg", size=(50, 30))
+    with Image.open(path) as image:
+        exif = image.getexif()
+        exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+        image.save(path, exif=exif, quality=90)
+    spec = load_dataset("imagefolder", tmp_path)
+    encoded = EncodedImages(spec.train)
+    k = [p.name for p, _ in spec.train.samples].index("rotated.jpg")
+    assert encoded[k][0].shape == (3, 30, 50)  # decoded by the worker, unrotated
+    (image,) = encoded.decode(EncodedBatch([encoded[k]]), torch.device("cpu"))
+    assert torch.equal(image, TF.pil_to_tensor(spec.train[k][0]))
+    codec = [d for d in decode.JPEG_DECODERS if d.name.startswith("TorchCodec")]
+    if codec:  # what sending its bytes would have given
+        assert codec[0].decode([torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)],
+                               torch.device("cpu"))[0].shape == (3, 50, 30)
+
+
+def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, monkeypatch, capsys):
+    """torchvision 0.29 deprecates its decoder, to be removed: TorchCodec's is preferred, torchvision's is used without
+    it, and with neither the loader workers decode the JPEGs (PIL), as on the worker path."""
+    import torchvision.io
+
+    from bayesncl_pyro.data import decode
+
+    assert [d.name.split()[0] for d in decode._installed_decoders()] == ["TorchCodec", "torchvision"]
+    monkeypatch.setitem(sys.modules, "torchcodec", None)  # not installed
+    assert [d.name.split()[0] for d in decode._installed_decoders()] == ["torchvision"]
+    monkeypatch.delattr(torchvision.io, "decode_jpeg")  # removed
+    monkeypatch.setattr(decode, "JPEG_DECODERS", decode._installed_decoders())
+    assert decode.JPEG_DECODERS == []
+    photo_tree(tmp_path / "data")
+    cfg = Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=16, proj_hidden=16,
+                 proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=0, device="cpu", augment="device",
+                 out=str(tmp_path / "run"))
+    trainer = Trainer(cfg, progress=False)
+    assert "note: no JPEG decoder is installed" in capsys.readouterr().err
+    assert all(trainer.views.encoded[i][0].ndim == 3 for i in range(len(trainer.views.encoded)))
+    trainer.train(2)
+
+
+def test_the_file_loader_sends_a_batch_over_one_file_descriptor_under_a_low_open_file_limit(tmp_path):
+    """Each image travelled from a loader worker as a shared-memory tensor of its own, each over a file descriptor
+    held until the batch was received: at batch 256, 4 workers and the common limit of 1024 the training process died
+    (``received 0 items of ancdata``, or ``Too many open files``). Here a limit of 128 and 4 workers: 512 images in
+    flight."""
+    for i in range(300):
+        write_photo(tmp_path / "data" / ("val" if i < 4 else "train") / f"c{i % 2}" / f"{i}.jpg", size=(8 + i % 5, 8),
+                    seed=i)
+    script = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.pipeline import FileViews
+from bayesncl_pyro.training import EpochSampler, Trainer
+cfg = Config(dataset="imagefolder", data_dir={str(tmp_path / "data")!r}, encoder="cnn", image_size=8, proj_hidden=16,
+             proj_dim=8, batch_size=64, epochs=1, warmup_epochs=0, workers=4, device="cpu", augment="device",
+             out={str(tmp_path / "run")!r})
+trainer = Trainer(cfg, progress=False)
+assert isinstance(trainer.views, FileViews)
+sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    print(sum(len(trainer.views.encoded.decode(batch, trainer.device)) for batch in trainer._loader(sampler)))
+"""
+    try:  # a worker whose batch cannot be sent loses it, and the loader waits for it for ever
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the loader hung: {(err.stderr or b'')[-2000:].decode(errors='replace')}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["256", "256"]
+
+
 def test_simclr_views_shapes_range_and_seeding(tmp_path):
     spec = load_dataset("imagefolder", photo_tree(tmp_path))
     encoded = EncodedImages(spec.train)
-    images = encoded.decode([encoded[i] for i in range(len(encoded))], torch.device("cpu"))
+    images = encoded.decode(EncodedBatch([encoded[i] for i in range(len(encoded))]), torch.device("cpu"))
     n = len(images)
 
     def views(seed):
@@ -183,7 +262,7 @@ def test_corrupt_jpeg_is_the_worker_paths_error_or_skipped_and_logged(tmp_path):
     index = {path: i for i, (path, _) in enumerate(spec.train.samples)}
     assert encoded[index[bad]][0].ndim == 1
     with pytest.raises(UserError) as decoding:
-        encoded.decode([encoded[0], encoded[index[bad]]], torch.device("cpu"))
+        encoded.decode(EncodedBatch([encoded[0], encoded[index[bad]]]), torch.device("cpu"))
     with pytest.raises(UserError) as worker:
         spec.train[index[bad]]
     assert str(decoding.value) == str(worker.value) and str(bad) in str(worker.value)
@@ -193,7 +272,8 @@ def test_corrupt_jpeg_is_the_worker_paths_error_or_skipped_and_logged(tmp_path):
     skipping = load_dataset("imagefolder", root, skip_bad=True).train
     skipping.bad_log = tmp_path / "bad_images.txt"
     encoded = EncodedImages(skipping)
-    images = encoded.decode([encoded[0], encoded[index[bad]], encoded[index[garbage]]], torch.device("cpu"))
+    images = encoded.decode(EncodedBatch([encoded[0], encoded[index[bad]], encoded[index[garbage]]]),
+                            torch.device("cpu"))
     assert len(images) == 3 and all(image.shape[0] == 3 for image in images)
     assert torch.equal(images[1], TF.pil_to_tensor(spec.train[index[bad] + 1][0]))  # the next file instead
     assert sorted(skipping.bad_files) == sorted([str(bad), str(garbage)])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from bayesncl_pyro import distributed
+from bayesncl_pyro import distributed, training
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import REQUEUE, UserError
 from bayesncl_pyro.learner import ContrastiveLearner
@@ -77,23 +77,51 @@ def _local_rows(x, rank):
     return torch.cat([x[mine], x[B + mine]])
 
 
+class _Graphs:
+    """A torch.compile backend that runs each graph it is given as it is, and counts them."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, graph, example_inputs):
+        self.count += 1
+        return graph.forward
+
+
+BUCKET_MB = 1  # DDP's gradient buckets (DDPOptimizer starts with one of 1 MB): the 1.6 MB learner in two
+
+
 def _ddp_step(rank, out):
     distributed.setup(torch.device("cpu"))
     pyro.enable_validation(False)  # the fast ELBO path, as in training
-    learner, x = _learner_and_batch()
-    net = DistributedDataParallel(learner)  # the head gathers every rank's rows by itself  # kept alive until backward: its hooks average the gradients
-    loss, _ = net(_local_rows(x, rank))
-    loss.backward()
-    torch.save(dict(loss=loss.detach(), grads={n: p.grad for n, p in learner.named_parameters()}),
-               os.path.join(out, f"rank{rank}.pt"))
+    results = {}
+    for compiled in (False, True):
+        learner, x = _learner_and_batch()
+        # the head gathers every rank's rows by itself; net is kept alive until backward: its hooks average the gradients
+        net = DistributedDataParallel(learner, bucket_cap_mb=BUCKET_MB)
+        graphs = _Graphs()
+        if compiled:  # as the Trainer does with --compile: after the wrap
+            learner.backbone.compile(backend=graphs)
+        loss, _ = net(_local_rows(x, rank))
+        loss.backward()
+        results[compiled] = dict(loss=loss.detach(), grads={n: p.grad for n, p in learner.named_parameters()},
+                                 graphs=graphs.count)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
-def test_ddp_step_equals_the_single_process_step_on_the_global_batch(two_processes):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_step_equals_the_single_process_step_on_the_global_batch(two_processes, compiled):
+    """Also with the backbone compiled after the DDP wrap (--compile): dynamo then splits its graph at DDP's gradient
+    buckets (DDPOptimizer), so each bucket's all-reduce can start while the rest of the backward runs; a single
+    process compiles it in one graph."""
     learner, x = _learner_and_batch()
+    graphs = _Graphs()
+    if compiled:
+        learner.backbone.compile(backend=graphs)
     with pyro.validation_enabled(False):
         loss, _ = learner(x)
     loss.backward()
-    ranks = [torch.load(two_processes / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(two_processes / f"rank{r}.pt")[compiled] for r in range(WORLD)]
     # each rank's loss is the mean over its rows; their mean is the mean over all rows
     torch.testing.assert_close(sum(r["loss"] for r in ranks) / WORLD, loss.detach())
     assert not torch.allclose(ranks[0]["loss"], ranks[1]["loss"])
@@ -101,6 +129,7 @@ def test_ddp_step_equals_the_single_process_step_on_the_global_batch(two_process
         assert p.grad is not None and p.grad.abs().sum() > 0, name
         for r in ranks:  # DDP has averaged the gradients: every rank holds the global one
             torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
+    assert graphs.count == int(compiled) and all(r["graphs"] > 1 if compiled else r["graphs"] == 0 for r in ranks)
 
 
 def test_sampler_shards_are_slices_of_the_single_process_batches():
@@ -248,6 +277,21 @@ def test_torchrun_restarts_sharing_the_rendezvous_store_are_refused(monkeypatch)
     with pytest.raises(UserError, match="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"):
         distributed.setup(torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+def test_processes_that_disagree_on_the_rows_they_gather_are_refused_at_start(tmp_path, monkeypatch):
+    """NCCL does not check that every rank gathers as many rows: ranks started with another --batch-size (or other
+    data, another --max-steps) hung or mixed rows up; one gather of the settings at start-up refuses them."""
+    monkeypatch.setattr(distributed, "setup", lambda device: (0, 2, device))
+    monkeypatch.setattr(distributed, "all_gather_objects",
+                        lambda settings: [settings, {**settings, "batch_size": 64, "training_images": 999}])
+    with pytest.raises(UserError, match=r"^the processes disagree on batch_size \(rank 0: 32, rank 1: 64\); "
+                       r"training_images \(rank 0: \d+, rank 1: 999\); start every process with the same command and "
+                       "the same data$"):
+        Trainer(replace(RUN, out=str(tmp_path / "run")), progress=False)
+    monkeypatch.setattr(distributed, "all_gather_objects", lambda settings: [settings, dict(settings)])
+    monkeypatch.setattr(training, "DistributedDataParallel", lambda module, device_ids: module)  # no process group
+    assert Trainer(replace(RUN, out=str(tmp_path / "run")), progress=False).world == 2  # agreeing ranks go on
 
 
 def test_a_global_batch_that_does_not_split_over_the_processes_is_refused(tmp_path, monkeypatch):

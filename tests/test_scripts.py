@@ -26,6 +26,7 @@ def tiny_run(tmp, *args: str) -> str:
 
 SCRIPTS = {
     "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
+    "bench_decode.py": lambda tmp: ["--batch", "4", "--repeats", "1", "--size", "32"],
     "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
                                   "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
                                   "--workers", "0"],
@@ -172,12 +173,32 @@ def test_inspect_gates_draws_every_figure_and_compares_with_a_baseline(tmp_path)
     assert proc.returncode == 2 and "no checkpoint.pt" in proc.stderr
 
 
-def _gpu_check(tmp_path, out, *wheels) -> subprocess.CompletedProcess:
+def _gpu_check(tmp_path, out, *wheels, python=sys.executable) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run(["bash", str(EXPERIMENTS / "gpu_check.sh"), sys.executable, str(out), *map(str, wheels)],
+    return subprocess.run(["bash", str(EXPERIMENTS / "gpu_check.sh"), str(python), str(out), *map(str, wheels)],
                           cwd=EXPERIMENTS.parent, env={**os.environ, "GPU_CHECK_SMOKE": "1"}, capture_output=True,
                           text=True, timeout=900)
+
+
+def test_gpu_check_fails_at_once_on_a_package_the_later_sections_import(tmp_path):
+    """A wheel folder without opt_einsum (which pyro imports): section 0 imported neither pyro nor the training module,
+    and every later section failed, minutes later."""
+    python = tmp_path / "python"  # this Python, as if opt_einsum were not installed
+    python.write_text(f"""#!{sys.executable}
+import runpy, sys
+sys.modules["opt_einsum"] = None
+if sys.argv[1] == "-":
+    sys.argv = sys.argv[1:]
+    exec(compile(sys.stdin.read(), "<stdin>", "exec"), {{"__name__": "__main__"}})
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+    python.chmod(0o755)
+    proc = _gpu_check(tmp_path, tmp_path / "out", python=python)
+    log = (tmp_path / "out" / "gpu_check.txt").read_text()
+    assert proc.returncode == 1 and "import of opt_einsum halted" in log and "== 1." not in log
 
 
 def test_gpu_check_writes_outside_the_repository(tmp_path):
@@ -195,6 +216,7 @@ def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
     assert all(f"\n== {n}. " in log for n in range(6))  # 6 needs two GPUs
     imported_from = log.split("bayesncl_pyro from ", 1)[1].split(";")[0]
     assert not imported_from.startswith(str(EXPERIMENTS.parent))  # the copy installed into the temporary folder
+    assert "decodes a 16x16 JPEG on cpu to (3, 16, 16) on cpu: ok" in log and ", ulimit -n " in log
     assert "section 3 drew the device views from files decoded per batch: ok" in log
     assert "section 4 held the training set on the device: ok" in log
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.txt", "section3.txt", "section4.txt"]

@@ -126,19 +126,19 @@ def test_lars_trust_ratio_and_excluded_biases():
 
 
 def _lars_step_one_parameter_at_a_time(params, groups, state):
-    """LARS's step as it was written before its foreach form: the formula, parameter by parameter."""
+    """solo-learn's LARS step (exclude_bias_n_norm, no dampening, no Nesterov), parameter by parameter: the trust ratio
+    and the weight decay only where both norms are positive, else the plain gradient."""
     for group in groups:
         wd, lr = group["weight_decay"], group["lr"]
         for p in group["params"]:
             if p.grad is None:
                 continue
             d_p = p.grad
-            if p.ndim > 1:
-                p_norm, g_norm = p.norm(), d_p.norm()
+            p_norm, g_norm = p.norm(), d_p.norm()
+            if p.ndim > 1 and p_norm != 0 and g_norm != 0:
                 trust = group["eta"] * p_norm / (g_norm + wd * p_norm + group["eps"])
                 if group["clip_lr"]:
-                    trust = (trust / lr).clamp(max=1.0)
-                trust = torch.where((p_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust))
+                    trust = min(trust / lr, 1)
                 d_p = d_p.add(p, alpha=wd) * trust
             if p not in state:
                 state[p] = d_p.clone()
@@ -152,7 +152,7 @@ def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr):
     torch.manual_seed(0)
     shapes = [(8, 4, 3, 3), (8,), (8,), (16, 8), (16,), (5, 16), (3, 3)]
     made = [torch.randn(s) for s in shapes]
-    made[-1].zero_()  # a zero weight: trust 1
+    made[-1].zero_()  # a zero weight: the plain gradient
     ours, theirs = [[torch.nn.Parameter(t.clone()) for t in made] for _ in range(2)]
 
     def groups(params):  # a decayed group with a large lr (clipping bites), and one without decay
@@ -163,7 +163,7 @@ def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr):
     buffers = {}
     for step in range(3):
         grads = [torch.randn(s) for s in shapes]
-        grads[3].zero_()  # a zero gradient: trust 1
+        grads[3].zero_()  # a zero gradient of a decayed weight: no step, no decay
         grads[5] *= 1e-3  # trust / lr > 1: clip_lr caps it
         for k, (a, b) in enumerate(zip(ours, theirs)):
             a.grad = b.grad = None if k == 2 and step == 1 else grads[k].clone()  # a step without a gradient

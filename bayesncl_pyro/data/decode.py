@@ -1,21 +1,51 @@
-"""Image files as the training device decodes them (``--augment device``): DataLoader workers read a batch's bytes,
-the training process decodes the batch together on its device (nvJPEG on CUDA)."""
+"""Image files as the training device decodes them (``--augment device``): DataLoader workers read a batch's files
+into one tensor (``EncodedBatch``), the training process decodes its JPEGs together on its device (nvJPEG on CUDA)
+with TorchCodec's decoder, or torchvision's where TorchCodec is not installed (``JPEG_DECODERS``)."""
 
 from __future__ import annotations
 
 import io
+import math
+import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torchvision
 from PIL import Image
 from torch.utils.data import Dataset, Subset
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.images import image_files, open_rgb
 from bayesncl_pyro.errors import UserError
+
+
+class EncodedBatch:
+    """A batch of ``EncodedImages`` items in one uint8 tensor, as a DataLoader worker sends it (``collate_fn``):
+    ``data`` holds each item's data (a JPEG's bytes, or the image the worker decoded) one after another, ``shapes``
+    their shapes, ``files`` the index of each item's file. Iterating gives the items back, as views of ``data``.
+
+    A worker sends each tensor of a batch as a shared-memory file of its own, over a file descriptor of its own that
+    stays open until the training process has taken the batch. The items' own tensors took one descriptor per image,
+    a batch of 256 images 256, and with a few batches in flight from each of several workers the usual limit of 1024
+    open files was reached (``RuntimeError: received 0 items of ancdata``); one tensor per batch takes one."""
+
+    def __init__(self, items: list[tuple[torch.Tensor, int]]):
+        self.shapes = [tuple(data.shape) for data, _ in items]
+        self.files = [j for _, j in items]
+        self.data = torch.cat([data.reshape(-1) for data, _ in items]) if items else torch.zeros(0, dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        start = 0
+        for shape, j in zip(self.shapes, self.files, strict=True):
+            end = start + math.prod(shape)
+            yield self.data[start:end].view(shape), j
+            start = end
 
 
 class EncodedImages(Dataset):
@@ -24,13 +54,14 @@ class EncodedImages(Dataset):
 
     DataLoader workers only read: item i is ``(data, j)``, ``j`` the index in ``files`` of the file read (i's,
     or the next readable one when ``skip_bad`` skips it) and ``data`` the file's bytes (1-D uint8) when it is
-    a colour JPEG; any other image (PNG, grayscale or CMYK JPEG: rare in photo datasets, and decoded
-    differently by nvjpeg) is decoded by the worker as on the worker path, uint8 ``3 x H x W``. The training
-    process turns a batch into images with ``decode``. Indices past the length wrap (``EpochSampler``).
+    a colour JPEG without an EXIF rotation; any other image (PNG, grayscale or CMYK JPEG, a rotated JPEG: rare in
+    photo datasets, and decoded differently by the JPEG decoders) is decoded by the worker as on the worker path,
+    uint8 ``3 x H x W``. A batch travels as one ``EncodedBatch`` (pass it as ``collate_fn``); the training process
+    turns it into images with ``decode``. Indices past the length wrap (``EpochSampler``).
     """
 
     def __init__(self, dataset: Dataset, jpegs_as_bytes: bool = True):
-        """``jpegs_as_bytes`` False: the workers decode every image (``nvjpeg_is_safe`` says when to)."""
+        """``jpegs_as_bytes`` False: the workers decode every image (where ``no_jpeg_decoder`` says why)."""
         self.files = image_files(dataset)
         self.indices = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
         self.read = _read_encoded if jpegs_as_bytes else _read_decoded
@@ -43,15 +74,16 @@ class EncodedImages(Dataset):
         data, _, j = self.files.read(self.indices[i % len(self)], self.read)
         return data, j
 
-    def decode(self, batch: list[tuple[torch.Tensor, int]], device: torch.device) -> list[torch.Tensor]:
-        """Items -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvjpeg on
+    def decode(self, batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:
+        """A batch -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvJPEG on
         CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
         path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
         it, or with ``skip_bad`` is skipped and logged alike."""
+        items = list(batch)
         # a blocking copy: it waits for the current stream only, which on CUDA is the input pipeline's own
-        images = [data.to(device) if data.ndim == 3 else None for data, _ in batch]
+        images = [data.to(device) if data.ndim == 3 else None for data, _ in items]
         jpegs = [k for k, image in enumerate(images) if image is None]
-        decoded, failure = _decode_jpegs([batch[k][0] for k in jpegs], device)
+        decoded, failure = _decode_jpegs([items[k][0] for k in jpegs], device)
         if failure is not None and device.type == "cuda" and not self.warned:
             self.warned = True
             failed = sum(image is None for image in decoded)
@@ -61,17 +93,21 @@ class EncodedImages(Dataset):
                   "Said once", file=sys.stderr, flush=True)
         for k, image in zip(jpegs, decoded, strict=True):
             if image is None:
-                image = self.files.read(batch[k][1], _read_decoded)[0].to(device)
+                image = self.files.read(items[k][1], _read_decoded)[0].to(device)
             images[k] = image
         return images
 
 
+_ORIENTATION = 0x0112  # the EXIF tag of the rotation a viewer applies; PIL, like the worker path, ignores it
+
+
 def _read_encoded(path: Path) -> torch.Tensor:
-    """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG, else the image."""
+    """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG without an EXIF rotation (TorchCodec
+    applies one, where the worker path does not), else the image."""
     try:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            if image.format == "JPEG" and image.mode == "RGB":
+            if image.format == "JPEG" and image.mode == "RGB" and image.getexif().get(_ORIENTATION, 1) == 1:
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8)
     except (OSError, ValueError, Image.DecompressionBombError):
         pass  # open_rgb raises the error that names the file
@@ -82,38 +118,76 @@ def _read_decoded(path: Path) -> torch.Tensor:
     return pil_to_tensor(open_rgb(path))
 
 
-ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF "
+class JpegDecoder(NamedTuple):
+    """A library's JPEG decoder: ``decode(jpegs, device)``, a list of 1-D uint8 CPU tensors -> their RGB images, uint8
+    ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches)."""
+
+    name: str  # the library and its version
+    decode: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+    # on CUDA it writes the images from a stream of its own, not the calling thread's current stream (_decode)
+    own_stream: bool
+
+
+def _installed_decoders() -> list[JpegDecoder]:
+    """The JPEG decoders installed, preferred first: TorchCodec's (from 0.16), to which torchvision's moved, then
+    torchvision's (deprecated by torchvision 0.29, to be removed)."""
+    found = []
+    try:
+        import torchcodec
+        from torchcodec.decoders import decode_jpeg as codec_decode
+    except (ImportError, OSError, RuntimeError):  # missing, older than 0.16, or its libraries do not load here
+        pass
+    else:
+        # nvJPEG decodes on the current stream (the outputs' own) and the host waits for that stream before it returns
+        found.append(JpegDecoder(f"TorchCodec {torchcodec.__version__}",
+                                 lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), False))
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg as vision_decode
+    except ImportError:
+        pass
+    else:
+        found.append(JpegDecoder(f"torchvision {torchvision.__version__}",
+                                 lambda jpegs, device: vision_decode(jpegs, mode=ImageReadMode.RGB, device=device), True))
+    return found
+
+
+JPEG_DECODERS = _installed_decoders()
+_CANNOT = {}  # (device, decoder name) -> why that decoder cannot decode on that device (_decode)
+
+_ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF "
                         "backend:cudaMallocAsync), under which memory that other CUDA streams still use can be handed "
-                        "to nvJPEG's outputs")
+                        "to the outputs of torchvision's nvJPEG decoder")
 
 
-def nvjpeg_is_safe(device: torch.device) -> bool:
-    """Whether the training process may decode JPEGs on ``device`` (``_decode_jpegs``): not on CUDA under the
-    cudaMallocAsync backend, whose pool may give the decoding stream a block that another stream frees, with a
-    dependency on that stream inserted into the decoding stream only, which nvJPEG's own stream does not follow."""
-    return device.type != "cuda" or torch.cuda.get_allocator_backend() == "native"
+def jpeg_decoders(device: torch.device) -> list[JpegDecoder]:
+    """The decoders that may decode JPEGs on ``device``, preferred first: those installed, less any found unable to
+    there (``_decode``), and on CUDA under the cudaMallocAsync backend less those that write from a stream of their
+    own: that backend's pool may give the decoding stream a block that another stream frees, with a dependency on
+    that stream inserted into the decoding stream only, which the decoder's own stream does not follow."""
+    async_pool = device.type == "cuda" and torch.cuda.get_allocator_backend() != "native"
+    return [d for d in JPEG_DECODERS if (device, d.name) not in _CANNOT and not (async_pool and d.own_stream)]
+
+
+def no_jpeg_decoder(device: torch.device) -> str | None:
+    """Why no JPEG can be decoded in the training process on ``device`` (the loader workers decode them then), or
+    None when one can."""
+    if jpeg_decoders(device):
+        return None
+    if not JPEG_DECODERS:
+        return "no JPEG decoder is installed (TorchCodec, or torchvision before it removes its own)"
+    return "; ".join(f"{d.name} cannot decode JPEGs on {device}: {_CANNOT[device, d.name]}"
+                     if (device, d.name) in _CANNOT else f"{d.name}: {_ASYNC_ALLOCATOR_NOTE}" for d in JPEG_DECODERS)
 
 
 def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor | None], str | None]:
-    """(``decode_jpeg`` of a list on ``device``, None); if that fails, (the JPEGs decoded one by one, with None for each
-    that fails, the batch's error). Running out of memory, or a torchvision that cannot decode on ``device``, raises
-    instead: neither is a bad file, and the fallback would hide them.
+    """(the JPEGs decoded together on ``device``, None); if that fails, (the JPEGs decoded one by one, with None for
+    each that fails, the batch's error). Running out of memory, and a decoder that cannot decode on ``device`` when
+    no other can, raise instead: neither is a bad file, and the fallback would hide them.
 
-    On CUDA each decode first waits until the current stream has run all its queued work. torchvision allocates the
-    decoded images on the current stream of ``device`` (it switches to ``device`` itself, whatever the calling thread's
-    current device), and nvJPEG's hardware decoder writes them from its own stream without waiting for that one; the
-    caching allocator hands out a block as soon as it is freed on the stream that owns it, so without the wait nvJPEG
-    can overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels). Only blocks of the
-    current stream are at risk under the native allocator (other streams' blocks are not handed to it, and a block used
-    on another stream via ``record_stream`` comes back only after that use has run), so the wait is on this stream
-    alone: the input pipeline's, in its own thread, never the training step's (``pipeline.py``). decode_jpeg waits for
-    its own stream before returning anyway, so this moves a wait, and adds none. Under cudaMallocAsync the reasoning
-    fails (``nvjpeg_is_safe``): the trainer has the loader workers decode instead.
-
-    A decode that fails part-way may leave nvJPEG's stream writing into outputs torchvision has already freed onto
-    the current stream, so after a failure the whole device is waited for, the decoder's stream included, before
-    anything is allocated there: a batch that fails costs a wait for the GPU per JPEG and one more per failing one
-    (rare for corrupt files; ``EncodedImages.decode`` says once when it happens)."""
+    A decode that fails part-way may leave nvJPEG writing into outputs the decoder has already freed (torchvision's,
+    from its own stream), so after a failure the whole device is waited for before anything is allocated there: a
+    batch that fails costs a wait for the GPU per JPEG and one more per failing one (rare for corrupt files;
+    ``EncodedImages.decode`` says once when it happens)."""
     if not encoded:
         return [], None
     try:
@@ -130,26 +204,56 @@ def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> tuple[li
 
 
 class _Undecodable(Exception):
-    """``decode_jpeg`` failed on the data: the failures ``_decode_jpegs`` falls back from."""
+    """The decoder failed on the data: the failures ``_decode_jpegs`` falls back from."""
+
+
+# decoders that cannot work on the device at all, whatever the file: a build without nvJPEG, or nvJPEG that does not
+# start (TorchCodec's nvJPEG is CUDA 13's, which a driver too old for it refuses); torchvision's image extension
+_CANNOT_DECODE_HERE = re.compile(r"not compiled with nvJPEG|Failed to initialize nvjpeg|Couldn't load the image "
+                                 "extension", re.IGNORECASE)
+# nvJPEG's own allocation failures carry a status code, not "out of memory": NVJPEG_STATUS_ALLOCATOR_FAILURE (5) after
+# an nvJPEG call, cudaErrorMemoryAllocation (2) after a CUDA call (both libraries end such messages ": <code>")
+_ALLOCATION_FAILURE = re.compile(r"(?<!CUDA stream): 5$|CUDA stream: 2$", re.MULTILINE)
 
 
 def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``decode_jpeg`` of a non-empty list on ``device`` (``_decode_jpegs``); its failures are ``_Undecodable``,
-    except those the fallback must not hide."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    try:
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError as err:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # before anything allocates where the decoder may still write
-        # torchvision turns an out-of-memory error inside the decoder into a RuntimeError saying so
-        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err):
-            raise
-        if "not compiled with nvJPEG" in str(err):
-            raise UserError(f"this torchvision ({torchvision.__version__}) cannot decode JPEGs on {device} (it was "
-                            "built without nvJPEG); install a CUDA build of torchvision, or pass --augment workers") from None
-        if "Couldn't load the image extension" in str(err):  # every file would fail: no file is to blame
-            raise UserError(f"this torchvision ({torchvision.__version__}) cannot load its image extension, so it "
-                            f"decodes no JPEG; install the torchvision build made for torch {torch.__version__}") from None
-        raise _Undecodable(str(err)) from None
+    """``encoded`` (a non-empty list) decoded on ``device`` by the first of ``jpeg_decoders(device)`` that can decode
+    there (``_decode_jpegs``); its failures on the data are ``_Undecodable``.
+
+    On CUDA torchvision's decoder allocates the images on the current stream of ``device`` (it switches to ``device``
+    itself, whatever the calling thread's current device) and nvJPEG writes them from torchvision's own stream without
+    waiting for the current one; the caching allocator hands out a block as soon as it is freed on the stream that
+    owns it, so nvJPEG could overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels).
+    So the host first waits until the current stream has run all its queued work: in the input pipeline's thread that
+    is the pipeline's stream, and the wait holds the thread until the previous batch's view kernels have run, before
+    this batch's decoding starts (the training stream is never waited for, and a step finds its batch drawn ahead
+    while the prefetcher keeps up). Only blocks of the current stream are at risk under the native allocator (other
+    streams' blocks are not handed to it, and a block used on another stream via ``record_stream`` comes back only
+    after that use has run); under cudaMallocAsync the reasoning fails (``jpeg_decoders``). TorchCodec's decoder runs
+    nvJPEG on the current stream, after its queued work, and the host waits for that stream before it returns: no
+    wait is needed before it, and none is made."""
+    for decoder in jpeg_decoders(device):
+        if device.type == "cuda" and decoder.own_stream:
+            torch.cuda.current_stream(device).synchronize()
+        try:
+            return decoder.decode(encoded, device)
+        except RuntimeError as err:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # before anything allocates where the decoder may still write
+            message = str(err)
+            # torchvision turns an out-of-memory error inside the decoder into a RuntimeError saying so
+            if isinstance(err, torch.OutOfMemoryError) or "out of memory" in message:
+                raise
+            if _ALLOCATION_FAILURE.search(message):
+                raise torch.OutOfMemoryError(
+                    f"{decoder.name}: nvJPEG could not allocate memory on {device} to decode {len(encoded)} JPEGs "
+                    f"({message.splitlines()[-1]}: an allocation failure); lower --batch-size, or pass --augment "
+                    "workers") from None
+            if not _CANNOT_DECODE_HERE.search(message):
+                raise _Undecodable(message) from None
+            _CANNOT[device, decoder.name] = message.splitlines()[0]
+            if jpeg_decoders(device):
+                print(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
+                      f"{jpeg_decoders(device)[0].name} decodes them instead", file=sys.stderr, flush=True)
+    raise UserError(f"{no_jpeg_decoder(device)}; install a TorchCodec (or torchvision) build made for torch "
+                    f"{torch.__version__} with nvJPEG, or pass --augment workers")

@@ -6,8 +6,8 @@ Two sources of images (``Trainer`` picks one, ``resident.resident_images`` decid
 - ``ResidentViews``: the whole training set on the device as one uint8 ``N x C x H x W`` tensor (CIFAR is
   150 MB; image folders of small equal-size images are decoded once at start-up). A batch is a row of
   indices; no DataLoader, no decoding per step, and the crops of equal-size images resize in one product.
-- ``FileViews``: DataLoader workers read the files' bytes, ``EncodedImages.decode`` decodes the batch
-  (nvJPEG on CUDA).
+- ``FileViews``: DataLoader workers read the files' bytes into one ``EncodedBatch``, ``EncodedImages.decode``
+  decodes the batch (nvJPEG on CUDA).
 
 Both draw the views with ``device_views.simclr_views`` from a generator seeded by (seed, step, rank):
 a resumed run draws the views it would have drawn, prefetched or not.
@@ -17,7 +17,7 @@ follows CUDA's stream semantics: the training stream waits for an event recorded
 last kernel (``wait_event``: on the GPU, the host does not wait), and the batch is marked as used on the
 training stream (``record_stream``) so the caching allocator does not give its memory back to the
 pipeline's stream before the step that reads it has run. The pipeline's thread may wait for its own
-stream (decoding does, ``decode._decode_jpegs``); the training thread never waits for the pipeline's.
+stream (decoding does, ``decode._decode``); the training thread never waits for the pipeline's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bayesncl_pyro.data.decode import EncodedImages
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.device_views import _to_device, simclr_views
 
 AHEAD = 2
@@ -72,13 +72,13 @@ class IndexBatches:
 
 
 class FileViews:
-    """Views of image files: ``views(items, step)``, ``items`` a batch of ``EncodedImages`` (a list)."""
+    """Views of image files: ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items."""
 
     def __init__(self, encoded: EncodedImages, image_size: int, seed: int, rank: int, device: torch.device):
         self.encoded, self.image_size, self.seed, self.rank, self.device = encoded, image_size, seed, rank, device
 
-    def __call__(self, items: list, step: int) -> torch.Tensor:
-        return simclr_views(self.encoded.decode(items, self.device), self.image_size,
+    def __call__(self, batch: EncodedBatch, step: int) -> torch.Tensor:
+        return simclr_views(self.encoded.decode(batch, self.device), self.image_size,
                             view_generator(self.seed, step, self.rank))
 
 
@@ -169,3 +169,7 @@ class _Prefetcher:
     def close(self):
         self.stop.set()
         self.thread.join()
+        if self.device.type == "cuda":
+            # batches drawn ahead and never taken read memory of the training stream's (a resident set): it waits for
+            # them (on the GPU), so that freeing or rewriting that memory later cannot overtake them
+            torch.cuda.current_stream(self.device).wait_stream(_stream(self.device))
