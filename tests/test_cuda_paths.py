@@ -389,6 +389,8 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
              r"to decode batch: 5: an allocation failure\); lower --batch-size"),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
             (RuntimeError("nvjpegDecode failed: 5"), torch.OutOfMemoryError, "nvJPEG could not allocate"),  # TorchCodec's
             (RuntimeError("Failed to synchronize CUDA stream: 2"), torch.OutOfMemoryError, "could not allocate"),
+            (RuntimeError("torch_call_dispatcher(...) API call failed at /torch/csrc/stable/ops.h, line 87"),
+             RuntimeError, r"a torch call inside the decoder failed on cuda:0 .*lower --batch-size"),  # stable ABI, < 2.13
             (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
              r"torchvision 9.9 cannot decode JPEGs on cuda:0: decode_jpegs_cuda: torchvision not compiled with nvJPEG "
              r"support; install a TorchCodec \(or torchvision\) build made for torch .* or pass --augment workers"),

@@ -214,6 +214,9 @@ _CANNOT_DECODE_HERE = re.compile(r"not compiled with nvJPEG|Failed to initialize
 # nvJPEG's own allocation failures carry a status code, not "out of memory": NVJPEG_STATUS_ALLOCATOR_FAILURE (5) after
 # an nvJPEG call, cudaErrorMemoryAllocation (2) after a CUDA call (both libraries end such messages ": <code>")
 _ALLOCATION_FAILURE = re.compile(r"(?<!CUDA stream): 5$|CUDA stream: 2$", re.MULTILINE)
+# a torch call inside a stable-ABI extension (TorchCodec) that failed: before torch 2.13 the stable ABI drops the
+# original message, so an out-of-memory error inside TorchCodec reads only so; it never means a bad file
+_TORCH_CALL_FAILED = "API call failed at"
 
 
 def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -249,6 +252,11 @@ def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Ten
                     f"{decoder.name}: nvJPEG could not allocate memory on {device} to decode {len(encoded)} JPEGs "
                     f"({message.splitlines()[-1]}: an allocation failure); lower --batch-size, or pass --augment "
                     "workers") from None
+            if _TORCH_CALL_FAILED in message:
+                raise RuntimeError(
+                    f"{decoder.name}: a torch call inside the decoder failed on {device} ({message.splitlines()[0]}); "
+                    f"under torch {torch.__version__} an out-of-memory error there reads so: lower --batch-size, or "
+                    "pass --augment workers") from err
             if not _CANNOT_DECODE_HERE.search(message):
                 raise _Undecodable(message) from None
             _CANNOT[device, decoder.name] = message.splitlines()[0]
