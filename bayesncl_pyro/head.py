@@ -175,13 +175,13 @@ class BayesNCLHead(nn.Module):
 
         return model, guide if self.gated else _no_guide, seen
 
-    def training_program(self):
-        """:meth:`program` with the gate estimator applied to the guide's gate site (``poutine.reparam``): what
-        training differentiates. For ``leg`` the ELBO of this program lacks the head's gradient, which
-        :meth:`estimator_term` adds (``GateEstimator.surrogate``)."""
+    def training_program(self, estimator=None):
+        """:meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
+        (``poutine.reparam``): what training differentiates. For ``leg`` the ELBO of this program lacks the head's
+        gradient, which :meth:`estimator_term` adds (``GateEstimator.surrogate``)."""
         model, guide, seen = self.program()
         if self.gated:
-            guide = poutine.reparam(guide, config={"g": self.estimator})
+            guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
         return model, guide, seen
 
     def elbo_terms(self, z: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -220,9 +220,7 @@ class BayesNCLHead(nn.Module):
         (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE. The rows are
         contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
-        model, guide, seen = self.program()
-        if self.gated:
-            guide = poutine.reparam(guide, config={"g": Draw(kl_clamp=0.0)})
+        model, guide, seen = self.training_program(Draw(kl_clamp=0.0))
         gather, self.model.gather = self.model.gather, None
         try:
             with own_params():

@@ -65,6 +65,13 @@ def plot_elbo(log: list[dict], estimator: type[GateEstimator] | None, kl_weight:
     return _save(fig, path)
 
 
+def _dim_ticks(ax, order):
+    """Label the columns with dimension ids when there are few enough to read."""
+    if len(order) <= 64:
+        ax.set_xticks(np.arange(len(order)), [str(k) for k in order], fontsize=6, rotation=90)
+        ax.grid(False, axis="x")
+
+
 def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
     """KL per dimension, largest first: bars labelled by dimension for up to 64 dims, else the sorted curve with
     its five largest dimensions named."""
@@ -72,8 +79,7 @@ def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
     if len(kl) <= 64:
         ax.bar(np.arange(len(kl)), kl[order], color="tab:purple")
-        ax.set_xticks(np.arange(len(kl)), [str(k) for k in order], fontsize=6, rotation=90)
-        ax.grid(False, axis="x")
+        _dim_ticks(ax, order)
         ax.set_xlabel("dimension (sorted by KL)")
     else:
         ax.plot(np.arange(1, len(kl) + 1), kl[order], color="tab:purple", lw=1.5)
@@ -130,9 +136,7 @@ def plot_class_heatmap(class_means: np.ndarray, classes: list[str], path: Path) 
             ax.axvline(x + 0.5, color="k", lw=0.8)
         fig.colorbar(im, ax=ax, label=label, fraction=0.03, pad=0.01)
     axes[1].set_xlabel("dimension, grouped by the class that includes it most (lines separate the groups)")
-    if k <= 64:
-        axes[1].set_xticks(np.arange(k), [str(d) for d in order], fontsize=6, rotation=90)
-        axes[1].grid(False, axis="x")
+    _dim_ticks(axes[1], order)
     return _save(fig, path)
 
 
