@@ -60,6 +60,7 @@ from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config, resol
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.estimators import GATES
+from bayesncl_pyro.matched import MATCHED_COLUMNS, family, plot_matched, topk_at_rate
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"
@@ -135,26 +136,35 @@ def parser() -> argparse.ArgumentParser:
                    "once per value, named <method>-lambda<value>")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
-    g.add_argument("--topk", type=int, help="k of NCL+TopK (default: proj-dim / 8)")
+    g.add_argument("--gate-density", type=float, nargs="+", help="a target share of open gates (lambda follows "
+                   "it from --kl-weight); several values run each BayesNCL method once per value, named <method>-d<D>")
+    g.add_argument("--topk", type=int, nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
+                   "NCL+TopK once per k, named ncl+topk-k<k>")
     g.add_argument("--workers", type=int, default=2)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     return p
 
 
-def method_configs(methods: list[str], priors: list[str], topk: int, kl_weights: list[float] | None = None
-                   ) -> dict[str, dict]:
+def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
+                   kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
     """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
-    ``kl_weights``, once per lambda (one lambda is a shared setting)."""
+    ``kl_weights`` or ``densities``, once per lambda and per density (one value is a shared setting); NCL+TopK once
+    per k given several."""
     made = {}
-    lambdas = kl_weights if kl_weights and len(kl_weights) > 1 else [None]
+    several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
+    topks = topk if isinstance(topk, list) else [topk]
     for m in methods:
         if m.startswith("bayesncl-"):
-            for prior, lam in itertools.product(priors, lambdas):
-                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}")
+            for prior, lam, d in itertools.product(priors, several(kl_weights), several(densities)):
+                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
+                    + ("" if d is None else f"-d{d:g}")
                 made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
-                                  **({} if lam is None else {"kl_weight": lam}))
+                                  **({} if lam is None else {"kl_weight": lam}),
+                                  **({} if d is None else {"gate_density": d}))
+        elif m == "ncl+topk" and len(topks) > 1:
+            made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
         else:
-            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topk if m == "ncl+topk" else 0)
+            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topks[0] if m == "ncl+topk" else 0)
     return made
 
 
@@ -162,9 +172,11 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     """The Config fields every method shares, and notes on what departs from the reference recipe."""
     fields = {f.name for f in dataclasses.fields(Config)}
     shared = {k: v for k, v in vars(args).items()
-              if k in fields and v is not None and k not in ("out", "topk", "kl_weight")}
-    if args.kl_weight and len(args.kl_weight) == 1:
-        shared["kl_weight"] = args.kl_weight[0]
+              if k in fields and v is not None and k not in ("out", "topk", "kl_weight", "gate_density")}
+    for key in ("kl_weight", "gate_density"):  # one value is shared; several make runs of their own
+        values = getattr(args, key, None)
+        if values and len(values) == 1:
+            shared[key] = values[0]
     notes = []
     if args.recipe == "cpu" and DATASET_DEFAULTS[args.dataset]["encoder"] != "cnn":
         shared = {**CPU_RECIPE, **shared}
@@ -342,7 +354,8 @@ def compare(args) -> dict:
     train_size = len(load_dataset(args.dataset, args.data_dir).train)
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
-    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight)
+    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight,
+                             args.gate_density)
     plan = None
     if args.budget_minutes is not None:
         plan = plan_budget(args, shared, configs, out, started)
@@ -368,12 +381,14 @@ def compare(args) -> dict:
                 results = Trainer(cfg).fit()
                 if args.record:
                     record(run_dir, args.record / run_dir.name)
-            runs.append(dict(name=name, seed=seed, folder=run_dir.name, **results,
+            runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,
                              train_time_s=train_time(run_dir, cfg.batch_size)))
             settings = settings or cfg
-    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS))
+    runs = topk_at_rate(runs)
+    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
     summary = summarise(runs, keys)
-    per_run = {"method", "gate", "prior", "topk", "seed"} | ({"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
+    per_run = {"method", "gate", "prior", "topk", "seed"} | {k for k in ("kl_weight", "gate_density")
+                                                              if len(getattr(args, k) or ()) > 1}
     settings = {k: v for k, v in settings.identity().items() if k not in per_run}
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     report = dict(dataset=args.dataset, seeds=args.seeds, protocol=protocol, notes=notes, settings=settings,
@@ -382,6 +397,7 @@ def compare(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(runs, out / "consistency_vs_probe.png")
+    plot_matched(runs, out / "matched_sparsity.png")
     md = [f"# {args.dataset}: " + " vs ".join(summary), "",
           *(f"- {n}" for n in notes),
           "- evaluation protocol " + describe_protocol(protocol, args.dataset),
@@ -398,6 +414,13 @@ def compare(args) -> dict:
         md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(args.seeds))]
+    if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
+        md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
+               "beside NCL+TopK's at the same activation rate of F (linear in the rate between the two nearest k, "
+               "each the mean over its seeds, NCL as k = K; blank outside their range), the same run's ungated "
+               "features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
+               "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
+               table(summary, MATCHED_COLUMNS, len(args.seeds))]
     paper = paper_table(args.dataset, summary, protocol)
     if paper:
         caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "

@@ -82,7 +82,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prior-prob", type=float, default=d.prior_prob,
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
-                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
+                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE; with --gate-density, its "
+                   "starting value (default: %(default)s)")
+    g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
+                   "(0, 1): lambda becomes a Lagrange multiplier, raised or lowered after every step until the share "
+                   "meets it (bayesncl_pyro/density.py; default: off, lambda fixed)")
     g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")
