@@ -137,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
     g.add_argument("--gate-density", type=float, nargs="+", help="a target share of open gates (lambda follows "
-                   "it from --kl-weight); several values run each BayesNCL method once per value, named <method>-d<D>")
+                   "it from --kl-weight); each BayesNCL method runs once per value, named <method>-d<D>")
     g.add_argument("--topk", type=int, nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
                    "NCL+TopK once per k, named ncl+topk-k<k>")
     g.add_argument("--workers", type=int, default=2)
@@ -148,14 +148,15 @@ def parser() -> argparse.ArgumentParser:
 def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
                    kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
     """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
-    ``kl_weights`` or ``densities``, once per lambda and per density (one value is a shared setting); NCL+TopK once
-    per k given several."""
+    ``kl_weights``, once per lambda (one lambda is a shared setting), and once per density in ``densities`` (named
+    <method>-d<D> even for one: a density target makes another method than a fixed lambda); NCL+TopK once per k
+    given several."""
     made = {}
     several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
     topks = topk if isinstance(topk, list) else [topk]
     for m in methods:
         if m.startswith("bayesncl-"):
-            for prior, lam, d in itertools.product(priors, several(kl_weights), several(densities)):
+            for prior, lam, d in itertools.product(priors, several(kl_weights), densities or [None]):
                 name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
                     + ("" if d is None else f"-d{d:g}")
                 made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
@@ -173,10 +174,8 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     fields = {f.name for f in dataclasses.fields(Config)}
     shared = {k: v for k, v in vars(args).items()
               if k in fields and v is not None and k not in ("out", "topk", "kl_weight", "gate_density")}
-    for key in ("kl_weight", "gate_density"):  # one value is shared; several make runs of their own
-        values = getattr(args, key, None)
-        if values and len(values) == 1:
-            shared[key] = values[0]
+    if args.kl_weight and len(args.kl_weight) == 1:
+        shared["kl_weight"] = args.kl_weight[0]
     notes = []
     if args.recipe == "cpu" and DATASET_DEFAULTS[args.dataset]["encoder"] != "cnn":
         shared = {**CPU_RECIPE, **shared}
@@ -370,7 +369,10 @@ def compare(args) -> dict:
     for name, fields in configs.items():
         for seed in args.seeds:
             run_dir = out / f"{name}-seed{seed}"
-            cfg = resolve(Config(**shared, **fields, seed=seed, out=str(run_dir)))
+            # the gates' settings are BayesNCL's alone: NCL and CL runs keep the defaults, so a comparison at another
+            # prior reuses their records
+            own = {k: v for k, v in shared.items() if fields["method"] == "bayesncl" or k not in GATE_SETTINGS}
+            cfg = resolve(Config(**own, **fields, seed=seed, out=str(run_dir)))
             recorded = args.record and recorded_run(args.record / run_dir.name, cfg)
             if recorded:
                 print(f"== {name}, seed {seed}: recorded in {args.record / run_dir.name}", flush=True)
@@ -383,12 +385,13 @@ def compare(args) -> dict:
                     record(run_dir, args.record / run_dir.name)
             runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,
                              train_time_s=train_time(run_dir, cfg.batch_size)))
-            settings = settings or cfg
+            if settings is None or (cfg.method == "bayesncl" and settings.method != "bayesncl"):
+                settings = cfg  # the gates' shared settings, where there are gates
     runs = topk_at_rate(runs)
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
     summary = summarise(runs, keys)
-    per_run = {"method", "gate", "prior", "topk", "seed"} | {k for k in ("kl_weight", "gate_density")
-                                                              if len(getattr(args, k) or ()) > 1}
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+        {"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
     settings = {k: v for k, v in settings.identity().items() if k not in per_run}
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     report = dict(dataset=args.dataset, seeds=args.seeds, protocol=protocol, notes=notes, settings=settings,
@@ -438,6 +441,7 @@ def compare(args) -> dict:
     return report
 
 
+GATE_SETTINGS = ("prior_prob", "kl_weight")  # shared flags that only BayesNCL runs read
 RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
 
 
