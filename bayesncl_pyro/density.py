@@ -21,7 +21,8 @@ constraint's side. To make the published STE run sparser than its own share (abo
 compositional benchmark), use a prior below 1/2 (``--prior-prob 0.2``). A learned rate (``--prior learned``) follows
 q, so the KL's pull has no fixed direction there; its direction is taken from the rate it starts at.
 
-Parametrisation. lambda = exp(eta), eta += DUAL_LR * s * (share - D), s = +1 for rho < 1/2 and -1 above: lambda
+Parametrisation. lambda = exp(eta + DUAL_P * e), e = s * (share - D) of the last step, eta += DUAL_LR * e, s = +1
+for rho < 1/2 and -1 above (dual ascent on eta, with a proportional term: DUAL_P says why): lambda
 stays positive (it is a temperature: ``models/bayesncl.py``), and each step changes it by at most a factor
 exp(DUAL_LR), whatever its scale; lambdas that work lie decades apart, which additive projected ascent on lambda
 would cross either too slowly at 1e-5 or too coarsely at 1e-1. It starts at ``--kl-weight``.
@@ -34,9 +35,14 @@ from torch import nn
 from bayesncl_pyro.errors import UserError
 
 DUAL_LR = 0.2
-"""Step of eta = log lambda per unit of constraint violation: at a share 0.3 away from D, lambda changes by a factor
-of 10 in about 150 steps (a compositional run has 585), fast enough to settle within a run and slow enough for the
-gating head (lr 0.1) to follow."""
+"""The integral gain: step of eta per unit of constraint violation; at a share 0.2 away from D, lambda changes by a
+factor of 10 in about 60 steps (a compositional run has 225)."""
+DUAL_P = 3.0
+"""The proportional gain: log lambda = eta + DUAL_P * s * (last step's share - D). The gates answer lambda late (the
+gating head's momentum), so integral ascent alone overshoots: on the compositional recipe (D = 0.3, rho = 0.2) it
+kept raising lambda while the share was already falling, the share fell to 0.18 and, the learning rate decayed by
+then, stayed there. The proportional term lowers lambda as soon as the share falls fast, before it crosses D (a PI
+controller of the multiplier: the integral term alone is plain dual ascent)."""
 
 
 def check_gate_density(density: float | None, method: str, prior_prob: float):
@@ -54,8 +60,9 @@ def check_gate_density(density: float | None, method: str, prior_prob: float):
 
 
 class DensityControl(nn.Module):
-    """The multiplier lambda = exp(eta) of the constraint ``share of open gates = density``; eta is a buffer, so it
-    travels with the learner's state_dict and a resumed run continues the same sequence of lambdas.
+    """The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta and
+    error are buffers, so they travel with the learner's state_dict and a resumed run continues the same sequence of
+    lambdas.
 
     Args:
         density: D, the target share of the evaluation mask's open gates.
@@ -68,23 +75,26 @@ class DensityControl(nn.Module):
         self.density = density
         self.sign = 1.0 if prior_prob < 0.5 else -1.0
         self.register_buffer("eta", torch.tensor(float(kl_weight)).log())
+        self.register_buffer("error", torch.tensor(0.0))  # the last step's s * (share - D)
 
     def weight(self) -> torch.Tensor:
         """lambda, 0-d: a new tensor, so the step that uses it keeps its value after :meth:`update`."""
-        return self.eta.exp()
+        return (self.eta + DUAL_P * self.error).exp()
 
     @torch.no_grad()
     def update(self, share: torch.Tensor):
         """One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync).
         Under DDP the ranks' shares are averaged, so every rank keeps the same lambda. A non-finite share (a step
-        the divergence guard will judge) leaves eta as it is."""
+        the divergence guard will judge) leaves the multiplier as it is."""
         share = share.detach().float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             share = share.clone()
             dist.all_reduce(share)
             share /= dist.get_world_size()
-        step = DUAL_LR * self.sign * (share - self.density)
-        self.eta.add_(torch.where(torch.isfinite(step), step, torch.zeros_like(step)))
+        error = self.sign * (share - self.density)
+        finite = torch.isfinite(error)
+        self.eta.add_(torch.where(finite, DUAL_LR * error, 0.0))
+        self.error.copy_(torch.where(finite, error, self.error))
 
     def extra_repr(self) -> str:
         return f"density={self.density}, sign={self.sign:+g}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.density import DUAL_LR, DensityControl
+from bayesncl_pyro.density import DUAL_LR, DUAL_P, DensityControl
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
 from bayesncl_pyro.metrics import active_entries, semantic_consistency
@@ -31,27 +31,28 @@ def log(path):
 def test_the_dual_step_raises_lambda_where_the_kl_moves_the_share_toward_the_target(prior_prob, sign):
     control = DensityControl(0.3, 1e-3, prior_prob)
     control.update(torch.tensor(0.5))  # too many gates open
-    assert control.weight().item() == pytest.approx(1e-3 * math.exp(sign * DUAL_LR * 0.2), rel=1e-6)
-    before = control.eta.clone()
+    assert control.weight().item() == pytest.approx(1e-3 * math.exp(sign * (DUAL_LR + DUAL_P) * 0.2), rel=1e-6)
+    before = control.weight()
     control.update(torch.tensor(float("nan")))  # a bad step leaves the multiplier alone
-    assert torch.equal(control.eta, before)
+    assert torch.equal(control.weight(), before)
 
 
 def test_a_short_run_follows_the_dual_update_and_weights_the_kl_by_it(tmp_path):
-    """Each logged lambda is the last one moved by DUAL_LR * (share - D) at the logged share, and the loss is InfoNCE
-    plus that lambda times the KL."""
+    """Each logged lambda is exp(eta + DUAL_P * e_t), eta the start's log plus DUAL_LR times the sum of the errors
+    e = share - D of the steps before, e_t the last one's, at the logged shares; the loss is InfoNCE plus that lambda
+    times the KL."""
     trainer = Trainer(tiny(tmp_path), progress=False)
     trainer.train(trainer.total_steps)
     records = log(tmp_path)
     assert records[0]["kl_weight"] == pytest.approx(1e-3, rel=1e-6)  # the first step uses the starting value
-    for a, b in zip(records, records[1:]):
-        assert math.log(b["kl_weight"] / a["kl_weight"]) == pytest.approx(DUAL_LR * (a["gates_open"] - 0.1), abs=1e-5)
-        assert b["loss"] == pytest.approx(b["nce"] + b["kl_weight"] * b["kl"], rel=1e-4)
-    assert records[-1]["kl_weight"] > 1e-3  # the share stayed above 0.1, so lambda rose at every step
-    head = trainer.learner.head
-    last = records[-1]
-    expected = last["kl_weight"] * math.exp(DUAL_LR * (last["gates_open"] - 0.1))
-    assert head.density.weight().item() == pytest.approx(expected, rel=1e-5)
+    errors = [r["gates_open"] - 0.1 for r in records]
+    for t, r in enumerate(records[1:], 1):
+        assert math.log(r["kl_weight"]) == pytest.approx(
+            math.log(1e-3) + DUAL_LR * sum(errors[:t]) + DUAL_P * errors[t - 1], abs=1e-5)
+        assert r["loss"] == pytest.approx(r["nce"] + r["kl_weight"] * r["kl"], rel=1e-4)
+    assert min(errors) > 0 and records[-1]["kl_weight"] > 1e-3  # the share stayed above 0.1: lambda rose
+    expected = math.log(1e-3) + DUAL_LR * sum(errors) + DUAL_P * errors[-1]
+    assert trainer.learner.head.density.weight().log().item() == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_resumed_run_continues_the_same_multipliers(tmp_path):
