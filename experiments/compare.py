@@ -18,6 +18,25 @@ BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
     python experiments/compare.py --dataset compositional --methods ncl,bayesncl-ste,bayesncl-relaxed,\
 bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 --seeds 0 1 2 --workers 1 --out runs/estimators-comp
 
+Is a gate's gain more than sparsity? NCL+TopK at several k against the gates at several densities of open gates
+(--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL closes gates), each
+judged beside TopK at its own activation rate, random masks as sparse as it, and its posterior (docs/RESULTS.md,
+"At matched sparsity"):
+
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
+        --topk 4 8 16 --gate-density 0.15 0.3 0.45 --prior-prob 0.2 --seeds 0 1 2 --workers 0 \
+        --out runs/matched-comp --record docs/results/matched-comp
+
+and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; about 12 runs of 5-10 minutes
+on 2 free cores, estimated from the compositional runs' step time, not measured), in two commands: the published
+STE first, whose share of open gates on the test split ("Gates on") then sets D for both gates:
+
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
+        --topk 16 32 --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
+        --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.2 --gate-density D \
+        --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
+
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), with the recipe's evaluation protocol: the paper's (linear probe on raw
 backbone features with the reference's optimizer and lr, retrieval on the strongest dims) for --recipe
@@ -25,7 +44,9 @@ reference on CIFAR and ImageNet-100, the fast one (standardised features, one lr
 --eval-protocol overrides it. Every table names the protocol that produced it. Rerunning the command
 reuses finished runs and resumes interrupted ones; a folder holding a run with other settings is an error,
 never mixed in.
-Writes <out>/comparison.md, comparison.json and consistency_vs_probe.png.
+Writes <out>/comparison.md, comparison.json, consistency_vs_probe.png and matched_sparsity.png (consistency and
+LP@1 against the activation rate, one curve per method). NCL and CL runs ignore --prior-prob and --kl-weight (they
+have no gates), so their records serve comparisons at any prior.
 
 --budget-minutes M fits the whole command after start-up (timing, training, evaluation) in about M
 minutes: it first trains each method for a few steps and evaluates one of them, timing both, then trains

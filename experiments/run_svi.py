@@ -279,7 +279,7 @@ def outcome(results: dict) -> str:
 def next_steps(cfg: Config, argv: list[str]) -> str:
     """The commands that look at the gates and train the NCL baseline on the same budget."""
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl"))) if named else cfg.out + "-ncl"
+    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named else cfg.out + "-ncl"
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
     steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
@@ -287,7 +287,7 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
              command(cfg, "report.py", cfg.out, *baseline),
              f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
     if cfg.method == "bayesncl":
-        flags = _without(argv, "--method", "--out", "--overwrite")
+        flags = _without(argv, "--method", "--out", "--overwrite", "--gate-density")  # NCL has no gates to target
         steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]
     return "next:\n" + "\n".join("  " + line for line in steps)
