@@ -12,6 +12,7 @@ and, since an ELBO-trained q near its prior has a mode that summarises it badly,
 "soft gating", normalise(u * p)) and averaged over draws of g ~ q(g | x) (:func:`posterior_representations`).
 """
 
+import itertools
 import math
 
 import torch
@@ -92,35 +93,43 @@ def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
 TOPK_KEYS = ("semantic_consistency", "dims_tracking_class", "linear_probe_top1")
 
 
+MATCH_ON = {"rate": "activation_rate", "sparsity": "sparsity"}
+"""The two measures of sparsity a run is matched on: the activation rate (the reference's: the share of active
+entries among the dims in use, so a representation that closes whole dims can be sparse and still have a high rate)
+and the share of zero entries over all K dims (what a TopK's k fixes, and what the random-mask null keeps)."""
+
+
 def topk_at_rate(runs: list[dict]) -> list[dict]:
     """``runs`` (compare.py's: dicts with ``name``, ``family`` and their eval figures), each given the NCL+TopK curve's
-    figures at its own activation rate: ``topk_<key>_at_rate`` for the keys in TOPK_KEYS, interpolated linearly in
-    activation rate between the two nearest TopK settings (each the mean over its seeds; NCL, TopK with every dim
-    kept, is a point of the curve) and left out where the run's rate lies outside the curve's range. Runs of the
-    curve itself get nothing."""
+    figures at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and ``topk_<key>_at_sparsity``
+    for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest TopK settings (each the
+    mean over its seeds; NCL, TopK with every dim kept, is a point of the curve) and left out where the run lies
+    outside the curve's range. Runs of the curve itself get nothing."""
     curve = {}
     for r in runs:
         if r["family"] in ("ncl+topk", "ncl"):
             curve.setdefault(r["name"], []).append(r)
-    means = [{k: sum(r[k] for r in rs) / len(rs) for k in ("activation_rate", *TOPK_KEYS) if all(k in r for r in rs)}
-             for rs in curve.values()]
+    means = [{k: sum(r[k] for r in rs) / len(rs) for k in (*MATCH_ON.values(), *TOPK_KEYS)
+              if all(k in r for r in rs)} for rs in curve.values()]
     out = []
     for r in runs:
         r = dict(r)
         if r["family"] not in ("ncl+topk", "ncl") and len(means) >= 2:
-            for key in TOPK_KEYS:
-                points = [(m["activation_rate"], m[key]) for m in means if key in m]
-                value = interpolate(r["activation_rate"], points)
+            for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
+                value = interpolate(r[x], [(m[x], m[key]) for m in means if key in m])
                 if value is not None:
-                    r[f"topk_{key}_at_rate"] = value
+                    r[f"topk_{key}_at_{suffix}"] = value
         out.append(r)
     return out
 
 
-MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Cons.", "semantic_consistency", 100, ".2f"),
+MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
+                   ("Dims", "active_dims", 1, ".0f"), ("Cons.", "semantic_consistency", 100, ".2f"),
                    ("class dims", "dims_tracking_class", 1, ".1f"), ("bg dims", "dims_tracking_background", 1, ".1f"),
                    ("TopK Cons. at Act.", "topk_semantic_consistency_at_rate", 100, ".2f"),
                    ("TopK class dims at Act.", "topk_dims_tracking_class_at_rate", 1, ".1f"),
+                   ("TopK Cons. at Sparsity", "topk_semantic_consistency_at_sparsity", 100, ".2f"),
+                   ("TopK class dims at Sparsity", "topk_dims_tracking_class_at_sparsity", 1, ".1f"),
                    ("random-mask Cons.", "semantic_consistency_random_mask", 100, ".2f"),
                    ("random-mask class dims", "dims_tracking_class_random_mask", 1, ".1f"),
                    ("post. mean Cons.", "semantic_consistency_posterior_mean", 100, ".2f"),
@@ -128,7 +137,8 @@ MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Cons.", "semantic_
                    ("q draws Cons.", "semantic_consistency_q_draws", 100, ".2f"),
                    ("q draws class dims", "dims_tracking_class_q_draws", 1, ".1f"),
                    ("Gates on", "gates_open", 100, ".1f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
-                   ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f")]
+                   ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f"),
+                   ("TopK LP@1 at Sparsity", "topk_linear_probe_top1_at_sparsity", 100, ".2f")]
 """compare.py's table at matched sparsity: each run's figures beside the baselines at its own sparsity."""
 
 
@@ -144,9 +154,10 @@ def family(fields: dict) -> str:
 
 
 def plot_matched(runs: list[dict], path):
-    """Consistency and LP@1 against the activation rate of F: one curve per family (NCL joins NCL+TopK's, as its
-    k = K end), one point per setting at its seeds' mean, the seeds' standard deviation as error bars on both axes;
-    for gated runs also the random-mask null's consistency (dotted)."""
+    """Consistency and LP@1 against the activation rate of F (top row) and against its active entries, 1 - sparsity
+    (bottom row): one curve per family (NCL joins NCL+TopK's, as its k = K end), one point per setting at its seeds'
+    mean, the seeds' standard deviation as error bars on both axes; for gated runs also the random-mask null's
+    consistency (dotted, bottom row: it keeps F's active entries, not its rate)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -162,24 +173,28 @@ def plot_matched(runs: list[dict], path):
     for r in runs:
         fam = "ncl+topk" if r["family"] == "ncl" else r["family"]
         curves.setdefault(fam, {}).setdefault(r["name"], []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, (fam, settings) in enumerate(curves.items()):
-        points = sorted(((stats(rs, "activation_rate"), rs) for rs in settings.values()), key=lambda p: p[0])
-        x = [100 * p[0][0] for p in points]
-        xerr = [100 * p[0][1] for p in points]
-        for ax, key in zip(axes, ("semantic_consistency", "linear_probe_top1")):
-            y = [stats(rs, key) for _, rs in points]
-            ax.errorbar(x, [100 * m for m, _ in y], xerr=xerr, yerr=[100 * s for _, s in y], marker="o",
-                        capsize=3, color=f"C{i}", label=fam)
-        null = [stats(rs, "semantic_consistency_random_mask") for _, rs in points]
-        if not any(math.isnan(m) for m, _ in null):
-            axes[0].errorbar(x, [100 * m for m, _ in null], yerr=[100 * s for _, s in null], ls=":", marker=".",
-                             capsize=2, color=f"C{i}", label=f"{fam}: random masks, same sparsity")
-    for ax, label in zip(axes, ("semantic consistency (%)", "linear probe top-1 (%)")):
-        ax.set_xlabel("activation rate of F (%)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 8))
+    for row, (x_key, x_label, flip) in zip(axes, (("activation_rate", "activation rate of F (% of entries of the dims "
+                                                  "in use)", False),
+                                                 ("sparsity", "active entries of F (% of all K dims)", True))):
+        for i, (fam, settings) in enumerate(curves.items()):
+            points = sorted(((stats(rs, x_key), rs) for rs in settings.values()), key=lambda p: p[0])
+            x = [100 * (1 - p[0][0] if flip else p[0][0]) for p in points]
+            xerr = [100 * p[0][1] for p in points]
+            for ax, key in zip(row, ("semantic_consistency", "linear_probe_top1")):
+                y = [stats(rs, key) for _, rs in points]
+                ax.errorbar(x, [100 * m for m, _ in y], xerr=xerr, yerr=[100 * s for _, s in y], marker="o",
+                            capsize=3, color=f"C{i}", label=fam)
+            if flip:  # the null keeps F's active entries, so it sits at F's point on this axis only
+                null = [stats(rs, "semantic_consistency_random_mask") for _, rs in points]
+                if not any(math.isnan(m) for m, _ in null):
+                    row[0].errorbar(x, [100 * m for m, _ in null], yerr=[100 * s for _, s in null], ls=":",
+                                    marker="x", capsize=2, color=f"C{i}", label=f"{fam}: random masks as sparse")
+        for ax, label in zip(row, ("semantic consistency (%)", "linear probe top-1 (%)")):
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -440,7 +440,8 @@ def compare(args) -> dict:
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(args.seeds))]
     if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
         md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
-               "beside NCL+TopK's at the same activation rate of F (linear in the rate between the two nearest k, "
+               "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
+               "the two nearest k, "
                "each the mean over its seeds, NCL as k = K; blank outside their range), the same run's ungated "
                "features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
                "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",

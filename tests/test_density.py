@@ -104,12 +104,14 @@ def test_a_posterior_of_certain_gates_is_its_mode():
 def test_topk_is_interpolated_at_each_runs_rate_and_never_extrapolated():
     assert interpolate(0.25, [(0.3, 10.0), (0.2, 20.0)]) == pytest.approx(15.0)
     assert interpolate(0.35, [(0.3, 10.0), (0.2, 20.0)]) is None
-    runs = [dict(name="ncl+topk-k4", family="ncl+topk", activation_rate=0.1, semantic_consistency=0.4),
-            dict(name="ncl+topk-k8", family="ncl+topk", activation_rate=0.2, semantic_consistency=0.3),
-            dict(name="ncl", family="ncl", activation_rate=0.4, semantic_consistency=0.2),
-            dict(name="ste", family="bayesncl-ste", activation_rate=0.3, semantic_consistency=0.5),
-            dict(name="leg", family="bayesncl-leg", activation_rate=0.05, semantic_consistency=0.5)]
+    runs = [dict(name="ncl+topk-k4", family="ncl+topk", activation_rate=0.1, sparsity=0.9, semantic_consistency=0.4),
+            dict(name="ncl+topk-k8", family="ncl+topk", activation_rate=0.2, sparsity=0.8, semantic_consistency=0.3),
+            dict(name="ncl", family="ncl", activation_rate=0.4, sparsity=0.6, semantic_consistency=0.2),
+            dict(name="ste", family="bayesncl-ste", activation_rate=0.3, sparsity=0.85, semantic_consistency=0.5),
+            dict(name="leg", family="bayesncl-leg", activation_rate=0.05, sparsity=0.7, semantic_consistency=0.5)]
     out = {r["name"]: r for r in topk_at_rate(runs)}
     assert out["ste"]["topk_semantic_consistency_at_rate"] == pytest.approx(0.25)
+    assert out["ste"]["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.35)
     assert "topk_semantic_consistency_at_rate" not in out["leg"]  # below the curve's sparsest point
+    assert out["leg"]["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.25)
     assert "topk_semantic_consistency_at_rate" not in out["ncl+topk-k4"]
