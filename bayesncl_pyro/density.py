@@ -21,12 +21,20 @@ constraint's side. To make the published STE run sparser than its own share (abo
 compositional benchmark), use a prior below 1/2 (``--prior-prob 0.2``). A learned rate (``--prior learned``) follows
 q, so the KL's pull has no fixed direction there; its direction is taken from the rate it starts at.
 
-Parametrisation. lambda = exp(eta + DUAL_P * e), e = s * (share - D) of the last step, eta += DUAL_LR * e, s = +1
-for rho < 1/2 and -1 above (dual ascent on eta, with a proportional term: DUAL_P says why): lambda
+The target's path. Gates that the KL has closed do not reopen when lambda falls again (a dimension gated off
+gets no InfoNCE gradient and its feature fades), so an overshoot below D is for good. The controller therefore
+does not aim at D from the first step: its target starts at the first step's share and moves to D geometrically,
+target_t = D + (target_{t-1} - D) * exp(-1 / RAMP_STEPS), a path slow enough for the gates to follow without
+overshooting (RAMP_STEPS says what it measured). The log records it as ``density_target``.
+
+Parametrisation. lambda = exp(eta + DUAL_P * e), e = s * (share - target) of the last step, eta += DUAL_LR * e,
+s = +1 for rho < 1/2 and -1 above (dual ascent on eta, with a proportional term: DUAL_P says why): lambda
 stays positive (it is a temperature: ``models/bayesncl.py``), and each step changes it by at most a factor
 exp(DUAL_LR), whatever its scale; lambdas that work lie decades apart, which additive projected ascent on lambda
 would cross either too slowly at 1e-5 or too coarsely at 1e-1. It starts at ``--kl-weight``.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -45,6 +53,11 @@ integral ascent alone kept raising lambda while the share was falling and ended 
 0.19 (leg), lambda back at its start; with this term, 0.205 and 0.234 on the test split. It damps the overshoot, but
 not enough for that recipe: docs/RESULTS.md, "At matched sparsity", has the trajectories."""
 
+RAMP_STEPS = 40.0
+"""The target's time constant in steps: it covers 63 % of the way from the first share to D in RAMP_STEPS steps and
+99 % in 5 times that (a compositional run has 225 steps; runs on real data have thousands)."""
+RAMP_DECAY = math.exp(-1.0 / RAMP_STEPS)
+
 
 def check_gate_density(density: float | None, method: str, prior_prob: float):
     """Refuse a --gate-density that cannot be met, in one line naming the fix."""
@@ -61,9 +74,9 @@ def check_gate_density(density: float | None, method: str, prior_prob: float):
 
 
 class DensityControl(nn.Module):
-    """The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta and
-    error are buffers, so they travel with the learner's state_dict and a resumed run continues the same sequence of
-    lambdas.
+    """The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta,
+    error and the target's path are buffers, so they travel with the learner's state_dict and a resumed run
+    continues the same sequence of lambdas.
 
     Args:
         density: D, the target share of the evaluation mask's open gates.
@@ -76,7 +89,8 @@ class DensityControl(nn.Module):
         self.density = density
         self.sign = 1.0 if prior_prob < 0.5 else -1.0
         self.register_buffer("eta", torch.tensor(float(kl_weight)).log())
-        self.register_buffer("error", torch.tensor(0.0))  # the last step's s * (share - D)
+        self.register_buffer("error", torch.tensor(0.0))  # the last step's s * (share - target)
+        self.register_buffer("target", torch.tensor(float("nan")))  # the last step's target; NaN before the first
 
     def weight(self) -> torch.Tensor:
         """lambda, 0-d: a new tensor, so the step that uses it keeps its value after :meth:`update`."""
@@ -84,7 +98,8 @@ class DensityControl(nn.Module):
 
     @torch.no_grad()
     def update(self, share: torch.Tensor):
-        """One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync).
+        """One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync),
+        against the target's next point on its path to the density.
         Under DDP the ranks' shares are averaged, so every rank keeps the same lambda. A non-finite share (a step
         the divergence guard will judge) leaves the multiplier as it is."""
         share = share.detach().float()
@@ -92,8 +107,10 @@ class DensityControl(nn.Module):
             share = share.clone()
             dist.all_reduce(share)
             share /= dist.get_world_size()
-        error = self.sign * (share - self.density)
-        finite = torch.isfinite(error)
+        finite = torch.isfinite(share)
+        start = torch.where(torch.isnan(self.target), share, self.target)  # the path starts at the first share
+        self.target.copy_(torch.where(finite, self.density + (start - self.density) * RAMP_DECAY, self.target))
+        error = self.sign * (share - self.target)
         self.eta.add_(torch.where(finite, DUAL_LR * error, 0.0))
         self.error.copy_(torch.where(finite, error, self.error))
 

@@ -167,6 +167,7 @@ class BayesNCLHead(nn.Module):
                              prior_rate=seen["rate"], gates_open=gates_open, kl_weight=self.model.kl_weight)
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
                     self.density.update(gates_open)
+                    stats["density_target"] = self.density.target.clone()
         return loss, stats
 
     @property

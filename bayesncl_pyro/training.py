@@ -458,6 +458,8 @@ class Trainer:
         if learner.gated:
             rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
                        kl_weight=float(stats["kl_weight"]), **learner.head.pulls(stats))
+            if "density_target" in stats:
+                rec["density_target"] = stats["density_target"].item()
         warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings

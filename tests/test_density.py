@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.density import DUAL_LR, DUAL_P, DensityControl
+from bayesncl_pyro.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
 from bayesncl_pyro.metrics import active_entries, semantic_consistency
@@ -30,27 +30,46 @@ def log(path):
 @pytest.mark.parametrize("prior_prob, sign", [(0.2, 1.0), (0.8, -1.0)])
 def test_the_dual_step_raises_lambda_where_the_kl_moves_the_share_toward_the_target(prior_prob, sign):
     control = DensityControl(0.3, 1e-3, prior_prob)
-    control.update(torch.tensor(0.5))  # too many gates open
-    assert control.weight().item() == pytest.approx(1e-3 * math.exp(sign * (DUAL_LR + DUAL_P) * 0.2), rel=1e-6)
+    control.update(torch.tensor(0.5))  # too many gates open; the target starts its path from this share
+    target = 0.3 + 0.2 * RAMP_DECAY
+    assert control.target.item() == pytest.approx(target)
+    error = sign * (0.5 - target)
+    assert control.weight().item() == pytest.approx(1e-3 * math.exp((DUAL_LR + DUAL_P) * error), rel=1e-6)
+    control.update(torch.tensor(0.5))
+    target2 = 0.3 + (target - 0.3) * RAMP_DECAY
+    assert control.target.item() == pytest.approx(target2)
+    assert control.weight().item() == pytest.approx(
+        1e-3 * math.exp(DUAL_LR * error + (DUAL_LR + DUAL_P) * sign * (0.5 - target2)), rel=1e-6)
     before = control.weight()
-    control.update(torch.tensor(float("nan")))  # a bad step leaves the multiplier alone
-    assert torch.equal(control.weight(), before)
+    control.update(torch.tensor(float("nan")))  # a bad step leaves the multiplier and the path alone
+    assert torch.equal(control.weight(), before) and control.target.item() == pytest.approx(target2)
+
+
+def test_the_target_moves_from_the_first_share_to_the_density():
+    control = DensityControl(0.3, 1e-3, 0.2)
+    for _ in range(400):
+        control.update(torch.tensor(0.6))
+    assert control.target.item() == pytest.approx(0.3, abs=1e-3)
 
 
 def test_a_short_run_follows_the_dual_update_and_weights_the_kl_by_it(tmp_path):
     """Each logged lambda is exp(eta + DUAL_P * e_t), eta the start's log plus DUAL_LR times the sum of the errors
-    e = share - D of the steps before, e_t the last one's, at the logged shares; the loss is InfoNCE plus that lambda
-    times the KL."""
+    e = share - target of the steps before, e_t the last one's, at the logged shares and targets; the target moves
+    from the first share toward D; the loss is InfoNCE plus that lambda times the KL."""
     trainer = Trainer(tiny(tmp_path), progress=False)
     trainer.train(trainer.total_steps)
     records = log(tmp_path)
     assert records[0]["kl_weight"] == pytest.approx(1e-3, rel=1e-6)  # the first step uses the starting value
-    errors = [r["gates_open"] - 0.1 for r in records]
+    targets = [r["density_target"] for r in records]
+    assert targets[0] == pytest.approx(0.1 + (records[0]["gates_open"] - 0.1) * RAMP_DECAY, abs=1e-6)
+    for before, after in zip(targets, targets[1:]):
+        assert after == pytest.approx(0.1 + (before - 0.1) * RAMP_DECAY, abs=1e-6)
+    errors = [r["gates_open"] - t for r, t in zip(records, targets)]
     for t, r in enumerate(records[1:], 1):
         assert math.log(r["kl_weight"]) == pytest.approx(
             math.log(1e-3) + DUAL_LR * sum(errors[:t]) + DUAL_P * errors[t - 1], abs=1e-5)
         assert r["loss"] == pytest.approx(r["nce"] + r["kl_weight"] * r["kl"], rel=1e-4)
-    assert min(errors) > 0 and records[-1]["kl_weight"] > 1e-3  # the share stayed above 0.1: lambda rose
+    assert sum(errors) > 0 and records[-1]["kl_weight"] > 1e-3  # the share stayed above its target: lambda rose
     expected = math.log(1e-3) + DUAL_LR * sum(errors) + DUAL_P * errors[-1]
     assert trainer.learner.head.density.weight().log().item() == pytest.approx(expected, abs=1e-5)
 
