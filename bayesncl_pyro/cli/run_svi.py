@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 
 INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
+# the scripts users run, which call this module's main: the repository's experiments/ folder
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
@@ -293,7 +295,7 @@ def command(cfg: Config, script: str, *args: str) -> str:
     """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
     of the user's own (``package.module:name``), with its PYTHONPATH; paths as seen from the current folder."""
     env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
-    words = [_near(sys.executable), _near(Path(__file__).with_name(script)), *args]
+    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args]
     return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
 
 
