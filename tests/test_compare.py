@@ -1,7 +1,6 @@
 """experiments/compare.py's time budget and the paper's numbers: the planning arithmetic, and the paper's
 CIFAR-100 command end to end on CPU, on a generated CIFAR-100-shaped tree with a small encoder."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,12 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bayesncl_pyro.cli import compare
 from bayesncl_pyro.errors import UserError
+from helpers import EXPERIMENTS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "compare.py"
-_spec = importlib.util.spec_from_file_location("compare", SCRIPT)
-compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare)
+SCRIPT = EXPERIMENTS / "compare.py"
 
 # the paper's command (compare.py's docstring), made small enough for a CPU: the encoder and sizes
 PAPER_COMMAND = ["--dataset", "cifar100", "--recipe", "reference", "--methods", "ncl,bayesncl-ste"]

@@ -27,7 +27,7 @@ from bayesncl_pyro.errors import REQUEUE, UserError
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.training import EpochSampler, Trainer
-from test_reliability import RUN_SVI, assert_same_params, cli, logged_step
+from helpers import RUN_SVI, assert_same_params, cli, logged_step
 
 WORLD, B = 2, 8  # processes; images in the global batch
 
@@ -355,6 +355,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_resumes_
     assert_same_params(finished(launch(out, log="rerun"), out)["learner"], reference["params"])
 
 
+@pytest.mark.slow
 def test_resuming_on_2_then_1_then_2_processes_continues_the_run(reference, tmp_path):
     """Ctrl-C in torchrun's terminal (SIGINT to its process group: each worker gets it from the terminal and
     again from torchrun, and takes the two as one) stops the 2-process run; one process resumes it until SIGUSR1
@@ -408,6 +409,7 @@ esac""",
 }
 
 
+@pytest.mark.slow
 def test_slurm_script_checkpoints_at_the_time_limit_warning_requeues_and_resumes_exactly(reference, tmp_path):
     """SIGUSR1 to the batch script (SLURM's --signal=B:USR1@...): the run saves and stops, the script requeues
     its job; the requeued job resumes and ends with the uninterrupted run's weights."""

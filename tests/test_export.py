@@ -1,18 +1,15 @@
 """experiments/export.py: the backbone's plain state_dict loads into a fresh torchvision model by the lines it prints,
 and with the head's gives load_run's features."""
 
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from bayesncl_pyro import load_run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import export  # noqa: E402
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
+from bayesncl_pyro.cli import export, run_svi
+from helpers import TINY_RUN
 
 
 def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features(tmp_path):
@@ -37,9 +34,8 @@ def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features
     assert set(torch.load(tmp_path / "weights" / "backbone_head.pt")) == set(run.learner.head.state_dict())
 
 
-def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(run_dir)]) == 0
+def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys, ncl_run):
+    run_dir = shutil.copytree(ncl_run, tmp_path / "run")  # the export writes into it
     assert export.main([str(run_dir)]) == 0
     printed = capsys.readouterr().out
     assert "build_backbone('cnn', 1, 8)" in printed and (run_dir / "backbone.pt").exists()

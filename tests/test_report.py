@@ -4,9 +4,6 @@ Chromium, driven by Playwright), at the size of a tiny run and at ImageNet-100's
 
 import json
 import re
-import shutil
-import sys
-import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,15 +11,12 @@ import pytest
 import torch
 
 from bayesncl_pyro import dimensions as dm, report
+from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.posterior import gate_posterior
 from bayesncl_pyro.rundir import load_learner, read_eval
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import bench_report  # noqa: E402
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
+from helpers import TINY_RUN
 
 # the compositional benchmark (factors recorded), a few steps: 1280 test images, K = 16
 TINY_COMPOSITIONAL = [a if a != "digits" else "compositional" for a in TINY_RUN] + ["--max-steps", "3",
@@ -148,12 +142,10 @@ def test_the_page_is_one_self_contained_file(runs):
     assert sorted(p.name for p in folder.iterdir()) == ["index.html", "report.json"]
 
 
-def test_a_baseline_on_other_data_and_a_missing_run_are_refused(runs, tmp_path):
+def test_a_baseline_on_other_data_and_a_missing_run_are_refused(runs, tmp_path, ncl_run):
     bayes, _, _, _ = runs
-    other = tmp_path / "digits"
-    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(other)]) == 0
     with pytest.raises(UserError, match="trained on digits"):
-        report.build(bayes, other)
+        report.build(bayes, ncl_run)
     with pytest.raises(UserError, match="no checkpoint.pt"):
         report.build(tmp_path / "nowhere")
     with pytest.raises(UserError, match="holds no report"):
@@ -185,15 +177,11 @@ def _browser():
 
 
 class _Tab:
-    """One headless Chromium tab (a fresh profile, no network), collecting console errors and non-file requests."""
+    """One headless Chromium tab (no network), collecting console errors and non-file requests. The page keeps
+    nothing in the browser's storage, so the tabs of one module share a browser and its profile."""
 
-    def __init__(self, sync_playwright):
-        self._pw = sync_playwright().start()
-        self._profile = tempfile.mkdtemp()
-        self.context = self._pw.chromium.launch_persistent_context(
-            self._profile, executable_path=bench_report.CHROMIUM, args=bench_report.CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1300, "height": 900})
-        self.page = self.context.new_page()
+    def __init__(self, browser):
+        self.page = browser.new_page()
         self.errors, self.requests = [], []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
@@ -216,14 +204,23 @@ class _Tab:
         return self.dims(view)
 
     def close(self):
-        self.context.close()
-        self._pw.stop()
-        shutil.rmtree(self._profile, ignore_errors=True)
+        self.page.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Chromium with a fresh profile, launched once for the module (seconds each time); each test opens a tab."""
+    with _browser()() as pw:
+        context = pw.chromium.launch_persistent_context(
+            tmp_path_factory.mktemp("chromium"), executable_path=bench_report.CHROMIUM, args=bench_report.CHROMIUM_ARGS,
+            headless=True, viewport={"width": 1300, "height": 900})
+        yield context
+        context.close()
 
 
 @pytest.fixture
-def tab():
-    t = _Tab(_browser())
+def tab(browser):
+    t = _Tab(browser)
     yield t
     t.close()
 
@@ -304,6 +301,7 @@ def imagenet100_sized(tmp_path_factory):
     return page, data
 
 
+@pytest.mark.slow
 def test_an_imagenet100_sized_report_fits_its_budget(imagenet100_sized):
     page, data = imagenet100_sized
     assert page.stat().st_size < SIZE_BUDGET_MB * 2**20
@@ -312,6 +310,7 @@ def test_an_imagenet100_sized_report_fits_its_budget(imagenet100_sized):
     assert sizes["dims_not_in_use"] > 0  # the dead dims are counted, not carded
 
 
+@pytest.mark.slow
 def test_an_imagenet100_sized_report_opens_and_scrolls(imagenet100_sized, tab):
     """It opens, renders a page of cards at a time, and more as it scrolls."""
     page, data = imagenet100_sized
