@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bayesncl_pyro import arviz_export
-from bayesncl_pyro.cli import run_svi
+from bayesncl_pyro.cli import inspect_gates, run_svi
 from helpers import EXPERIMENTS, TINY_RUN
 
 
