@@ -441,7 +441,7 @@ class Trainer:
                   "gradient", file=sys.stderr)
         bad = self.out / BAD_IMAGES
         if bad.exists():
-            count = len(set(bad.read_text().splitlines()))
+            count = len(set(bad.read_bytes().splitlines()))
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
     def _record(self, loss: torch.Tensor, stats: dict, epoch: int, images_per_s: float) -> dict:

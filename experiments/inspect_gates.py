@@ -37,7 +37,7 @@ from bayesncl_pyro.plugins import add_reader_flags  # noqa: E402
 from bayesncl_pyro.rundir import load_learner, read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
-                     "grid.alpha": 0.3})
+                     "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
 
 
 def _save(fig, path: Path) -> Path:

@@ -185,7 +185,13 @@ def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
                         f"only in {present[0]} {_few(only_test)}; both splits need the same classes")
     classes = sorted(train)
     return DataSpec(_files_dataset(train, classes, skip_bad), _files_dataset(test, classes, skip_bad),
-                    classes, channels=3)
+                    [_text(c) for c in classes], channels=3)
+
+
+def _text(name: str) -> str:
+    """A folder's name as text every writer takes: bytes that are not UTF-8 (which Python keeps as lone
+    surrogates, and a UTF-8 file, netCDF or JSON writer refuses) as backslash escapes, e.g. caf\\xe9."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _class_dirs(split_dir: Path) -> list[Path]:
