@@ -81,7 +81,7 @@ def test_checkpoint_round_trip_and_finished_run_is_not_retrained(tmp_path, capsy
 
 
 def test_folder_with_another_config_is_refused(tmp_path):
-    Trainer(tiny(tmp_path, max_steps=1), progress=False)
+    Trainer(tiny(tmp_path, max_steps=1), progress=False).save()  # a checkpoint: a run to resume (else moved aside)
     with pytest.raises(UserError, match="different configuration.*temperature"):
         Trainer(tiny(tmp_path, temperature=0.5), progress=False)
 
