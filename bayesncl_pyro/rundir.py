@@ -151,6 +151,17 @@ class RunLock:
 _HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionary()
 
 
+def _forget_locks():
+    """In a forked child (a loader worker): close its copy of the lock files. The parent's lock stays (it goes when
+    every copy is closed), and no longer outlives the parent in a worker left behind by a SIGKILL."""
+    for held in list(_HELD.values()):
+        held.file.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
 def lock(out: Path) -> RunLock | None:
     """The lock of run folder ``out``: taken, or the one this process holds already (a second Trainer in one
     process resumes there, as a rerun would); None where the lock file cannot be written (a read-only folder:

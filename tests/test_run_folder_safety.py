@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -400,3 +401,22 @@ def test_names_that_are_not_utf8_or_hold_a_dollar_train_export_and_plot(tmp_path
     from bayesncl_pyro.arviz_export import read_gates
 
     assert list(read_gates(out)["gates"]["class"].values) == ["caf\\xe9", "cost $^$"]
+
+
+def test_the_lock_goes_with_its_process_not_with_the_workers_it_forked(tmp_path):
+    """A loader worker (a forked child) left behind by a SIGKILL'd run must not keep the next run out."""
+    import multiprocessing
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = rundir.lock(out)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        del held  # the run's process lets go (as by dying); its worker lives on
+        other = subprocess.run([sys.executable, "-c", "from pathlib import Path; from bayesncl_pyro import rundir; "
+                                f"rundir.lock(Path({str(out)!r}))"], capture_output=True, text=True)
+        assert other.returncode == 0, other.stderr
+    finally:
+        child.kill()
+        child.join()
