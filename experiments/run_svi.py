@@ -133,8 +133,9 @@ def parser() -> argparse.ArgumentParser:
                    "a run's own config.json works as it is); the flags given here override it")
     g.add_argument("--out", help="run folder; rerunning into it resumes (default: runs/<what the run is>: dataset, "
                    "method, gate, and the settings that differ from the recipe, e.g. runs/compositional-bayesncl-ste)")
-    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the files already "
-                   "there (e.g. a run with another config) into <out>/previous-<time>/; nothing is deleted")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the run already there "
+                   "(e.g. one with another config) into <out>/previous-<time>/; nothing is deleted, and a folder "
+                   "that holds anything but a run is refused")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda (the current GPU) or cuda:N (default: "
                    "%(default)s)")
