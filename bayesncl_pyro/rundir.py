@@ -68,7 +68,8 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
     saved = out / CONFIG
-    theirs = [p.name for p in sorted(out.iterdir()) if p.name != LOCK and not p.name.startswith(PREVIOUS)]
+    theirs = [p.name for p in sorted(out.iterdir())
+              if p.name != LOCK and not p.name.startswith(PREVIOUS) and not _temporary(p.name)]
     if theirs and not _holds_a_run(saved):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
@@ -117,10 +118,15 @@ def _holds_a_run(saved: Path) -> bool:
     return isinstance(values, dict) and "dataset" in values
 
 
+def _temporary(name: str) -> bool:
+    """Whether ``name`` is the temporary file of a run's write (``atomic_save``)."""
+    return name.endswith(".tmp") and name.startswith(tuple(f"{n}." for n in _REWRITTEN))
+
+
 def _remove_temporaries(out: Path):
     """The temporary files that runs killed mid-write (SIGKILL) left: with the folder locked, no one writes them."""
-    for name in _REWRITTEN:
-        for tmp in out.glob(f"{name}*.tmp"):
+    for tmp in out.iterdir():
+        if _temporary(tmp.name):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 

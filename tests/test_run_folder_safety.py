@@ -215,6 +215,14 @@ def test_a_second_run_on_one_folder_is_refused_naming_the_first(tmp_path, capsys
     del trainer
 
 
+def test_a_run_killed_while_writing_its_config_blocks_nothing(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json.4321.tmp").write_text('{"data')  # a SIGKILL in the middle of the first write
+    trainer = Trainer(fast(tmp_path / "run"), progress=False)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "run.lock"]
+    del trainer
+
+
 def test_temporary_files_are_named_by_their_process(tmp_path, monkeypatch):
     written = []
     real = torch.save
