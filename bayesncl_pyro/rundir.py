@@ -383,10 +383,15 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     return learner.to(device).eval(), cfg
 
 
+def code_references(cfg: Config) -> dict[str, str]:
+    """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference."""
+    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
+            if is_spec(spec) and not spec.startswith(TIMM)}
+
+
 def _check_code(cfg: Config, path: Path, trust: bool):
     """Refuse (or, trusted, announce) the modules that the run's encoder and prior would import."""
-    code = {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
-            if is_spec(spec) and not spec.startswith(TIMM)}
+    code = code_references(cfg)
     if not code:
         return
     named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())

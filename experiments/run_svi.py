@@ -41,7 +41,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.plugins import is_spec
-    from bayesncl_pyro.rundir import GATES_FILE
+    from bayesncl_pyro.rundir import GATES_FILE, code_references
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
@@ -292,9 +292,11 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
 
 def command(cfg: Config, script: str, *args: str) -> str:
     """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
-    of the user's own (``package.module:name``), with its PYTHONPATH; paths as seen from the current folder."""
+    of the user's own (``package.module:name``), with its PYTHONPATH (and --trust-run: the run is the user's own);
+    paths as seen from the current folder."""
     env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
-    words = [_near(sys.executable), _near(Path(__file__).with_name(script)), *args]
+    trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
+    words = [_near(sys.executable), _near(Path(__file__).with_name(script)), *args, *trust]
     return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
 
 
