@@ -115,7 +115,9 @@ def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(
 
     monkeypatch.setenv("PYTHONPATH", "/my code")
     line = run_svi.command(Config(encoder="my_nets:small"), "inspect_gates.py", "runs/x")
-    env, python, script, run = shlex.split(line)
+    env, python, script, run, trust = shlex.split(line)
     assert env == "PYTHONPATH=/my code" and Path(python).absolute() == Path(sys.executable)
     assert Path(script).resolve() == Path(inspect_gates.__file__).resolve() and run == "runs/x"
-    assert "PYTHONPATH" not in run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
+    assert trust == "--trust-run"  # the run is the user's own: its code may be imported
+    line = run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
+    assert "PYTHONPATH" not in line and "--trust-run" not in line
