@@ -35,6 +35,7 @@ import torch
 
 from bayesncl_pyro import __version__
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.datasets import FOLDER_DATASETS
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.encoders import TIMM
@@ -401,15 +402,11 @@ def _check_code(cfg: Config, path: Path, trust: bool):
     print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
 
 
-# the datasets read from a folder (digits and the generated benchmark are not)
-_FROM_FOLDER = ("cifar10", "cifar100", "imagefolder", "in100")
-
-
 def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
     """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
     shared file system); a relative one depends on where the command runs, and one in the run folder is the
     sender's: None, said in a note."""
-    if cfg.data_dir is None or cfg.dataset not in _FROM_FOLDER:
+    if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
         return cfg.data_dir
     saved = Path(cfg.data_dir)
     real, run = saved.resolve(), folder.resolve()

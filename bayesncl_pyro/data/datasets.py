@@ -68,6 +68,7 @@ _EXPECTED_LAYOUT = {
     "imagefolder": "a folder holding train/ and val/ (or test/), each with one sub-folder of images per class",
     "in100": "an ImageNet or ImageNet-100 folder holding train/<wnid>/ and val/<wnid>/ class folders",
 }
+FOLDER_DATASETS: tuple[str, ...] = tuple(_EXPECTED_LAYOUT)  # the datasets read from a --data-dir
 
 
 def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
