@@ -23,6 +23,15 @@ TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--w
                 "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
 
 
+# Trainer configs of a tiny digits run: 44 steps per epoch at batch 32; runs stop early through max_steps (which may change on resume)
+FAST = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5,
+            workers=0, log_every=1, ckpt_every=2)
+
+
+def fast(path: Path, **kw) -> Config:
+    return Config(out=str(path), **{**FAST, **kw})
+
+
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
     """experiments/<script> as a user runs it: a process of its own."""
     return subprocess.run([sys.executable, str(EXPERIMENTS / script), *args], capture_output=True, text=True,
@@ -114,3 +123,37 @@ def log_lines(cfg: Config) -> list[str]:
 def logged_step(cfg: Config, since: int = 0) -> int:
     """The last step in the log after its first ``since`` lines (a line being written is not yet one)."""
     return max((json.loads(line)["step"] for line in log_lines(cfg)[since:] if line.endswith("}")), default=0)
+
+
+# -- the report in a browser -------------------------------------------------------------------------------------
+
+
+class Tab:
+    """One headless Chromium tab (no network), collecting console errors and non-file requests. The page keeps
+    nothing in the browser's storage, so the tabs of one module share a browser and its profile."""
+
+    def __init__(self, browser):
+        self.page = browser.new_page()
+        self.errors, self.requests = [], []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+    def open(self, path: Path, view: str = ""):
+        self.page.goto(path.resolve().as_uri() + view)
+        self.page.wait_for_selector("body[data-ready='1']")
+
+    def dims(self, view="#view-dims") -> list[int]:
+        return [int(d) for d in self.page.eval_on_selector_all(f"{view} .card", "cs => cs.map(c => c.dataset.dim)")]
+
+    def scroll_all(self, view="#view-dims") -> list[int]:
+        """Scroll until every matching card is rendered (they come a page at a time)."""
+        want = int(self.page.get_attribute(f"{view} .cards", "data-matching"))
+        while len(self.dims(view)) < want:
+            before = len(self.dims(view))
+            self.page.locator(f"{view} .more").scroll_into_view_if_needed()
+            self.page.wait_for_function(f"document.querySelectorAll('{view} .card').length > {before}")
+        return self.dims(view)
+
+    def close(self):
+        self.page.close()

@@ -65,7 +65,7 @@ def test_a_prior_from_your_own_module_trains_resumes_and_reloads(tmp_path, prior
     assert saved["prior"] == "my_priors:SteppedPrior" and saved["prior_args"] == {"scale": 0.25}
 
     monkeypatch.syspath_prepend(str(prior_code))
-    learner, cfg = load_learner(out)
+    learner, cfg = load_learner(out, trust_code=True)
     assert type(learner.model.prior).__name__ == "SteppedPrior" and cfg.prior_args == {"scale": 0.25}
     torch.testing.assert_close(learner.model.prior.rate(), torch.tensor([0.8] * 8 + [0.2] * 8))
     # the same command resumes it (here: finds it finished); "2.5e-1" is the same value

@@ -27,16 +27,7 @@ from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
 from bayesncl_pyro.rundir import load_checkpoint, load_learner
 from bayesncl_pyro.training import Trainer, pick_device
 from bayesncl_pyro.cli import run_svi
-from helpers import RUN_SVI, assert_same_params, cli, log_lines, logged_step, make_tree, write_image
-
-# 44 steps per epoch at batch 32; runs stop early through max_steps (which may change on resume)
-FAST = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5,
-            workers=0, log_every=1, ckpt_every=2)
-
-
-def fast(path: Path, **kw) -> Config:
-    return Config(out=str(path), **{**FAST, **kw})
-
+from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
 
 def reference(path: Path, steps: int) -> dict:
     """The parameters of an uninterrupted run after ``steps`` steps."""
@@ -103,7 +94,8 @@ def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
 
 
 def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
-    """What SIGKILL during ``atomic_save`` leaves on disk: the previous checkpoint and a partial .tmp."""
+    """What a crash during ``atomic_save`` leaves on disk: the previous checkpoint (and, after a SIGKILL, a partial
+    .tmp, which the next run removes)."""
     first = Trainer(fast(tmp_path / "run"), progress=False)
     first.train(4)  # checkpoints at steps 2 and 4
     good = (tmp_path / "run" / "checkpoint.pt").read_bytes()
@@ -119,9 +111,12 @@ def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exac
         with pytest.raises(KeyboardInterrupt):
             first.train(8)  # dies writing the checkpoint of step 6
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
-    assert (tmp_path / "run" / "checkpoint.pt.tmp").exists()  # the half-written file, never renamed
+    assert not list((tmp_path / "run").glob("*.tmp"))  # an interrupted write removes its temporary file
+    killed = tmp_path / "run" / "checkpoint.pt.99999.tmp"  # what a SIGKILL'd writer leaves: half a file
+    killed.write_bytes(good[:len(good) // 2])
+    del first  # its process ends: the run folder's lock goes with it
     resumed = Trainer(fast(tmp_path / "run"), progress=False)
-    assert resumed.step == 4
+    assert resumed.step == 4 and not killed.exists()
     resumed.train(8)
     assert_same_params(resumed.learner.state_dict(), reference(tmp_path / "ref", 8))
 
@@ -381,7 +376,7 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, ca
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{ not json", "not a readable run configuration; pass --overwrite"),
+    ("{ not json", "holds files that are not a bayesncl-pyro run"),
     ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
 ])
 def test_unreadable_config_json_is_refused(tmp_path, text, match):
@@ -414,7 +409,7 @@ def test_read_only_or_full_output_folder(tmp_path, monkeypatch, code):
                        "\\(any previous checkpoint.pt is unchanged\\)"):
         trainer.train(4)  # checkpoints at step 4
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
-    assert not (tmp_path / "run" / "checkpoint.pt.tmp").exists()
+    assert not list((tmp_path / "run").glob("*.tmp"))
 
 
 def test_a_read_only_output_folder_is_one_line(tmp_path):

@@ -166,65 +166,6 @@ def test_a_card_on_its_own_for_the_notebook(runs):
 # -- in a browser ----------------------------------------------------------------------------------------------
 
 
-def _browser():
-    """A Playwright page factory on Debian's Chromium, or a skip that says why there is none."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed "
-                                     "(pip install -e '.[test]')")
-    if not Path(bench_report.CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {bench_report.CHROMIUM}: install Debian's package (apt-get install -y chromium), "
-                    "as .ci/run does, to test the page in a browser")
-    return playwright.sync_playwright
-
-
-class _Tab:
-    """One headless Chromium tab (no network), collecting console errors and non-file requests. The page keeps
-    nothing in the browser's storage, so the tabs of one module share a browser and its profile."""
-
-    def __init__(self, browser):
-        self.page = browser.new_page()
-        self.errors, self.requests = [], []
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("request", lambda r: self.requests.append(r.url))
-
-    def open(self, path: Path, view: str = ""):
-        self.page.goto(path.resolve().as_uri() + view)
-        self.page.wait_for_selector("body[data-ready='1']")
-
-    def dims(self, view="#view-dims") -> list[int]:
-        return [int(d) for d in self.page.eval_on_selector_all(f"{view} .card", "cs => cs.map(c => c.dataset.dim)")]
-
-    def scroll_all(self, view="#view-dims") -> list[int]:
-        """Scroll until every matching card is rendered (they come a page at a time)."""
-        want = int(self.page.get_attribute(f"{view} .cards", "data-matching"))
-        while len(self.dims(view)) < want:
-            before = len(self.dims(view))
-            self.page.locator(f"{view} .more").scroll_into_view_if_needed()
-            self.page.wait_for_function(f"document.querySelectorAll('{view} .card').length > {before}")
-        return self.dims(view)
-
-    def close(self):
-        self.page.close()
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """Chromium with a fresh profile, launched once for the module (seconds each time); each test opens a tab."""
-    with _browser()() as pw:
-        context = pw.chromium.launch_persistent_context(
-            tmp_path_factory.mktemp("chromium"), executable_path=bench_report.CHROMIUM, args=bench_report.CHROMIUM_ARGS,
-            headless=True, viewport={"width": 1300, "height": 900})
-        yield context
-        context.close()
-
-
-@pytest.fixture
-def tab(browser):
-    t = _Tab(browser)
-    yield t
-    t.close()
-
-
 def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     _, _, folder, data = runs
     tab.open(folder / "index.html", "#dims")

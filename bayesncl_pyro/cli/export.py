@@ -18,9 +18,10 @@ from bayesncl_pyro import rundir
 from bayesncl_pyro.encoders import torchvision_code
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.learner import head_arguments
+from bayesncl_pyro.plugins import add_reader_flags
 
 
-def export(run_dir: Path, out: Path, head_out: Path | None = None) -> list[str]:
+def export(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: bool = False) -> list[str]:
     """Write the backbone's and the head's state_dicts; return what was written and the lines that load them."""
     head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
     folder = rundir.run_folder(run_dir)
@@ -29,7 +30,7 @@ def export(run_dir: Path, out: Path, head_out: Path | None = None) -> list[str]:
             raise UserError(f"{path} is the run's own {path.name}; pass another --out")
     if out.resolve() == head_out.resolve():
         raise UserError(f"--out and --head-out are both {out}; give them two names")
-    learner, cfg = rundir.load_learner(run_dir)
+    learner, cfg = rundir.load_learner(run_dir, trust_code=trust_code)
     for path in (out, head_out):
         path.parent.mkdir(parents=True, exist_ok=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
@@ -59,10 +60,11 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py (or its checkpoint.pt)")
     p.add_argument("--out", type=Path, help="the backbone's state_dict (default: RUN_DIR/backbone.pt)")
     p.add_argument("--head-out", type=Path, help="the head's state_dict (default: beside --out, <name>_head.pt)")
+    add_reader_flags(p, data_dir=False)
     args = p.parse_args(argv)
     try:
         out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
-        print("\n".join(export(args.run_dir, out, args.head_out)))
+        print("\n".join(export(args.run_dir, out, args.head_out, args.trust_run)))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

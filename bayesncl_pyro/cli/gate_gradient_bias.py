@@ -29,6 +29,7 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.gate_gradients import SCORE, gate_gradient_bias
 from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.plugins import add_reader_flags
 from bayesncl_pyro.rundir import load_learner
 from bayesncl_pyro.training import EpochSampler
 
@@ -53,9 +54,10 @@ def main(argv=None) -> int:
     p.add_argument("--untrained", action="store_true", help="measure the run's configuration at initialisation "
                    "(weights drawn with --seed), not its trained weights: what training did to the gradients")
     p.add_argument("--json", type=Path, help="also write the results here")
+    add_reader_flags(p)
     args = p.parse_args(argv)
     try:
-        learner, cfg = load_learner(args.run_dir)
+        learner, cfg = load_learner(args.run_dir, trust_code=args.trust_run, data_dir=args.data_dir)
         if args.untrained:
             torch.manual_seed(args.seed)
             learner = ContrastiveLearner(cfg, learner.in_channels, learner.head.num_rows // 2)

@@ -33,10 +33,11 @@ from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.estimators import GateEstimator, gate_class  # noqa: E402
+from bayesncl_pyro.plugins import add_reader_flags  # noqa: E402
 from bayesncl_pyro.rundir import load_learner, read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
-                     "grid.alpha": 0.3})
+                     "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
 
 
 def _save(fig, path: Path) -> Path:
@@ -261,10 +262,10 @@ def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> l
     return lines
 
 
-def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool = False) -> list[str]:
+def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool = False, **load) -> list[str]:
     """Write the figures of a run into ``out`` and return the summary lines; with ``export``, first (re)write
-    the run's ``gates.nc`` from its checkpoint."""
-    learner, cfg = load_learner(run_dir)
+    the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of ``load_learner``."""
+    learner, cfg = load_learner(run_dir, **load)
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     if export:
@@ -315,7 +316,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
             if cfg.conflict_every else "train with --conflict-every N > 0"))
     else:
         base = conflict_table(baseline) if baseline is not None else None
-        base_name = load_learner(baseline)[1].method if baseline is not None else ""
+        base_name = load_learner(baseline, **load)[1].method if baseline is not None else ""
         plot_conflict(main, cfg.method, base, base_name, out / "conflict.png")
         summary += conflict_lines(cfg.method, main, gated_off) + (conflict_lines(base_name, base) if base is not None
                                                                   else [])
@@ -330,9 +331,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="where the figures go (default: RUN_DIR/inspect)")
     p.add_argument("--export", action="store_true", help="first (re)write RUN_DIR/gates.nc, the gate posterior as "
                    "ArviZ data, from the checkpoint (after a run whose export failed)")
+    add_reader_flags(p)
     args = p.parse_args(argv)
     try:
-        summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export)
+        summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export,
+                          trust_code=args.trust_run, data_dir=args.data_dir)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

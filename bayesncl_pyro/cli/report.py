@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.plugins import add_reader_flags
 
 
 def main(argv=None) -> int:
@@ -26,12 +27,13 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", type=Path, help="another run on the same data (e.g. NCL): its dimensions in a list "
                    "of their own, its evaluation beside the run's")
     p.add_argument("--out", type=Path, help="where the report goes (default: RUN_DIR/report)")
+    add_reader_flags(p)
     args = p.parse_args(argv)
     try:
         from bayesncl_pyro.report import write_report  # after parsing: --help stays instant
 
         start = time.perf_counter()
-        page = write_report(args.run_dir, args.baseline, args.out)
+        page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.plugins import is_spec
-    from bayesncl_pyro.rundir import GATES_FILE
+    from bayesncl_pyro.rundir import GATES_FILE, code_references
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
@@ -135,8 +135,9 @@ def parser() -> argparse.ArgumentParser:
                    "a run's own config.json works as it is); the flags given here override it")
     g.add_argument("--out", help="run folder; rerunning into it resumes (default: runs/<what the run is>: dataset, "
                    "method, gate, and the settings that differ from the recipe, e.g. runs/compositional-bayesncl-ste)")
-    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the files already "
-                   "there (e.g. a run with another config) into <out>/previous-<time>/; nothing is deleted")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the run already there "
+                   "(e.g. one with another config) into <out>/previous-<time>/; nothing is deleted, and a folder "
+                   "that holds anything but a run is refused")
     g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda (the current GPU) or cuda:N (default: "
                    "%(default)s)")
@@ -293,9 +294,11 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
 
 def command(cfg: Config, script: str, *args: str) -> str:
     """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
-    of the user's own (``package.module:name``), with its PYTHONPATH; paths as seen from the current folder."""
+    of the user's own (``package.module:name``), with its PYTHONPATH (and --trust-run: the run is the user's own);
+    paths as seen from the current folder."""
     env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
-    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args]
+    trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
+    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
     return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
 
 
