@@ -317,6 +317,7 @@ def test_two_nodes_on_localhost_train_exactly_as_one(reference, tmp_path, rendez
     assert_same_params(state(out)["learner"], reference["params"])
 
 
+@pytest.mark.slow  # one torchrun fault sequence (SIGUSR1, below) runs by default
 def test_a_worker_killed_mid_epoch_is_restarted_and_resumes_exactly(reference, tmp_path):
     """torchrun --max-restarts 1: SIGKILL of rank 1 after step 6 (checkpoints every 4 steps); torchrun stops
     rank 0, starts both again, they resume from the last checkpoint and end with the uninterrupted run's
