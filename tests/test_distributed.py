@@ -302,7 +302,8 @@ def test_a_global_batch_that_does_not_split_over_the_processes_is_refused(tmp_pa
         Trainer(replace(RUN, out=str(tmp_path / "run")), progress=False)
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", pytest.param("static", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a launch topology, not a fault: the default suite keeps two processes on one launcher
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_nodes_on_localhost_train_exactly_as_one(reference, tmp_path, rendezvous):
     """Two torchrun launchers of one process each, as on two machines, meet through a c10d store (the node ranks
     come from the order they join) or a static one (given node ranks), and train the same weights, bit for bit,

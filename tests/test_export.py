@@ -9,12 +9,16 @@ import torch
 
 from bayesncl_pyro import load_run
 from bayesncl_pyro.cli import export, run_svi
+from bayesncl_pyro.training import Trainer
 from helpers import TINY_RUN
 
 
 def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features(tmp_path):
     run_dir = tmp_path / "run"
-    assert run_svi.main([*TINY_RUN, "--encoder", "resnet18", "--out", str(run_dir)]) == 0  # 1-channel 8 px digits
+    cfg, _ = run_svi.config([*TINY_RUN, "--encoder", "resnet18", "--out", str(run_dir)])  # 1-channel 8 px digits
+    trainer = Trainer(cfg, progress=False)  # a checkpoint is what export reads: no evaluation
+    trainer.train(2)
+    trainer.save()
     lines = export.export(run_dir, tmp_path / "weights" / "backbone.pt")
     code = "\n".join(line.removeprefix("    ") for line in lines[lines.index("load them with:") + 1:])
     assert "torchvision.models.get_model('resnet18')" in code and "backbone.fc = torch.nn.Identity()" in code
