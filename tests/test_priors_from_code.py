@@ -16,16 +16,13 @@ import torch
 from pyro.nn import PyroModule
 
 from bayesncl_pyro import BayesNCLHead
+from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.rundir import load_learner
+from helpers import RUN_SVI, TINY_RUN
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
-
-RUN_SVI = Path(run_svi.__file__)
 PRIOR_CODE = '''
     import torch
 

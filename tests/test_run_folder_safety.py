@@ -23,16 +23,10 @@ from bayesncl_pyro.encoders import build_backbone
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.run import load_run
 from bayesncl_pyro.training import Trainer
-from test_data import make_tree, write_image
-from test_reliability import fast
-from test_scripts import TINY_RUN
-
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-import export as export_script  # noqa: E402
-import inspect_gates  # noqa: E402
-import report as report_script  # noqa: E402
-import run_svi  # noqa: E402
+from bayesncl_pyro.cli import export as export_script
+from bayesncl_pyro.cli import inspect_gates, run_svi
+from bayesncl_pyro.cli import report as report_script
+from helpers import TINY_RUN, fast, make_tree, write_image
 
 
 class _Gadget:
@@ -314,23 +308,18 @@ def test_inline_json_holds_no_markup_characters():
         assert not set(text) & set("<>&"), text
 
 
-def test_a_report_with_hostile_class_names_opens_in_chromium(tmp_path):
-    from test_report import _browser, _Tab
-    import bench_report
+def test_a_report_with_hostile_class_names_opens_in_chromium(tab, tmp_path):
+    from bayesncl_pyro.cli import bench_report
 
-    tab = _Tab(_browser())
-    try:
-        feats = bench_report.stand_in(60, 8, 3)
-        kl = torch.full((8,), 0.1)
-        run = dict(dir="runs/<!--<script>", method="bayesncl", dataset="x", config=dict(kl_weight=3e-5, gate="ste"))
-        data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, "KL", 0.8), kl=kl)
-        data["classes"] = HOSTILE
-        page = report.write(data, report.thumbnails(bench_report.stand_in_images(60)), tmp_path)
-        tab.open(page, "#dims")
-        assert tab.dims() and HOSTILE[0] in tab.page.inner_text("#view-dims .cls")
-        assert tab.errors == []
-    finally:
-        tab.close()
+    feats = bench_report.stand_in(60, 8, 3)
+    kl = torch.full((8,), 0.1)
+    run = dict(dir="runs/<!--<script>", method="bayesncl", dataset="x", config=dict(kl_weight=3e-5, gate="ste"))
+    data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, "KL", 0.8), kl=kl)
+    data["classes"] = HOSTILE
+    page = report.write(data, report.thumbnails(bench_report.stand_in_images(60)), tmp_path)
+    tab.open(page, "#dims")
+    assert tab.dims() and HOSTILE[0] in tab.page.inner_text("#view-dims .cls")
+    assert tab.errors == []
 
 
 # ---------------------------------------------------------------------------- the last bad inputs: one line
