@@ -117,7 +117,7 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
     config = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
     try:
         dt.to_netcdf(tmp, engine=ENGINE)
         os.replace(tmp, path)

@@ -8,6 +8,8 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import os
 import re
 import types
 from dataclasses import dataclass, field
@@ -139,16 +141,16 @@ def read_file(path: str | Path) -> dict:
     as it is, but for its ``out``: the folder it sits in is where that run is, not where another one goes."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read --config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--config {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml  # late: only a YAML file needs it
-
-            values = yaml.safe_load(text)
+            values = _UniqueKeyLoader(text).get_single_data()
         else:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=_unique_keys)
     except Exception as e:  # json's and yaml's errors: the file is not what its name says
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"--config {path} is not readable {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}"
@@ -165,6 +167,29 @@ def read_file(path: str | Path) -> dict:
     if values.get("out") is not None and Path(values["out"]).resolve() == path.parent.resolve():
         del values["out"]
     return values
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A mapping of a config file, refusing a key given twice (the second would silently win)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice: keep one")
+    return dict(pairs)
+
+
+def _UniqueKeyLoader(text: str):
+    """YAML's safe loader refusing a key given twice in one mapping."""
+    import yaml  # late: only a YAML file needs it
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            # the keys written in this mapping; a merged one (<<: *anchor) may be overridden, as YAML means
+            _unique_keys([(self.construct_object(k, deep=deep), None) for k, _ in node.value
+                          if k.tag != "tag:yaml.org,2002:merge"])
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader(text)
 
 
 def _check_type(path: Path, key: str, value, annotation):
@@ -216,6 +241,10 @@ def resolve(cfg: Config) -> Config:
 
     _choice("dataset", cfg.dataset, DATASETS)
     cfg = _with_recipe(cfg)
+    for f in dataclasses.fields(cfg):  # NaN passes every comparison below; inf makes a run of NaN
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     _choice("method", cfg.method, METHODS)
     check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
@@ -239,6 +268,10 @@ def resolve(cfg: Config) -> Config:
     if min(cfg.weight_decay, cfg.warmup_epochs, cfg.workers, cfg.conflict_every, cfg.monitor_every) < 0:
         raise UserError("--weight-decay, --warmup-epochs, --workers, --conflict-every and --monitor-every must not be "
                         "negative")
+    if not 0 <= cfg.momentum < 1:
+        raise UserError(f"--momentum must lie in [0, 1), got {cfg.momentum}")
+    if not 0 <= cfg.seed < 2**31:  # the per-process seeds (seed + 1,000,003 x rank) must stay below numpy's 2**32
+        raise UserError(f"--seed must be a whole number from 0 to {2**31 - 1}, got {cfg.seed}")
     if cfg.warmup_epochs >= cfg.epochs:
         raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
     if cfg.max_steps is not None and cfg.max_steps < 1:
@@ -247,6 +280,8 @@ def resolve(cfg: Config) -> Config:
         raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=str(Path(RUNS) / run_name(cfg)))
+    if cfg.data_dir is not None:  # as an absolute path: what opens the run later reads no relative one (rundir)
+        cfg = dataclasses.replace(cfg, data_dir=os.path.abspath(os.path.expanduser(cfg.data_dir)))
     return cfg
 
 

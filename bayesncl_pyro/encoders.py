@@ -200,6 +200,9 @@ def feature_width(net: nn.Module, in_channels: int, image_size: int, spec: str =
 
 def _unfit(spec: str, in_channels: int, image_size: int, e: Exception) -> UserError:
     cause = f"{e.__class__.__name__}: {str(e).splitlines()[0]}" if str(e) else e.__class__.__name__
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):  # the CPU's
+        return UserError(f"--image-size {image_size}: two blank {in_channels}-channel {image_size} px images through "
+                         f"--encoder {spec} ran out of memory ({cause}); lower --image-size")
     return UserError(f"--encoder {spec} does not take {in_channels}-channel {image_size} px images ({cause}); "
                      "change --image-size or the encoder")
 

@@ -1,7 +1,9 @@
 """What a command line may take from the user's own code: an object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
-checked against the constructor they are for and converted to the types it declares."""
+checked against the constructor they are for and converted to the types it declares; and the flags by which a script
+that opens a run folder is told to import the code its configuration names (``rundir.load_learner``)."""
 
+import argparse
 import ast
 import importlib
 import inspect
@@ -100,3 +102,14 @@ def _convert(value, param: inspect.Parameter | None, context: str):
     if kind is int and converted != float(value):  # int("5.5") fails, but int(5.5) would truncate
         raise UserError(f"{context} takes an int")
     return converted
+
+
+def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
+    """The flags of a script that opens a run folder (``rundir.load_learner``): --trust-run, and --data-dir if it
+    reads the run's data."""
+    if data_dir:
+        p.add_argument("--data-dir", help="the run's data folder (default: the run's own, when it is an absolute "
+                       "path outside the run folder)")
+    p.add_argument("--trust-run", action="store_true", help="import the code that the run's configuration names "
+                   "(an --encoder or --prior package.module:name); a run folder is refused otherwise, as it would run "
+                   "its writer's code")

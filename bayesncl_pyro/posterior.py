@@ -46,7 +46,8 @@ class GatePosterior:
 
 @torch.no_grad()
 def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
-                   num_draws: int = 0, device: str | torch.device | None = None) -> GatePosterior:
+                   num_draws: int = 0, device: str | torch.device | None = None,
+                   trust_code: bool = False) -> GatePosterior:
     """The gate posterior of a run folder (or a trained learner) on the test split.
 
     Args:
@@ -56,11 +57,12 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
             estimator (training's value is another matter: ``ste`` trains on the mode); 0 = only the
             exact probabilities.
         device: where to compute; by default the learner's own device (cpu for a run folder).
+        trust_code: import the code that a run folder's configuration names (``rundir.load_learner``).
     """
     if isinstance(source, ContrastiveLearner):
         learner = source if device is None else source.to(device)
     else:
-        learner, _ = load_learner(source, device or "cpu")
+        learner, _ = load_learner(source, device or "cpu", trust_code=trust_code)
     device = next(learner.parameters()).device
     cfg = learner.cfg
     if not learner.gated:

@@ -269,8 +269,10 @@ def thumbnails(dataset, size: int = THUMBNAIL_PX) -> list[str]:
 
 
 def _script_json(obj) -> str:
-    """JSON to sit inside a <script> element: '</' cannot end it early."""
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    """JSON to sit inside a <script> element: no '<', '>' or '&' in it (as \\u003c and alike, the same string to
+    JSON.parse), so no text of the run's (a class folder, a path) can end the element or open a comment in it."""
+    text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 _FOCUS = '<script type="application/json" id="focus">null</script>'
@@ -290,14 +292,15 @@ def focused(page: str, view: str) -> str:
     return page.replace(_FOCUS, _FOCUS.replace("null", _script_json(view)), 1)
 
 
-def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
-          device: str = "cpu") -> tuple[dict, list[str]]:
-    """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run."""
+def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None, device: str = "cpu", *,
+          trust_code: bool = False, data_dir: str | os.PathLike | None = None) -> tuple[dict, list[str]]:
+    """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run (``trust_code``,
+    ``data_dir``: as ``load_run`` takes them, for both)."""
     from bayesncl_pyro.run import load_run  # late: run imports the training stack
 
-    run = load_run(run_dir, device)
+    run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     cfg, learner = run.cfg, run.learner
-    other = load_run(baseline, device) if baseline is not None else None
+    other = load_run(baseline, device, trust_code=trust_code, data_dir=data_dir) if baseline is not None else None
     if other is not None and other.cfg.dataset != cfg.dataset:
         raise UserError(f"the baseline {baseline} was trained on {other.cfg.dataset}, {run_dir} on {cfg.dataset}: "
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
@@ -340,11 +343,12 @@ def write(data: dict, images: list[str], out: str | os.PathLike) -> Path:
 
 
 def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
-                 out: str | os.PathLike | None = None) -> Path:
-    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report)."""
+                 out: str | os.PathLike | None = None, **load) -> Path:
+    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report);
+    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them."""
     from bayesncl_pyro.rundir import run_folder
 
-    return write(*build(run_dir, baseline), out or run_folder(run_dir) / REPORT_DIR)
+    return write(*build(run_dir, baseline, **load), out or run_folder(run_dir) / REPORT_DIR)
 
 
 class Report:

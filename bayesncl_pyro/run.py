@@ -26,10 +26,15 @@ from bayesncl_pyro.learner import ContrastiveLearner
 from bayesncl_pyro.rundir import load_learner, run_folder
 
 
-def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> "TrainedRun":
+def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
+             data_dir: str | os.PathLike | None = None) -> "TrainedRun":
     """The trained run in ``run_dir`` (a folder written by ``experiments/run_svi.py``, or its ``checkpoint.pt``), on
-    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``)."""
-    learner, cfg = load_learner(run_dir, device)
+    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``).
+
+    A run folder is data: one whose encoder or prior is code of its writer's (``package.module:name``) is refused
+    unless ``trust_code=True``, which imports it; ``data_dir`` names the run's data folder (by default the run's own
+    when it is an absolute path outside the run folder): ``rundir.load_learner``."""
+    learner, cfg = load_learner(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     return TrainedRun(learner, cfg, run_folder(run_dir))
 
 

@@ -7,27 +7,40 @@
     eval.json       the evaluation of the final model
     gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
     bad_images.txt  with --skip-bad-images: the unreadable files that were skipped, one per line
+    run.lock        locked (flock) by the process training in the folder, whose pid it holds
 
-Nothing here deletes a file: an earlier run is moved into a ``previous-<time>`` subfolder, and every file
-is replaced by a rename, so a crash mid-write leaves the previous version intact.
+Nothing here deletes a user's file: an earlier run is moved into a ``previous-<time>`` subfolder, a folder that
+holds anything else is refused, and every file is replaced by a rename, so a crash mid-write leaves the previous
+version intact (its temporary file, named by the writing process, is removed by the next run in the folder).
+
+A run folder is data: reading one (:func:`load_learner`) imports no code that its configuration names unless
+asked to (``trust_code``), and reads its data folder only from an absolute path outside the run folder.
 """
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
+import warnings
+import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bayesncl_pyro import __version__
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.datasets import FOLDER_DATASETS
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.encoders import TIMM
 from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.plugins import is_spec
 
 CONFIG = "config.json"
 CHECKPOINT = "checkpoint.pt"
@@ -36,18 +49,34 @@ EVAL = "eval.json"
 GATES_FILE = "gates.nc"
 BAD_IMAGES = "bad_images.txt"
 PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
+LOCK = "run.lock"
+_REWRITTEN = (CHECKPOINT, CONFIG, EVAL)  # the files a run replaces (atomic_save): a killed one leaves their .tmp
 
 
-def claim(out: Path, cfg: Config, overwrite: bool):
+def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
     """Create the run folder ``out`` for ``cfg``, or check that the one there holds this very run; with
-    ``overwrite`` move whatever it holds aside first. Writes nothing: the trainer writes ``config.json`` once the
-    run is set up, so that a run refused before it trains (a batch larger than the data set) leaves nothing that
-    would refuse the corrected command."""
+    ``overwrite`` move the run it holds aside first. Returns the folder's lock, to be held for the life of the run.
+
+    Refused: ``out`` being the working folder or the data folder or holding either, a folder held by another
+    running process, and one that holds files but no run of ours (with ``overwrite`` too). A run there that
+    differs from ``cfg`` but never wrote a checkpoint (it was refused or diverged at its first steps) is moved
+    aside: it holds nothing to resume. Writes no file of the run: the trainer writes ``config.json`` once the run
+    is set up, so that a run refused before it trains (a batch larger than the data set) leaves nothing that would
+    refuse the corrected command."""
+    _check_place(out, cfg.data_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
     saved = out / CONFIG
+    theirs = [p.name for p in sorted(out.iterdir())
+              if p.name != LOCK and not p.name.startswith(PREVIOUS) and not _temporary(p.name)]
+    if theirs and not _holds_a_run(saved):  # checked before the lock file is made: a user's folder stays as it is
+        shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+        raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
+                        "(--overwrite moves only an earlier run's files aside)")
+    held = lock(out)
+    _remove_temporaries(out)
     if overwrite:
         move_aside(out)
     elif saved.exists():
@@ -57,16 +86,110 @@ def claim(out: Path, cfg: Config, overwrite: bool):
             raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
                             "folder's files aside and start afresh, or pass another --out") from None
         what = old.differences(cfg)
-        if what:
+        if what and not (out / CHECKPOINT).exists():
+            print(f"note: {out} holds a run with a different configuration ({what}) that wrote no checkpoint",
+                  file=sys.stderr)
+            move_aside(out)
+        elif what:
             raise UserError(f"{out} holds a run with a different configuration ({what}); "
                             "rerun with the same flags to resume it, pass --overwrite to move it aside "
                             "and start afresh, or pass another --out")
+    return held
+
+
+def _check_place(out: Path, data_dir: str | None):
+    """Refuse an ``out`` that is the working folder or the data folder, or a folder above one of them: moving its
+    files aside (--overwrite) would move the user's repository or data set."""
+    real = out.expanduser().resolve()
+    for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
+        if place is None:
+            continue
+        place = Path(place).expanduser().resolve()
+        if real == place or real in place.parents:
+            where = what if real == place else f"a folder above {what} ({place})"
+            raise UserError(f"--out {out} is {where}; a run needs a folder of its own: pass e.g. --out runs/NAME")
+
+
+def _holds_a_run(saved: Path) -> bool:
+    """Whether ``saved`` is the config.json of a run of ours (of this version or another)."""
+    try:
+        values = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(values, dict) and "dataset" in values
+
+
+def _temporary(name: str) -> bool:
+    """Whether ``name`` is the temporary file of a run's write (``atomic_save``)."""
+    return name.endswith(".tmp") and name.startswith(tuple(f"{n}." for n in _REWRITTEN))
+
+
+def _remove_temporaries(out: Path):
+    """The temporary files that runs killed mid-write (SIGKILL) left: with the folder locked, no one writes them."""
+    for tmp in out.iterdir():
+        if _temporary(tmp.name):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``OUT/run.lock``, held while this object lives (the trainer's: the run's life, or
+    until its process ends, whatever kills it). The file holds the holder's pid, for the next run's message."""
+
+    def __init__(self, out: Path):
+        path = out / LOCK
+        self.file = open(path, "a+")  # (a lock file is never replaced, so a lock always guards the same file)
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"cannot lock {path}: {e.strerror}; choose another --out") from None
+            raise UserError(f"{out} is in use by another run ({holder}); wait for it to end, or pass another "
+                            "--out") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+
+
+_HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionary()
+
+
+def _forget_locks():
+    """In a forked child (a loader worker): close its copy of the lock files. The parent's lock stays (it goes when
+    every copy is closed), and no longer outlives the parent in a worker left behind by a SIGKILL."""
+    for held in list(_HELD.values()):
+        held.file.close()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
+def lock(out: Path) -> RunLock | None:
+    """The lock of run folder ``out``: taken, or the one this process holds already (a second Trainer in one
+    process resumes there, as a rerun would); None where the lock file cannot be written (a read-only folder:
+    the first write of the run says so)."""
+    key = out.resolve()
+    held = _HELD.get(key)
+    if held is None:
+        try:
+            held = RunLock(out)
+        except OSError as e:  # from opening the lock file
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return None
+            raise UserError(cannot_write(out / LOCK, e)) from None
+        _HELD[key] = held
+    return held
 
 
 def move_aside(out: Path):
-    """Move every file of the run folder (but earlier ``previous-*`` folders) into a new
+    """Move every file of the run folder (but its lock and earlier ``previous-*`` folders) into a new
     ``previous-<time>`` subfolder: restarting never deletes results."""
-    old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS)]
+    old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS) and p.name != LOCK]
     if not old:
         return
     try:
@@ -83,10 +206,10 @@ def move_aside(out: Path):
 
 
 def atomic_save(obj, path: Path):
-    """``torch.save(obj)``, or ``obj`` itself if it is bytes, to a temporary file in the same folder,
-    fsync, then rename: a crash mid-write leaves the previous file intact. A failed write (disk full,
-    read-only) raises ``UserError`` and leaves no temporary file behind."""
-    tmp = path.with_name(path.name + ".tmp")
+    """``torch.save(obj)``, or ``obj`` itself if it is bytes, to a temporary file of this process in the same
+    folder, fsync, then rename: a crash mid-write leaves the previous file intact. A failed write (disk full,
+    read-only) raises ``UserError``; any failure, an interrupt too, removes the temporary file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
     try:
         with open(tmp, "wb") as f:
             if isinstance(obj, bytes):
@@ -96,13 +219,16 @@ def atomic_save(obj, path: Path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
             tmp.unlink(missing_ok=True)
-        raise UserError(f"{cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
-    except RuntimeError as e:  # torch.save's zip writer, interrupted (a second Ctrl-C), fails on closing: say so
-        if isinstance(e.__context__, KeyboardInterrupt):
-            raise e.__context__ from None
+        # torch.save's zip writer fails on closing after a failed or interrupted write, with a RuntimeError
+        # ("unexpected pos") that would hide the cause: a full disk, a Ctrl-C
+        cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
+        if isinstance(cause, OSError):
+            raise UserError(f"{cannot_write(path, cause)} (any previous {path.name} is unchanged)") from None
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from None
         raise
 
 
@@ -154,15 +280,30 @@ def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
 def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint without executing code from it (weights-only unpickling)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol it did not write: the error says enough
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
-        raise UserError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0]}; "
-                        "it is corrupt or not a bayesncl-pyro checkpoint (move it away to start afresh)")
+        raise UserError(f"cannot read checkpoint {path}: {_load_failure(e)}; it is corrupt or not a bayesncl-pyro "
+                        "checkpoint (move it away to start afresh)") from None
     if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
     if "optimizer" in state:
         _rescale_prior_group(state)
     return state
+
+
+def _load_failure(e: Exception) -> str:
+    """What a weights-only ``torch.load`` failed on, without torch's advice to load the file with
+    ``weights_only=False`` (which runs the code a pickle names: never for a file of unknown origin)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("Weights only load failed"):
+        return f"{e.__class__.__name__}: {lines[0] if lines else ''}"
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    detail = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines
+              if not line.startswith(advice) and "weights_only" not in line]
+    detail = next((line for line in detail if line), "")
+    return "it holds objects other than tensors and plain values" + (f" ({detail.rstrip('.')})" if detail else "")
 
 
 def _rescale_prior_group(state: dict):
@@ -220,15 +361,61 @@ def run_folder(run: str | os.PathLike) -> Path:
     return run.parent if run.name == CHECKPOINT and run.is_file() else run
 
 
-def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[ContrastiveLearner, Config]:
+def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
+                 data_dir: str | os.PathLike | None = None) -> tuple[ContrastiveLearner, Config]:
     """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
-    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``)."""
-    path = run_folder(run_dir) / CHECKPOINT
+    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), and its config.
+
+    A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
+    (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
+    given, else the run's own if it is absolute and outside the run folder (else None: loading the run's data then
+    asks for ``--data-dir``)."""
+    folder = run_folder(run_dir)
+    path = folder / CHECKPOINT
     if not path.exists():
         raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
     device = pick_device(str(device), flag="device")
     state = load_checkpoint(path)
     cfg = Config.from_dict(state["config"])
+    _check_code(cfg, path, trust_code)
+    cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))
     learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
     load_weights(learner, state, path)
     return learner.to(device).eval(), cfg
+
+
+def code_references(cfg: Config) -> dict[str, str]:
+    """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference."""
+    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
+            if is_spec(spec) and not spec.startswith(TIMM)}
+
+
+def _check_code(cfg: Config, path: Path, trust: bool):
+    """Refuse (or, trusted, announce) the modules that the run's encoder and prior would import."""
+    code = code_references(cfg)
+    if not code:
+        return
+    named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())
+    if not trust:
+        raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
+                        "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
+    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
+
+
+def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
+    """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
+    shared file system); a relative one depends on where the command runs, and one in the run folder is the
+    sender's: None, said in a note."""
+    if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
+        return cfg.data_dir
+    saved = Path(cfg.data_dir)
+    real, run = saved.resolve(), folder.resolve()
+    why = "is relative" if not saved.is_absolute() else \
+        "is the run folder or lies in it" if real == run or run in real.parents else \
+        "holds the run folder" if real in run.parents else None
+    if why:
+        print(f"note: {path} names the data folder {cfg.data_dir!r}, which {why}; a run's data folder is read only "
+              "from an absolute path outside the run: name it with --data-dir (data_dir= in Python)", file=sys.stderr)
+        return None
+    return cfg.data_dir
+

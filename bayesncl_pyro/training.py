@@ -130,8 +130,9 @@ class Trainer:
             raise UserError(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                             f"{self.world} processes; pick a multiple of {self.world}")
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
+        self._lock = None  # rank 0's lock on the run folder, held while the trainer lives
         if self.rank == 0:
-            rundir.claim(self.out, cfg, overwrite)
+            self._lock = rundir.claim(self.out, cfg, overwrite)
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
@@ -440,7 +441,7 @@ class Trainer:
                   "gradient", file=sys.stderr)
         bad = self.out / BAD_IMAGES
         if bad.exists():
-            count = len(set(bad.read_text().splitlines()))
+            count = len(set(bad.read_bytes().splitlines()))
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
     def _record(self, loss: torch.Tensor, stats: dict, epoch: int, images_per_s: float) -> dict:

@@ -1,73 +1,8 @@
-"""Export a trained run's weights for use without this project: the backbone's plain state_dict, the head's beside it.
+"""Export a trained run's weights for use without this project: bayesncl_pyro/cli/export.py (--help says how)."""
 
-    python experiments/export.py runs/x --out backbone.pt      # also writes backbone_head.pt
-
-The backbone file is ``backbone.state_dict()`` exactly: a torchvision model loads it into
-``torchvision.models.get_model(name)`` once the run's changes are made to it (its classifier replaced by
-``Identity``, as the run did; below 64 px a ResNet's CIFAR stem), and the script prints those lines. Any other
-backbone loads into ``bayesncl_pyro.encoders.build_backbone(encoder, channels, image_size)``. The head file is the
-``BayesNCLHead``'s state_dict (projector, gating head, prior): the printed ``BayesNCLHead(...)`` with the run's
-arguments loads it.
-"""
-
-import argparse
 import sys
-from pathlib import Path
 
-from bayesncl_pyro import rundir
-from bayesncl_pyro.encoders import torchvision_code
-from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.learner import head_arguments
-
-
-def export(run_dir: Path, out: Path, head_out: Path | None = None) -> list[str]:
-    """Write the backbone's and the head's state_dicts; return what was written and the lines that load them."""
-    head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
-    folder = rundir.run_folder(run_dir)
-    for path in (out, head_out):
-        if path.resolve().parent == folder.resolve() and path.name in (rundir.CHECKPOINT, rundir.CONFIG, rundir.EVAL):
-            raise UserError(f"{path} is the run's own {path.name}; pass another --out")
-    if out.resolve() == head_out.resolve():
-        raise UserError(f"--out and --head-out are both {out}; give them two names")
-    learner, cfg = rundir.load_learner(run_dir)
-    for path in (out, head_out):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
-    rundir.atomic_save(backbone, out)
-    rundir.atomic_save(head, head_out)
-    channels, size = learner.in_channels, cfg.image_size
-    feature_dim = learner.head.projector[0].in_features
-    build = torchvision_code(cfg.encoder, channels, size) or [
-        "from bayesncl_pyro.encoders import build_backbone",
-        f"backbone, _ = build_backbone({cfg.encoder!r}, {channels}, {size})"]
-    arguments = "".join(f", {k}={v!r}" for k, v in head_arguments(cfg).items())
-    return [f"wrote {out}: the {cfg.encoder} backbone's state_dict ({len(backbone)} tensors; {channels} x {size} x "
-            f"{size} images -> {feature_dim} features)",
-            f"wrote {head_out}: the {cfg.method} head's state_dict (BayesNCLHead: projector"
-            + (", gating head, prior)" if learner.gated else ")"),
-            "load them with:",
-            "    import torch, torchvision" if build[0].startswith("backbone = torchvision") else "    import torch",
-            *("    " + line for line in build),
-            f"    backbone.load_state_dict(torch.load({str(out)!r}))",
-            "    from bayesncl_pyro import BayesNCLHead",
-            f"    head = BayesNCLHead({feature_dim}, num_train={learner.head.num_rows // 2}{arguments})",
-            f"    head.load_state_dict(torch.load({str(head_out)!r}))"]
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py (or its checkpoint.pt)")
-    p.add_argument("--out", type=Path, help="the backbone's state_dict (default: RUN_DIR/backbone.pt)")
-    p.add_argument("--head-out", type=Path, help="the head's state_dict (default: beside --out, <name>_head.pt)")
-    args = p.parse_args(argv)
-    try:
-        out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
-        print("\n".join(export(args.run_dir, out, args.head_out)))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+from bayesncl_pyro.cli.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

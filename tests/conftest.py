@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pyro
 import pytest
 import torch
@@ -18,3 +20,55 @@ def pytest_configure(config):
 
 
 from fake_cuda import fake_cuda  # noqa: E402,F401 -- the fixture: a CPU stand-in for CUDA (tests/fake_cuda.py)
+
+
+def _tiny_run(tmp_path_factory, name: str, *args: str):
+    from bayesncl_pyro.cli import run_svi
+    from helpers import TINY_RUN
+
+    out = tmp_path_factory.mktemp("tiny") / name
+    assert run_svi.main([*TINY_RUN, "--conflict-every", "1", "--out", str(out), *args]) == 0
+    return out
+
+
+# Trained once per session for every test that reads a finished run (report, load_run, export, inspect_gates, the
+# scripts): tests only read them, and write under folders of their own (a test that writes into a run copies it).
+@pytest.fixture(scope="session")
+def bayes_run(tmp_path_factory):
+    """A finished two-step BayesNCL run on digits (helpers.TINY_RUN, a conflict record every step), with gates.nc."""
+    return _tiny_run(tmp_path_factory, "bayesncl")
+
+
+@pytest.fixture(scope="session")
+def ncl_run(tmp_path_factory):
+    """The same as NCL: a run without gates."""
+    return _tiny_run(tmp_path_factory, "ncl", "--method", "ncl")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Debian Chromium with a fresh profile, launched once a module (seconds each time), or a skip that says
+    why there is none; each test opens a tab."""
+    from bayesncl_pyro.cli import bench_report
+
+    playwright = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed "
+                                     "(pip install -e '.[test]')")
+    if not Path(bench_report.CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {bench_report.CHROMIUM}: install Debian's package (apt-get install -y chromium), "
+                    "as .ci/run does, to test the page in a browser")
+    with playwright.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            tmp_path_factory.mktemp("chromium"), executable_path=bench_report.CHROMIUM, args=bench_report.CHROMIUM_ARGS,
+            headless=True, viewport={"width": 1300, "height": 900})
+        yield context
+        context.close()
+
+
+@pytest.fixture
+def tab(browser):
+    """A tab of the module's Chromium (helpers.Tab), closed after the test."""
+    from helpers import Tab
+
+    t = Tab(browser)
+    yield t
+    t.close()

@@ -1,34 +1,21 @@
-"""experiments/compare.py's time budget and the paper's numbers: the planning arithmetic, and the paper's
-CIFAR-100 command end to end on CPU, on a generated CIFAR-100-shaped tree with a small encoder."""
+"""compare.py's time budget and the paper's numbers: the planning arithmetic, and the paper's CIFAR-100 command end
+to end on CPU (in-process, with fewer timing steps; tests/test_scripts.py runs the script itself), on a generated
+CIFAR-100-shaped tree with a small encoder."""
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from bayesncl_pyro.cli import compare
 from bayesncl_pyro.errors import UserError
-
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "compare.py"
-_spec = importlib.util.spec_from_file_location("compare", SCRIPT)
-compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare)
 
 # the paper's command (compare.py's docstring), made small enough for a CPU: the encoder and sizes
 PAPER_COMMAND = ["--dataset", "cifar100", "--recipe", "reference", "--methods", "ncl,bayesncl-ste"]
 SMALL = ["--device", "cpu", "--encoder", "cnn", "--batch-size", "50", "--proj-hidden", "32", "--proj-dim", "16",
          "--workers", "0"]
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    # one thread: on a shared 2-core machine two threads per step can be 10x slower
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +69,13 @@ def test_the_recipe_chooses_the_evaluation_protocol(recipe, protocol):
     assert resolve(Config(**compare.shared_config(args, 50_000)[0])).eval_protocol == "fast"
 
 
-def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path):
+def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compare, "TIMING_STEPS", compare.TIMING_SKIP + 3)  # three timed steps: seconds, not a minute
     out = tmp_path / "cmp"
     args = [*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "5", "--epochs", "2",
             "--out", str(out)]
-    proc = run(*args)
-    assert proc.returncode == 0, proc.stderr
+    assert compare.main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
     plan = json.loads((out / "budget.json").read_text())
     assert plan["epochs"] == 2 and plan["max_epochs"] == 2 and plan["steps_per_epoch"] == 4
     assert set(plan["step_s"]) == {"ncl", "bayesncl-ste"} and plan["eval_s"] > 0
@@ -109,29 +97,31 @@ def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_t
     report = json.loads((out / "comparison.json").read_text())
     assert report["budget"]["epochs"] == 2 and report["paper"]["bayesncl-ste"]["semantic_consistency"] == 22.02
     assert report["protocol"] == "reference"
-    again = run(*args)  # the same plan, the finished runs reused
-    assert again.returncode == 0, again.stderr
-    assert "reusing the plan" in again.stdout and "timing" not in again.stdout
-    assert again.stdout.count("already holds a finished run") == 2
+    assert compare.main(args) == 0  # the same plan, the finished runs reused
+    again = capsys.readouterr().out
+    assert "reusing the plan" in again and "timing" not in again
+    assert again.count("already holds a finished run") == 2
 
 
-def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path):
-    proc = run(*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "0.01",
-               "--out", str(tmp_path / "cmp"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "--budget-minutes 0.01 is too short" in proc.stderr
-    assert run(*PAPER_COMMAND, "--budget-minutes", "-1").stderr.strip() == "error: --budget-minutes must be positive, got -1"
+def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compare, "TIMING_STEPS", compare.TIMING_SKIP + 1)
+    assert compare.main([*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "0.01",
+                         "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget-minutes 0.01 is too short" in err
+    assert compare.main([*PAPER_COMMAND, "--budget-minutes", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --budget-minutes must be positive, got -1"
 
 
-def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_record(tmp_path):
+def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_record(tmp_path, capsys):
     """Several --kl-weight values run each BayesNCL method once per value (NCL once), the table of the objective on
     the test split comes with them, and --record keeps each run's record: a later command with another --out (a
     fresh clone) trains nothing that is recorded, and prints the same numbers."""
     args = ["--dataset", "digits", "--methods", "ncl,bayesncl-ste,bayesncl-leg", "--kl-weight", "3e-5", "0.1",
             "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64", "--proj-hidden", "32", "--proj-dim", "16",
-            "--workers", "0", "--device", "cpu", "--record", str(tmp_path / "record")]
-    first = run(*args, "--out", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr
+            "--workers", "0", "--device", "cpu", "--max-steps", "3", "--record", str(tmp_path / "record")]
+    assert compare.main([*args, "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    capsys.readouterr()
     names = ["ncl", "bayesncl-ste-lambda3e-05", "bayesncl-ste-lambda0.1", "bayesncl-leg-lambda3e-05",
              "bayesncl-leg-lambda0.1"]
     report = json.loads((tmp_path / "a" / "comparison.json").read_text())
@@ -147,7 +137,31 @@ def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_reco
     assert sorted(p.name for p in (tmp_path / "record").iterdir()) == sorted(
         [f"{n}-seed0" for n in names] + ["comparison.json", "comparison.md"])
     assert not (tmp_path / "record" / "ncl-seed0" / "checkpoint.pt").exists()
-    again = run(*args, "--out", str(tmp_path / "b"))
-    assert again.returncode == 0, again.stderr
-    assert again.stdout.count(": recorded in") == 5 and not (tmp_path / "b" / "ncl-seed0").exists()
+    assert compare.main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out.count(": recorded in") == 5 and not (tmp_path / "b" / "ncl-seed0").exists()
     assert json.loads((tmp_path / "b" / "comparison.json").read_text())["summary"] == report["summary"]
+
+
+def test_topk_per_k_and_gates_per_density_in_one_table_and_ncl_reused_at_another_prior(tmp_path, capsys):
+    """The matched-sparsity experiment: TopK at several k, BayesNCL at a density target, the table and figure."""
+    small = ["--dataset", "digits", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64", "--proj-hidden",
+             "32", "--proj-dim", "16", "--workers", "0", "--device", "cpu", "--max-steps", "3",
+             "--record", str(tmp_path / "record")]
+    assert compare.main([*small, "--methods", "ncl,ncl+topk,bayesncl-ste", "--topk", "2", "4", "--gate-density", "0.3",
+                         "--prior-prob", "0.2", "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "a" / "comparison.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["ncl", "ncl+topk-k2", "ncl+topk-k4", "bayesncl-ste-d0.3"]
+    ste = report["runs"][-1]
+    config = json.loads((tmp_path / "a" / "bayesncl-ste-d0.3-seed0" / "config.json").read_text())
+    assert config["gate_density"] == 0.3 and config["prior_prob"] == 0.2
+    assert json.loads((tmp_path / "a" / "ncl-seed0" / "config.json").read_text())["prior_prob"] == 0.8
+    assert report["settings"]["prior_prob"] == 0.2  # the gates' shared settings
+    assert "semantic_consistency_random_mask" in ste and "semantic_consistency_q_draws" in ste
+    assert "_posterior_mean" in ste["representations"]
+    md = (tmp_path / "a" / "comparison.md").read_text()
+    assert "| Method | Act. | Cons. | class dims | bg dims | TopK Cons. at Act. |" in md
+    assert (tmp_path / "a" / "matched_sparsity.png").stat().st_size > 0
+    capsys.readouterr()
+    # the published prior: NCL is the same run
+    assert compare.main([*small, "--methods", "ncl", "--out", str(tmp_path / "b")]) == 0
+    assert "ncl, seed 0: recorded in" in capsys.readouterr().out

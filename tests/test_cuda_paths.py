@@ -17,7 +17,7 @@ from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.training import Trainer, pick_device
 from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
-from test_device_views import _truncate, assert_resume_is_exact, photo_tree, write_photo
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -350,7 +350,7 @@ def test_torchvisions_decoder_without_the_wait_is_caught(fake_cuda, tmp_path, mo
 def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cuda, tmp_path, decoder):
     fake_cuda.use_decoders(decoder)
     root = photo_tree(tmp_path)
-    bad = _truncate(root / "train" / "a" / "3.jpg")
+    bad = truncate(root / "train" / "a" / "3.jpg")
     spec = load_dataset("imagefolder", root)
     index = {path: i for i, (path, _) in enumerate(spec.train.samples)}
     encoded = EncodedImages(spec.train)
@@ -369,7 +369,7 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
     from bayesncl_pyro.data import decode
 
     root = photo_tree(tmp_path)
-    bad = _truncate(root / "train" / "a" / "3.jpg")
+    bad = truncate(root / "train" / "a" / "3.jpg")
     spec = load_dataset("imagefolder", root, skip_bad=True)
     encoded = EncodedImages(spec.train)
     batch = EncodedBatch([encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]])

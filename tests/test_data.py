@@ -13,23 +13,9 @@ from PIL import Image
 from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
 from bayesncl_pyro.errors import UserError
+from helpers import make_tree, write_image
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def write_image(path: Path, mode: str = "RGB", size=(12, 10), fmt: str | None = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    color = {"L": 128, "RGBA": (10, 20, 30, 40), "CMYK": (10, 20, 30, 40)}.get(mode, (200, 100, 50))
-    Image.new(mode, size, color).save(path, format=fmt)
-    return path
-
-
-def make_tree(root: Path, splits: dict[str, list[str]], ext: str = ".png") -> Path:
-    """``root/<split>/<class>/0<ext>`` with one small image per class."""
-    for split, classes in splits.items():
-        for c in classes:
-            write_image(root / split / c / f"0{ext}")
-    return root
 
 
 # --------------------------------------------------------------------------------------------- digits

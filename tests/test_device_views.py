@@ -19,30 +19,9 @@ from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.data.pipeline import FileViews, ResidentViews
 from bayesncl_pyro.training import EpochSampler, Trainer
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
-
-
-def write_photo(path, size=(50, 40), seed=0, mode="RGB", fmt=None):
-    """A smooth random image with noise (like a photo, unlike write_image's flat colour), ``size`` = (w, h)."""
-    rng = np.random.default_rng(seed)
-    low = Image.fromarray(rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
-    pixels = np.clip(np.asarray(low, dtype=np.float32) + rng.normal(0, 12, (size[1], size[0], 3)), 0, 255)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels.astype(np.uint8)).convert(mode).save(path, format=fmt, quality=90)
-    return path
-
-
-def photo_tree(root, per_class=6):
-    """train/{a,b}/ with colour JPEGs of several sizes, plus a PNG, a grayscale and a CMYK JPEG; val/{a,b}/."""
-    for c, name in enumerate("ab"):
-        for i in range(per_class):
-            write_photo(root / "train" / name / f"{i}.jpg", size=(40 + 7 * i, 60 - 3 * i), seed=10 * c + i)
-        write_photo(root / "val" / name / "0.jpg", seed=99 + c)
-    write_photo(root / "train" / "a" / "png.png")
-    write_photo(root / "train" / "b" / "gray.jpg", mode="L")
-    write_photo(root / "train" / "b" / "cmyk.jpg", mode="CMYK", fmt="JPEG")
-    return root
 
 
 def per_image(op, x, *params):
@@ -246,15 +225,9 @@ def test_simclr_views_shapes_range_and_seeding(tmp_path):
     assert (views(1) - x).abs().amax((1, 2, 3)).min() > 0  # another seed changes every view
 
 
-def _truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[:len(data) * 2 // 3])  # the header survives: the worker passes it on as a JPEG
-    return path
-
-
 def test_corrupt_jpeg_is_the_worker_paths_error_or_skipped_and_logged(tmp_path):
     root = photo_tree(tmp_path)
-    bad = _truncate(root / "train" / "a" / "3.jpg")
+    bad = truncate(root / "train" / "a" / "3.jpg")
     garbage = root / "train" / "b" / "5.jpg"
     garbage.write_bytes(b"not an image")
     spec = load_dataset("imagefolder", root)
@@ -301,19 +274,6 @@ def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path)
     assert not torch.allclose(first_input(straight), x)
     straight.step = 0
     assert_resume_is_exact(straight, lambda **kw: _run(tmp_path, "b", **kw))
-
-
-def assert_resume_is_exact(straight: Trainer, config):
-    """Train ``straight`` 6 steps, and ``config(**overrides)``'s run 4 steps (mid-epoch 2), saved and resumed to
-    6: the weights must be equal."""
-    straight.train(6)
-    first = Trainer(config(max_steps=4), progress=False)
-    first.train(4)
-    first.save()
-    resumed = Trainer(config(), progress=False)
-    resumed.train(6)
-    for k, v in straight.learner.state_dict().items():
-        torch.testing.assert_close(resumed.learner.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_augment_is_chosen_by_device_and_dataset(tmp_path):

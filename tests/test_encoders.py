@@ -119,11 +119,11 @@ def test_a_checkpoint_rebuilds_a_backbone_of_your_own_and_says_when_its_code_is_
     trainer.train(2)
     trainer.save()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["encoder"] == "my_backbones:small"
-    learner, _ = load_learner(tmp_path / "run")
+    learner, _ = load_learner(tmp_path / "run", trust_code=True)
     assert learner.backbone[0].out_channels == 12
     torch.testing.assert_close(learner.state_dict(), trainer.learner.state_dict())
 
     monkeypatch.delitem(sys.modules, "my_backbones")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(code)])
     with pytest.raises(UserError, match="--encoder my_backbones:small: cannot import my_backbones .*PYTHONPATH"):
-        load_learner(tmp_path / "run")
+        load_learner(tmp_path / "run", trust_code=True)

@@ -1,23 +1,24 @@
 """experiments/export.py: the backbone's plain state_dict loads into a fresh torchvision model by the lines it prints,
 and with the head's gives load_run's features."""
 
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from bayesncl_pyro import load_run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import export  # noqa: E402
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
+from bayesncl_pyro.cli import export, run_svi
+from bayesncl_pyro.training import Trainer
+from helpers import TINY_RUN
 
 
 def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features(tmp_path):
     run_dir = tmp_path / "run"
-    assert run_svi.main([*TINY_RUN, "--encoder", "resnet18", "--out", str(run_dir)]) == 0  # 1-channel 8 px digits
+    cfg, _ = run_svi.config([*TINY_RUN, "--encoder", "resnet18", "--out", str(run_dir)])  # 1-channel 8 px digits
+    trainer = Trainer(cfg, progress=False)  # a checkpoint is what export reads: no evaluation
+    trainer.train(2)
+    trainer.save()
     lines = export.export(run_dir, tmp_path / "weights" / "backbone.pt")
     code = "\n".join(line.removeprefix("    ") for line in lines[lines.index("load them with:") + 1:])
     assert "torchvision.models.get_model('resnet18')" in code and "backbone.fc = torch.nn.Identity()" in code
@@ -37,9 +38,8 @@ def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features
     assert set(torch.load(tmp_path / "weights" / "backbone_head.pt")) == set(run.learner.head.state_dict())
 
 
-def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(run_dir)]) == 0
+def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys, ncl_run):
+    run_dir = shutil.copytree(ncl_run, tmp_path / "run")  # the export writes into it
     assert export.main([str(run_dir)]) == 0
     printed = capsys.readouterr().out
     assert "build_backbone('cnn', 1, 8)" in printed and (run_dir / "backbone.pt").exists()

@@ -195,6 +195,7 @@ def test_importing_the_package_stays_light():
     assert out.split() == ["True", "True"]
 
 
+@pytest.mark.slow
 def test_an_install_keeps_the_pyro_program_inside_the_package(tmp_path):
     """models/ and guides/ sit at the repository's top but install as bayesncl_pyro.models and .guides: a user's
     own top-level ``models`` package neither shadows ours nor mixes with it (a plain, non-editable install)."""

@@ -12,10 +12,9 @@ import torch
 from PIL import Image
 
 from bayesncl_pyro import dimensions as dm
+from bayesncl_pyro.cli import inspect_gates
 from bayesncl_pyro.estimators import gate_class
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import inspect_gates  # noqa: E402
 
 
 @pytest.fixture

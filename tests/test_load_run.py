@@ -1,8 +1,6 @@
 """load_run: a trained run folder as an object that takes images in any common form."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,16 +14,11 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.run import image_paths
 from bayesncl_pyro.rundir import read_eval
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("load_run") / "run"
-    assert run_svi.main([*TINY_RUN, "--out", str(out)]) == 0  # BayesNCL on digits, with gates.nc
-    return out
+@pytest.fixture
+def run_dir(bayes_run):
+    return bayes_run  # BayesNCL on digits, with gates.nc
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ git without outputs."""
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_gates.ipynb"
@@ -15,6 +16,7 @@ def test_notebook_is_stored_without_outputs():
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook trains its runs in a temporary folder
     nb = nbformat.read(NOTEBOOK, as_version=4)

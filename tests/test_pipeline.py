@@ -17,7 +17,7 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.data.pipeline import IndexBatches, ResidentViews, prefetch
 from bayesncl_pyro.training import EpochSampler, Trainer
 
-from test_device_views import assert_resume_is_exact
+from helpers import assert_resume_is_exact
 
 CPU = torch.device("cpu")
 

@@ -16,16 +16,13 @@ import torch
 from pyro.nn import PyroModule
 
 from bayesncl_pyro import BayesNCLHead
+from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.rundir import load_learner
+from helpers import RUN_SVI, TINY_RUN
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
-
-RUN_SVI = Path(run_svi.__file__)
 PRIOR_CODE = '''
     import torch
 
@@ -68,7 +65,7 @@ def test_a_prior_from_your_own_module_trains_resumes_and_reloads(tmp_path, prior
     assert saved["prior"] == "my_priors:SteppedPrior" and saved["prior_args"] == {"scale": 0.25}
 
     monkeypatch.syspath_prepend(str(prior_code))
-    learner, cfg = load_learner(out)
+    learner, cfg = load_learner(out, trust_code=True)
     assert type(learner.model.prior).__name__ == "SteppedPrior" and cfg.prior_args == {"scale": 0.25}
     torch.testing.assert_close(learner.model.prior.rate(), torch.tensor([0.8] * 8 + [0.2] * 8))
     # the same command resumes it (here: finds it finished); "2.5e-1" is the same value

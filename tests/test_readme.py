@@ -11,11 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
+from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import run_svi  # noqa: E402
 
 TINY = ["--dataset", "compositional", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
         "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]

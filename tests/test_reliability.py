@@ -26,36 +26,14 @@ from bayesncl_pyro.data import ImageFiles
 from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
 from bayesncl_pyro.rundir import load_checkpoint, load_learner
 from bayesncl_pyro.training import Trainer, pick_device
-from test_data import make_tree, write_image
-
-RUN_SVI = Path(__file__).resolve().parents[1] / "experiments" / "run_svi.py"
-# 44 steps per epoch at batch 32; runs stop early through max_steps (which may change on resume)
-FAST = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5,
-            workers=0, log_every=1, ckpt_every=2)
-
-
-def fast(path: Path, **kw) -> Config:
-    return Config(out=str(path), **{**FAST, **kw})
-
+from bayesncl_pyro.cli import run_svi
+from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
 
 def reference(path: Path, steps: int) -> dict:
     """The parameters of an uninterrupted run after ``steps`` steps."""
     trainer = Trainer(fast(path), progress=False)
     trainer.train(steps)
     return trainer.learner.state_dict()
-
-
-def assert_same_params(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
-
-
-def cli(cfg: Config) -> list[str]:
-    """run_svi.py flags for the non-default fields of ``cfg``."""
-    default = Config()
-    return [a for k, v in cfg.to_dict().items() if v != getattr(default, k)
-            for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def start(cfg: Config) -> subprocess.Popen:
@@ -67,16 +45,6 @@ def start(cfg: Config) -> subprocess.Popen:
         # a session of its own, so that a signal to its process group plays a terminal's Ctrl-C
         return subprocess.Popen([sys.executable, str(RUN_SVI), *cli(cfg)], stdout=so, stderr=se, env=env,
                                 start_new_session=True)
-
-
-def log_lines(cfg: Config) -> list[str]:
-    log = Path(cfg.out) / "log.jsonl"
-    return log.read_text().splitlines() if log.exists() else []
-
-
-def logged_step(cfg: Config, since: int = 0) -> int:
-    """The last step in the log after its first ``since`` lines (a line being written is not yet one)."""
-    return max((json.loads(line)["step"] for line in log_lines(cfg)[since:] if line.endswith("}")), default=0)
 
 
 def signal_after(cfg: Config, step: int, signum: int, to_group: bool = False) -> int:
@@ -103,6 +71,7 @@ def finish(cfg: Config) -> dict:
 # ------------------------------------------------------------------------------------ kills and signals
 
 
+@pytest.mark.slow
 def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
     """SIGKILL at two points, then Ctrl-C (SIGINT to the whole process group, as from a terminal) with
     2 loader workers, then the same command to the end: the parameters of a 0-worker uninterrupted run.
@@ -125,7 +94,8 @@ def test_sigkills_and_ctrl_c_then_rerun_match_an_uninterrupted_run(tmp_path):
 
 
 def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exactly(tmp_path):
-    """What SIGKILL during ``atomic_save`` leaves on disk: the previous checkpoint and a partial .tmp."""
+    """What a crash during ``atomic_save`` leaves on disk: the previous checkpoint (and, after a SIGKILL, a partial
+    .tmp, which the next run removes)."""
     first = Trainer(fast(tmp_path / "run"), progress=False)
     first.train(4)  # checkpoints at steps 2 and 4
     good = (tmp_path / "run" / "checkpoint.pt").read_bytes()
@@ -141,9 +111,12 @@ def test_crash_inside_a_checkpoint_write_keeps_the_previous_one_and_resumes_exac
         with pytest.raises(KeyboardInterrupt):
             first.train(8)  # dies writing the checkpoint of step 6
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
-    assert (tmp_path / "run" / "checkpoint.pt.tmp").exists()  # the half-written file, never renamed
+    assert not list((tmp_path / "run").glob("*.tmp"))  # an interrupted write removes its temporary file
+    killed = tmp_path / "run" / "checkpoint.pt.99999.tmp"  # what a SIGKILL'd writer leaves: half a file
+    killed.write_bytes(good[:len(good) // 2])
+    del first  # its process ends: the run folder's lock goes with it
     resumed = Trainer(fast(tmp_path / "run"), progress=False)
-    assert resumed.step == 4
+    assert resumed.step == 4 and not killed.exists()
     resumed.train(8)
     assert_same_params(resumed.learner.state_dict(), reference(tmp_path / "ref", 8))
 
@@ -244,15 +217,6 @@ def test_ctrl_c_during_the_final_checkpoint_is_a_stop_and_a_rerun_evaluates(tmp_
     assert rerun.step == 4 and "linear_probe_top1" in rerun.fit()
 
 
-def _run_svi():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_svi", RUN_SVI)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("raised, code, printed", [
     (UserError("bad value"), 2, "error: bad value"),
     (Stopped("SIGINT received", signal.SIGINT), 130, "stopped: SIGINT received"),
@@ -266,7 +230,7 @@ def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
             raise raised
 
     monkeypatch.setattr(training, "Trainer", Failing)
-    assert _run_svi().main(["--out", "unused"]) == code
+    assert run_svi.main(["--out", "unused"]) == code
     assert capsys.readouterr().err == printed + "\n"
 
 
@@ -277,6 +241,7 @@ def test_ctrl_c_while_run_svi_loads_its_libraries_is_one_line(monkeypatch, capsy
                 raise KeyboardInterrupt
 
     monkeypatch.delitem(sys.modules, "bayesncl_pyro.config")
+    monkeypatch.delitem(sys.modules, "bayesncl_pyro.cli.run_svi")  # the script imports it afresh
     monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
     with pytest.raises(SystemExit) as exit:
         runpy.run_path(str(RUN_SVI), run_name="__main__")
@@ -285,7 +250,7 @@ def test_ctrl_c_while_run_svi_loads_its_libraries_is_one_line(monkeypatch, capsy
 
 
 def test_run_svi_flags():
-    parser = _run_svi().parser
+    parser = run_svi.parser
     args = vars(parser().parse_args(["--skip-bad-images", "--on-nan", "skip", "--overwrite", "--ckpt-minutes", "30"]))
     assert args["skip_bad_images"] and args["on_nan"] == "skip" and args["overwrite"] and args["ckpt_minutes"] == 30
     with pytest.raises(UserError, match="--ckpt-minutes must be positive, got 0"):
@@ -411,7 +376,7 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, ca
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{ not json", "not a readable run configuration; pass --overwrite"),
+    ("{ not json", "holds files that are not a bayesncl-pyro run"),
     ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
 ])
 def test_unreadable_config_json_is_refused(tmp_path, text, match):
@@ -444,7 +409,7 @@ def test_read_only_or_full_output_folder(tmp_path, monkeypatch, code):
                        "\\(any previous checkpoint.pt is unchanged\\)"):
         trainer.train(4)  # checkpoints at step 4
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == good
-    assert not (tmp_path / "run" / "checkpoint.pt.tmp").exists()
+    assert not list((tmp_path / "run").glob("*.tmp"))
 
 
 def test_a_read_only_output_folder_is_one_line(tmp_path):

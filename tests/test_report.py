@@ -4,9 +4,6 @@ Chromium, driven by Playwright), at the size of a tiny run and at ImageNet-100's
 
 import json
 import re
-import shutil
-import sys
-import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,15 +11,12 @@ import pytest
 import torch
 
 from bayesncl_pyro import dimensions as dm, report
+from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.posterior import gate_posterior
 from bayesncl_pyro.rundir import load_learner, read_eval
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import bench_report  # noqa: E402
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
+from helpers import TINY_RUN
 
 # the compositional benchmark (factors recorded), a few steps: 1280 test images, K = 16
 TINY_COMPOSITIONAL = [a if a != "digits" else "compositional" for a in TINY_RUN] + ["--max-steps", "3",
@@ -148,12 +142,10 @@ def test_the_page_is_one_self_contained_file(runs):
     assert sorted(p.name for p in folder.iterdir()) == ["index.html", "report.json"]
 
 
-def test_a_baseline_on_other_data_and_a_missing_run_are_refused(runs, tmp_path):
+def test_a_baseline_on_other_data_and_a_missing_run_are_refused(runs, tmp_path, ncl_run):
     bayes, _, _, _ = runs
-    other = tmp_path / "digits"
-    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(other)]) == 0
     with pytest.raises(UserError, match="trained on digits"):
-        report.build(bayes, other)
+        report.build(bayes, ncl_run)
     with pytest.raises(UserError, match="no checkpoint.pt"):
         report.build(tmp_path / "nowhere")
     with pytest.raises(UserError, match="holds no report"):
@@ -172,60 +164,6 @@ def test_a_card_on_its_own_for_the_notebook(runs):
 
 
 # -- in a browser ----------------------------------------------------------------------------------------------
-
-
-def _browser():
-    """A Playwright page factory on Debian's Chromium, or a skip that says why there is none."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed "
-                                     "(pip install -e '.[test]')")
-    if not Path(bench_report.CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {bench_report.CHROMIUM}: install Debian's package (apt-get install -y chromium), "
-                    "as .ci/run does, to test the page in a browser")
-    return playwright.sync_playwright
-
-
-class _Tab:
-    """One headless Chromium tab (a fresh profile, no network), collecting console errors and non-file requests."""
-
-    def __init__(self, sync_playwright):
-        self._pw = sync_playwright().start()
-        self._profile = tempfile.mkdtemp()
-        self.context = self._pw.chromium.launch_persistent_context(
-            self._profile, executable_path=bench_report.CHROMIUM, args=bench_report.CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1300, "height": 900})
-        self.page = self.context.new_page()
-        self.errors, self.requests = [], []
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("request", lambda r: self.requests.append(r.url))
-
-    def open(self, path: Path, view: str = ""):
-        self.page.goto(path.resolve().as_uri() + view)
-        self.page.wait_for_selector("body[data-ready='1']")
-
-    def dims(self, view="#view-dims") -> list[int]:
-        return [int(d) for d in self.page.eval_on_selector_all(f"{view} .card", "cs => cs.map(c => c.dataset.dim)")]
-
-    def scroll_all(self, view="#view-dims") -> list[int]:
-        """Scroll until every matching card is rendered (they come a page at a time)."""
-        want = int(self.page.get_attribute(f"{view} .cards", "data-matching"))
-        while len(self.dims(view)) < want:
-            before = len(self.dims(view))
-            self.page.locator(f"{view} .more").scroll_into_view_if_needed()
-            self.page.wait_for_function(f"document.querySelectorAll('{view} .card').length > {before}")
-        return self.dims(view)
-
-    def close(self):
-        self.context.close()
-        self._pw.stop()
-        shutil.rmtree(self._profile, ignore_errors=True)
-
-
-@pytest.fixture
-def tab():
-    t = _Tab(_browser())
-    yield t
-    t.close()
 
 
 def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
@@ -304,6 +242,7 @@ def imagenet100_sized(tmp_path_factory):
     return page, data
 
 
+@pytest.mark.slow
 def test_an_imagenet100_sized_report_fits_its_budget(imagenet100_sized):
     page, data = imagenet100_sized
     assert page.stat().st_size < SIZE_BUDGET_MB * 2**20
@@ -312,6 +251,7 @@ def test_an_imagenet100_sized_report_fits_its_budget(imagenet100_sized):
     assert sizes["dims_not_in_use"] > 0  # the dead dims are counted, not carded
 
 
+@pytest.mark.slow
 def test_an_imagenet100_sized_report_opens_and_scrolls(imagenet100_sized, tab):
     """It opens, renders a page of cards at a time, and more as it scrolls."""
     page, data = imagenet100_sized

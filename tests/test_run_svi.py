@@ -8,12 +8,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import inspect_gates  # noqa: E402
-import run_svi  # noqa: E402
-from test_scripts import TINY_RUN  # noqa: E402
-
-from bayesncl_pyro import arviz_export  # noqa: E402
+from bayesncl_pyro import arviz_export, progress
+from bayesncl_pyro.cli import inspect_gates, run_svi
+from helpers import EXPERIMENTS, TINY_RUN
 
 
 @pytest.mark.parametrize("failure, cause", [
@@ -27,6 +24,7 @@ def test_a_failed_export_keeps_the_results_and_names_the_cause_and_the_redo(tmp_
 
     run_dir = tmp_path / "run"
     args = [*TINY_RUN, "--out", str(run_dir)]
+    monkeypatch.setattr(progress, "LONG", float("inf"))  # on a busy machine the probe would announce itself
     with monkeypatch.context() as m:
         m.setattr(arviz_export, "export_gates", fail)
         assert run_svi.main(args) == 1
@@ -34,7 +32,7 @@ def test_a_failed_export_keeps_the_results_and_names_the_cause_and_the_redo(tmp_
     assert err.count("\n") == 0 and cause in err and type(failure).__name__ in err
     python, script, *redo = shlex.split(err.split("redo the export with: ")[1])
     assert Path(python).absolute() == Path(sys.executable) and redo == [str(run_dir), "--export"]
-    assert Path(script).resolve() == Path(inspect_gates.__file__).resolve()
+    assert Path(script).resolve() == EXPERIMENTS / "inspect_gates.py"
     assert {"eval.json", "checkpoint.pt"} <= {p.name for p in run_dir.iterdir()}
     assert not (run_dir / "gates.nc").exists()
     assert json.loads((run_dir / "eval.json").read_text())["method"] == "bayesncl"
@@ -115,7 +113,9 @@ def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(
 
     monkeypatch.setenv("PYTHONPATH", "/my code")
     line = run_svi.command(Config(encoder="my_nets:small"), "inspect_gates.py", "runs/x")
-    env, python, script, run = shlex.split(line)
+    env, python, script, run, trust = shlex.split(line)
     assert env == "PYTHONPATH=/my code" and Path(python).absolute() == Path(sys.executable)
-    assert Path(script).resolve() == Path(inspect_gates.__file__).resolve() and run == "runs/x"
-    assert "PYTHONPATH" not in run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
+    assert Path(script).resolve() == EXPERIMENTS / "inspect_gates.py" and run == "runs/x"
+    assert trust == "--trust-run"  # the run is the user's own: its code may be imported
+    line = run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
+    assert "PYTHONPATH" not in line and "--trust-run" not in line

@@ -1,60 +1,46 @@
-"""Every script in experiments/ runs as a subprocess with tiny arguments; a script missing here fails."""
+"""Every script in experiments/ runs once as a subprocess with tiny arguments (a script missing here fails); their
+user errors and the rest run in-process, through the same main(argv)."""
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-TINY_RUN = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
-            "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0", "--log-every", "1"]
+from bayesncl_pyro.cli import inspect_gates, run_svi
+from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
-TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
-                "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
-
-
-def tiny_run(tmp, *args: str) -> str:
-    """A finished two-step run folder (for scripts that read one)."""
-    out = str(tmp / "_".join(["run", *args]).replace("-", ""))
-    proc = run("run_svi.py", *TINY_RUN, "--conflict-every", "1", "--out", out, *args)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
+# each script's arguments, given a finished BayesNCL run (the session's bayes_run); None: its subprocess run is in
+# test_run_svi_writes_its_files_and_prints_the_table, which runs run_svi.py and the inspect_gates.py it prints
 SCRIPTS = {
-    "run_svi.py": lambda tmp: TINY_RUN + ["--out", str(tmp / "run")],
-    "bench_decode.py": lambda tmp: ["--batch", "4", "--repeats", "1", "--size", "32"],
-    "bench_step.py": lambda tmp: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
-                                  "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
-                                  "--workers", "0"],
-    "compare.py": lambda tmp: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
-    "export.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "weights" / "backbone.pt")],
-    "inspect_gates.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "figures")],
-    "gate_gradient_bias.py": lambda tmp: [tiny_run(tmp), "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
-    "report.py": lambda tmp: [tiny_run(tmp), "--out", str(tmp / "report")],
-    "bench_report.py": lambda tmp: ["--images", "64", "--dims", "32", "--classes", "4"],
+    "run_svi.py": None,
+    "inspect_gates.py": None,
+    "bench_decode.py": lambda tmp, run: ["--batch", "4", "--repeats", "1", "--size", "32"],
+    "bench_step.py": lambda tmp, run: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
+                                       "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
+                                       "--workers", "0"],
+    "compare.py": lambda tmp, run: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
+    "export.py": lambda tmp, run: [run, "--out", str(tmp / "weights" / "backbone.pt")],
+    "gate_gradient_bias.py": lambda tmp, run: [run, "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
+    "report.py": lambda tmp, run: [run, "--out", str(tmp / "report")],
+    "bench_report.py": lambda tmp, run: ["--images", "64", "--dims", "32", "--classes", "4"],
 }
-
-
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXPERIMENTS / script), *args], capture_output=True, text=True,
-                          timeout=600)
 
 
 def test_every_script_is_smoke_tested():
     assert sorted(p.name for p in EXPERIMENTS.glob("*.py")) == sorted(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_script_runs(script, tmp_path):
-    proc = run(script, *SCRIPTS[script](tmp_path))
+@pytest.mark.parametrize("script", sorted(s for s, args in SCRIPTS.items() if args))
+def test_script_runs(script, tmp_path, bayes_run):
+    proc = run(script, *SCRIPTS[script](tmp_path, str(bayes_run)))
     assert proc.returncode == 0, proc.stderr
 
 
-def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
+def test_run_svi_writes_its_files_and_prints_the_table(tmp_path, ncl_run):
     run_dir = tmp_path / "run"
     proc = run("run_svi.py", *TINY_RUN, "--out", str(run_dir))
     assert proc.returncode == 0, proc.stderr
@@ -81,7 +67,11 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     assert inspect.endswith(f"inspect_gates.py {run_dir} --baseline {run_dir}-ncl")
     assert next(line for line in table if "report.py" in line).strip().endswith(
         f"report.py {run_dir} --baseline {run_dir}-ncl")
-    assert subprocess.run(["bash", "-c", next_ncl], capture_output=True, timeout=600).returncode == 0
+    # the NCL baseline's command parses to the run's settings but NCL; in its place, the session's NCL run of the
+    # same data (conftest's ncl_run), and the inspect command runs through the shell as printed
+    ncl_cfg, _ = run_svi.config(shlex.split(next_ncl)[2:])
+    assert ncl_cfg.method == "ncl" and ncl_cfg.proj_dim == 16 and ncl_cfg.out == f"{run_dir}-ncl"
+    shutil.copytree(ncl_run, f"{run_dir}-ncl")
     shown = subprocess.run(["bash", "-c", inspect], capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr
     assert "the run is shorter than one conflict interval (--conflict-every 5 steps)" in shown.stdout  # 2 steps
@@ -93,31 +83,26 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path):
     (["--prior", "nope"], "choose one of"),
     (["--temperature", "-1"], "temperature must be positive"),
 ])
-def test_user_errors_are_one_line_without_traceback(tmp_path, args, message):
-    proc = run("run_svi.py", *args, "--out", str(tmp_path / "run"))
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().count("\n") == 0
+def test_user_errors_are_one_line_without_traceback(tmp_path, capsys, args, message):
+    assert run_svi.main([*args, "--out", str(tmp_path / "run")]) == 2  # raised nothing: no traceback
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert err.strip().count("\n") == 0
 
 
 def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
     """The in100 path end to end, on a generated full-ImageNet tree (100 listed classes + extras)."""
-    from test_data import make_tree
-
     from bayesncl_pyro.data import imagenet100_classes
 
     classes = imagenet100_classes() + ["n00000001"]
     make_tree(tmp_path / "imagenet", {"train": classes, "val": classes}, ext=".JPEG")
-    proc = run("run_svi.py", *TINY_RUN, "--dataset", "in100", "--data-dir", str(tmp_path / "imagenet"), "--encoder",
-               "cnn", "--image-size", "32", "--batch-size", "50", "--out", str(tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr
+    assert run_svi.main([*TINY_RUN, "--dataset", "in100", "--data-dir", str(tmp_path / "imagenet"), "--encoder",
+                         "cnn", "--image-size", "32", "--batch-size", "50", "--out", str(tmp_path / "run")]) == 0
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"
 
 
 def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
-    from test_device_views import write_photo
-
     for i in range(54):
         write_photo(tmp_path / "data" / ("val" if i % 9 == 8 else "train") / f"c{i % 2}" / f"{i}.jpg", seed=i)
     proc = run("bench_step.py", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--encoder", "cnn",
@@ -128,6 +113,7 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
     assert "device/workers images/s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     out = tmp_path / "cmp"
     proc = run("compare.py", *TINY_COMPARE, "--methods", "all", "--out", str(out))
@@ -157,20 +143,19 @@ def test_compare_trains_every_method_and_writes_the_table(tmp_path):
     assert other.returncode == 2 and "different configuration" in other.stderr
 
 
-def test_inspect_gates_draws_every_figure_and_compares_with_a_baseline(tmp_path):
-    bayes, ncl = tiny_run(tmp_path), tiny_run(tmp_path, "--method", "ncl")
-    proc = run("inspect_gates.py", bayes, "--baseline", ncl)
-    assert proc.returncode == 0, proc.stderr
-    figures = {p.name for p in (Path(bayes) / "inspect").iterdir()}
+def test_inspect_gates_draws_every_figure_and_compares_with_a_baseline(tmp_path, capsys, bayes_run, ncl_run):
+    assert inspect_gates.main([str(bayes_run), "--baseline", str(ncl_run), "--out", str(tmp_path / "bayes")]) == 0
+    figures = {p.name for p in (tmp_path / "bayes").iterdir()}
     assert figures == {"elbo.png", "kl_per_dim.png", "inclusion.png", "class_heatmap.png", "top_images.png",
                        "conflict.png", "summary.txt"}
-    assert "conflict (bayesncl)" in proc.stdout and "conflict (ncl)" in proc.stdout
-    proc = run("inspect_gates.py", ncl)  # a run without gates gets the figures that need none
-    assert proc.returncode == 0, proc.stderr
-    assert {p.name for p in (Path(ncl) / "inspect").iterdir()} == {"elbo.png", "top_images.png", "conflict.png",
-                                                                     "summary.txt"}
-    proc = run("inspect_gates.py", str(tmp_path / "nowhere"))
-    assert proc.returncode == 2 and "no checkpoint.pt" in proc.stderr
+    out = capsys.readouterr().out
+    assert "conflict (bayesncl)" in out and "conflict (ncl)" in out
+    # a run without gates gets the figures that need none
+    assert inspect_gates.main([str(ncl_run), "--out", str(tmp_path / "ncl")]) == 0
+    assert {p.name for p in (tmp_path / "ncl").iterdir()} == {"elbo.png", "top_images.png", "conflict.png",
+                                                              "summary.txt"}
+    capsys.readouterr()
+    assert inspect_gates.main([str(tmp_path / "nowhere")]) == 2 and "no checkpoint.pt" in capsys.readouterr().err
 
 
 def _gpu_check(tmp_path, out, *wheels, python=sys.executable) -> subprocess.CompletedProcess:
@@ -208,6 +193,7 @@ def test_gpu_check_writes_outside_the_repository(tmp_path):
     assert not inside.exists()
 
 
+@pytest.mark.slow  # .ci/run's stack 2 runs the same smoke run on the GPU machine's stack
 def test_gpu_check_smoke_runs_every_section_on_an_installed_copy(tmp_path):
     (tmp_path / "wheels").mkdir()  # the dependencies are installed here already: the project alone is installed
     proc = _gpu_check(tmp_path, tmp_path / "out", tmp_path / "wheels")

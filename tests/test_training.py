@@ -81,7 +81,7 @@ def test_checkpoint_round_trip_and_finished_run_is_not_retrained(tmp_path, capsy
 
 
 def test_folder_with_another_config_is_refused(tmp_path):
-    Trainer(tiny(tmp_path, max_steps=1), progress=False)
+    Trainer(tiny(tmp_path, max_steps=1), progress=False).save()  # a checkpoint: a run to resume (else moved aside)
     with pytest.raises(UserError, match="different configuration.*temperature"):
         Trainer(tiny(tmp_path, temperature=0.5), progress=False)
 
@@ -104,7 +104,7 @@ def test_impossible_configs_are_rejected(tmp_path, bad, match):
 def test_batch_larger_than_the_data_is_rejected_and_leaves_nothing_that_blocks_the_corrected_run(tmp_path):
     with pytest.raises(UserError, match="larger than the training set"):
         Trainer(tiny(tmp_path, batch_size=5000), progress=False)
-    assert not list((tmp_path / "run").iterdir())
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]  # which blocks nothing once unlocked
     assert Trainer(tiny(tmp_path), progress=False).step == 0  # the corrected command is not "another configuration"
 
 

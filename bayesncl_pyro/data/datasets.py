@@ -68,6 +68,7 @@ _EXPECTED_LAYOUT = {
     "imagefolder": "a folder holding train/ and val/ (or test/), each with one sub-folder of images per class",
     "in100": "an ImageNet or ImageNet-100 folder holding train/<wnid>/ and val/<wnid>/ class folders",
 }
+FOLDER_DATASETS: tuple[str, ...] = tuple(_EXPECTED_LAYOUT)  # the datasets read from a --data-dir
 
 
 def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
@@ -129,12 +130,36 @@ def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
     raise UserError(f"{root} is not a {name} folder: expected {_EXPECTED_LAYOUT[name]}")
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles what CIFAR's files hold, dicts, lists, bytes, text, numbers and numpy arrays, and refuses any other
+    object: a pickle names the functions it calls, and a data folder may be someone else's."""
+
+    _ARRAYS = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+               for name in ("_reconstruct", "scalar")} | {
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ARRAYS:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which no CIFAR file holds")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"missing CIFAR file {path}; re-extract the official python-version archive")
     # The official files are Python 2 pickles: keys and class names come back as bytes.
-    with open(path, "rb") as f:
-        return {k.decode(): v for k, v in pickle.load(f, encoding="bytes").items()}
+    try:
+        with open(path, "rb") as f:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+    except Exception as e:  # whatever a file that is no pickle, or another pickle, fails with
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} is not a CIFAR batch ({cause}); re-extract the official python-version "
+                        "archive") from None
+    if not isinstance(batch, dict):
+        raise UserError(f"{path} is not a CIFAR batch (it holds a {type(batch).__name__}, not a dict); re-extract "
+                        "the official python-version archive")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
 
 
 def _cifar_pickles(paths: list[Path], label_key: str) -> TensorImages:
@@ -161,7 +186,13 @@ def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
                         f"only in {present[0]} {_few(only_test)}; both splits need the same classes")
     classes = sorted(train)
     return DataSpec(_files_dataset(train, classes, skip_bad), _files_dataset(test, classes, skip_bad),
-                    classes, channels=3)
+                    [_text(c) for c in classes], channels=3)
+
+
+def _text(name: str) -> str:
+    """A folder's name as text every writer takes: bytes that are not UTF-8 (which Python keeps as lone
+    surrogates, and a UTF-8 file, netCDF or JSON writer refuses) as backslash escapes, e.g. caf\\xe9."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _class_dirs(split_dir: Path) -> list[Path]:

@@ -7,6 +7,7 @@ Items are ``(image, label)`` with ``image`` either a PIL RGB image (image files)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,8 +95,8 @@ class ImageFiles(Dataset):
                 if str(path) not in self.bad_files:
                     self.bad_files.append(str(path))
                     if self.bad_log is not None:
-                        with open(self.bad_log, "a") as log:  # one short append: whole lines across processes
-                            log.write(f"{path}\n")
+                        with open(self.bad_log, "ab") as log:  # one short append: whole lines across processes
+                            log.write(os.fsencode(path) + b"\n")  # as bytes: a name need not be UTF-8
         raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); check the data folder")
 
 

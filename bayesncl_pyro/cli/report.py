@@ -1,0 +1,47 @@
+"""A per-dimension report of a run, one self-contained HTML page to open in a browser (from file://, offline).
+
+    python experiments/report.py runs/default                      # runs/default/report/index.html
+    python experiments/report.py runs/default --baseline runs/ncl  # with the NCL run's dimensions beside
+
+Writes RUN/report/ (or --out): index.html (images, script and style inline) and report.json (every number the page
+shows). The page: an overview (configuration, evaluation gated / with every gate open / the baseline's, training
+curves, the gate posterior, on the compositional benchmark which dimension tracks which factor), a card per
+dimension in use (sortable and filterable: its top test images with the gates and with every gate open, images at
+activation quantiles, the classes it fires on, q(g | x) per class, its activation histogram, its most correlated
+dimensions), and a page per test image (its dimensions with q(g | x), its nearest neighbours with and without the
+gates). bayesncl_pyro/report.py builds it; README.md, "Looking at the gates", says what each part of a card means.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.plugins import add_reader_flags
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
+    p.add_argument("--baseline", type=Path, help="another run on the same data (e.g. NCL): its dimensions in a list "
+                   "of their own, its evaluation beside the run's")
+    p.add_argument("--out", type=Path, help="where the report goes (default: RUN_DIR/report)")
+    add_reader_flags(p)
+    args = p.parse_args(argv)
+    try:
+        from bayesncl_pyro.report import write_report  # after parsing: --help stays instant
+
+        start = time.perf_counter()
+        page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = page.stat().st_size / 2**20
+    print(f"wrote {page} ({size:.1f} MB) and {page.with_name('report.json')} in {time.perf_counter() - start:.0f} s; "
+          f"open it in a browser: file://{page.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Train CL, NCL or BayesNCL with SVI, then evaluate.
+
+    python experiments/run_svi.py                                   # BayesNCL on the generated benchmark
+    python experiments/run_svi.py --dataset in100 --data-dir /data/imagenet --out runs/in100
+    torchrun --nproc-per-node=4 experiments/run_svi.py --dataset in100 --data-dir ...
+
+A run without --out goes to runs/<what it is> (runs/compositional-bayesncl-ste for the first); rerunning a command
+resumes it, also on another number of processes. --config FILE (JSON or YAML, a run's config.json too) sets the
+fields the flags do not.
+
+Cost on a CPU: the default run (225 steps) takes about 3 minutes on 2 cores; the CIFAR-10/100 and ImageNet-100
+recipes (ResNet-18, 39,000 steps for CIFAR) are GPU recipes: a step of 256 CIFAR images took about 12 minutes on
+2 shared CPU cores. After its first log line every run prints how long its steps left take. Defaults marked
+"dataset" come from the dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and
+a SLURM job that requeues itself: README.md and experiments/slurm_svi.sh.
+
+Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad
+input, a full or read-only --out, or a diverged run (one "error:" line); 130 stopped by Ctrl-C (SIGINT);
+75 (EX_TEMPFAIL: requeue me) stopped by SIGTERM or SIGUSR1, a scheduler's pre-emption or time-limit warning.
+Stopped runs saved a checkpoint first (one "stopped:" line); rerunning the command resumes them.
+"""
+
+import argparse
+import dataclasses
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+INTERRUPTED = "stopped: interrupted; rerun the same command to resume"
+# the scripts users run, which call this module's main: the repository's experiments/ folder
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+
+try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
+    from bayesncl_pyro import distributed
+    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, read_file,
+                                      run_name)
+    from bayesncl_pyro.data import DATASETS
+    from bayesncl_pyro.encoders import ENCODERS
+    from bayesncl_pyro.errors import Stopped, UserError
+    from bayesncl_pyro.estimators import GATES
+    from bayesncl_pyro.losses import NONNEG
+    from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.plugins import is_spec
+    from bayesncl_pyro.rundir import GATES_FILE, code_references
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
+
+
+def parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s: "
+                   "generated shapes on backgrounds shared by every class, with known factors, no download)")
+    g.add_argument("--data-dir", help="dataset folder (cifar10/100: pickled batches or {train,test}/<class>/; "
+                   "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
+    g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
+    g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
+    g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
+    g.add_argument("--augment", default=d.augment, choices=AUGMENT, help="where the two views are drawn: workers "
+                   "(CPU, one image at a time), device (in whole batches on the training device, from the training "
+                   "set held there when it fits, else from files the loader workers read), auto = device when "
+                   "training on CUDA or when the training set is held in memory (default: %(default)s)")
+    g.add_argument("--skip-bad-images", action="store_true", help="train past unreadable image files instead "
+                   "of stopping; they are listed in <out>/bad_images.txt and counted at the end")
+
+    g = p.add_argument_group("method")
+    g.add_argument("--method", default=d.method, choices=METHODS, help="default: %(default)s")
+    g.add_argument("--nonneg", choices=NONNEG, help="non-negativity of z (default: dataset; none for cl)")
+    g.add_argument("--topk", type=int, default=d.topk, help="keep the k largest features per row, 0 = off "
+                   "(the NCL+TopK baseline)")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="InfoNCE tau (default: %(default)s)")
+
+    g = p.add_argument_group("gates and prior (bayesncl)")
+    g.add_argument("--prior", default=d.prior, help=f"one of {', '.join(PRIORS)}, or a Prior subclass of your own "
+                   "as package.module:ClassName (default: %(default)s)")
+    g.add_argument("--prior-arg", dest="prior_args", metavar="NAME=VALUE", type=_name_value, action="append",
+                   default=[], help="an argument of the prior's constructor, e.g. concentration=5 for beta-bernoulli "
+                   "(repeatable)")
+    g.add_argument("--prior-prob", type=float, default=d.prior_prob,
+                   help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
+    g.add_argument("--kl-weight", type=float, default=d.kl_weight,
+                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE; with --gate-density, its "
+                   "starting value (default: %(default)s)")
+    g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
+                   "(0, 1): lambda becomes a Lagrange multiplier, raised or lowered after every step until the share "
+                   "meets it (bayesncl_pyro/density.py; default: off, lambda fixed)")
+    g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
+                   help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
+                   "Bernoulli KL (default: %(default)s)")
+    g.add_argument("--gate", default=d.gate, choices=tuple(GATES),
+                   help="how training differentiates through the gates (bayesncl_pyro/estimators.py): ste (the "
+                   "paper's: InfoNCE at the posterior mode, identity backward: the reference's surrogate, not the "
+                   "ELBO's gradient), relaxed (a draw, the binary Concrete's gradient: biased), st-sampled (a draw, "
+                   "straight-through: biased), leg (a draw, each gate's exact effect on InfoNCE: unbiased for the "
+                   "ELBO), gs (the reference's Gumbel-sigmoid draw, on with probability 1 + 1e-4 - exp(1e-4 - "
+                   "e^logit): biased), gs-reference-kl (gs with the reference's KL at sigmoid(logit): not an ELBO) "
+                   "(default: %(default)s)")
+    g.add_argument("--gate-temperature", type=float, default=d.gate_temperature,
+                   help="relaxation temperature of the gates (default: %(default)s)")
+    g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
+                   "(default: %(default)s)")
+    g.add_argument("--logit-bound", type=float, default=d.logit_bound,
+                   help="gate logits are squashed into (-b, b) so no gate saturates (default: %(default)s)")
+
+    g = p.add_argument_group("encoder")
+    g.add_argument("--encoder", help=f"backbone: one of the project's ({', '.join(ENCODERS)}), a torchvision model "
+                   "(resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (pip install -e '.[timm]'), or "
+                   "package.module:callable returning an nn.Module of images -> features (default: dataset)")
+    g.add_argument("--proj-hidden", type=int, help="projector and gating-head hidden width (default: dataset)")
+    g.add_argument("--proj-dim", type=int, help="K, the number of features and gates (default: dataset)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default: dataset (lars for the reference recipes)")
+    g.add_argument("--lr", type=float, help="base learning rate at batch 256, scaled by batch/256 (default: dataset)")
+    g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="gating-head learning rate, not "
+                   "batch-scaled (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="default: %(default)s")
+    g.add_argument("--epochs", type=int, help="passes over the training set (default: dataset)")
+    g.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: dataset)")
+    g.add_argument("--batch-size", type=int, help="images per step, two views each (default: dataset)")
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs); the "
+                   "schedule still spans --epochs")
+    g.add_argument("--on-nan", default=d.on_nan, choices=ON_NAN, help="a step whose loss or gradients are not "
+                   "finite stops the run, keeping the last good checkpoint, or is skipped (default: %(default)s)")
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast (standardised "
+                   "features, one lr for every backbone) or reference (the paper's, for cifar10, cifar100, in100; "
+                   "docs/METHOD.md) (default: dataset)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--config", metavar="FILE", help="a JSON or YAML file of Config fields (bayesncl_pyro/config.py; "
+                   "a run's own config.json works as it is); the flags given here override it")
+    g.add_argument("--out", help="run folder; rerunning into it resumes (default: runs/<what the run is>: dataset, "
+                   "method, gate, and the settings that differ from the recipe, e.g. runs/compositional-bayesncl-ste)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the run already there "
+                   "(e.g. one with another config) into <out>/previous-<time>/; nothing is deleted, and a folder "
+                   "that holds anything but a run is refused")
+    g.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda (the current GPU) or cuda:N (default: "
+                   "%(default)s)")
+    g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoder (worth it for long GPU runs; "
+                   "the first steps wait for compilation)")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
+    g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
+                   help="steps between checkpoints (default: %(default)s)")
+    g.add_argument("--ckpt-minutes", type=float, help="also save a checkpoint every this many minutes of wall-clock "
+                   "time, for long epochs (default: off)")
+    g.add_argument("--conflict-every", type=int, help="steps between records of the per-dimension InfoNCE "
+                   "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
+    g.add_argument("--tensorboard", action="store_true", help="also write the log, the per-dimension inclusion "
+                   "histogram and the evaluation as TensorBoard events in --out (pip install -e '.[tensorboard]')")
+    g.add_argument("--wandb", action="store_true", help="also log them, and the config, to a Weights & Biases run "
+                   "kept in <out>/wandb/ (pip install -e '.[wandb]'; WANDB_MODE=offline: no network, wandb sync later)")
+    g.add_argument("--monitor-every", type=int, default=d.monitor_every, help="epochs between records of the online "
+                   "kNN top-1 (backbone features, 1,024 training against 256 test images) and RankMe of the "
+                   "representation in the log, 0 = off; about 4%% of the first run's time (default: %(default)s)")
+    return p
+
+
+def _name_value(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. concentration=5), got {text!r}")
+    return name.strip(), value.strip()
+
+
+def config(argv: list[str]) -> tuple[Config, bool]:
+    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite): the --config
+    file's fields, if any, with the flags given on the command line over them."""
+    p = parser()
+    file = p.parse_known_args(argv)[0].config
+    if file is not None:
+        values = read_file(file)
+        values["prior_args"] = list(values.get("prior_args", {}).items())  # --prior-arg appends to them
+        p.set_defaults(**values)
+    args = vars(p.parse_args(argv))
+    overwrite = args.pop("overwrite")
+    del args["config"]
+    args["prior_args"] = dict(args["prior_args"])  # [(name, value), ...] from the repeated --prior-arg
+    return Config(**args), overwrite
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg, overwrite = config(argv)
+        from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
+
+        trainer = Trainer(cfg, overwrite=overwrite)
+        if trainer.rank == 0:
+            print(announce(trainer), flush=True)
+        results = trainer.fit()
+        if trainer.rank:
+            return 0
+        status = 0
+        if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
+            status = export(trainer)
+        print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+        return status
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Stopped as e:  # every rank says it at once into torchrun's one stream: one write, so lines stay whole
+        sys.stderr.write(f"stopped: {e}\n")
+        sys.stderr.flush()
+        return e.exit_code
+    except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    finally:
+        distributed.leave()
+
+
+def _stop_at_once(signum, frame):
+    """Outside the training loop (which saves, then stops) a scheduler's signal stops the run at once, as Ctrl-C
+    does: nothing is half-written, files are replaced by a rename. A run already on its way out (torchrun
+    terminates the other workers when one exits) just goes on."""
+    if sys.exc_info()[0] is None:
+        raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command "
+                      "to resume", signum)
+
+
+def announce(trainer) -> str:
+    """What is trained, on what, for how long, and where it is written."""
+    cfg = trainer.cfg
+    args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
+    kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
+    what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
+            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight}, {kl})"}[cfg.method]
+    last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
+    steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
+    return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
+            f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "
+            f"writing to {trainer.out}/\nthe loss it minimises: {trainer.learner.head.objective}")
+
+
+def export(trainer) -> int:
+    """Write gates.nc; a failure (a missing package, a full disk) is one line, and eval.json stays."""
+    try:
+        from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+
+        export_gates(trainer.out, trainer.learner, trainer.data)
+    except Stopped:  # a signal (run_svi's handler), not a failed export
+        raise
+    except Exception as e:  # training and evaluation are done and saved: explain, never lose them
+        cause = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: the gate export failed ({e.__class__.__name__}: {cause}); eval.json and the checkpoint are "
+              f"kept in {trainer.out}; redo the export with: "
+              f"{command(trainer.cfg, 'inspect_gates.py', str(trainer.out), '--export')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def outcome(results: dict) -> str:
+    """What the gates did, in words, from an eval dict (empty for CL and NCL)."""
+    if "gates_open" not in results:
+        return ""
+    gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
+    lines = [f"the gates keep {results['gates_open']:.0%} of the (image, feature) pairs open; semantic consistency "
+             f"{gated:.3f} with the gates, {ungated:.3f} with every gate open ({gated / max(ungated, 1e-12):.2f}x), "
+             f"active dims {results['active_dims']} of {results['active_dims_ungated']}"]
+    factors = [k.removeprefix("ungated_dims_tracking_") for k in results if k.startswith("ungated_dims_tracking_")]
+    if factors:  # generated data that records its factors: which of them the dims follow, before and after gating
+        def tracking(prefix: str) -> str:
+            counts = [results[f"{prefix}dims_tracking_{f}"] for f in factors]
+            return f"{counts[0]} dim{'s track' if counts[0] != 1 else ' tracks'} the {factors[0]}" + "".join(
+                f" and {n} the {f}" for n, f in zip(counts[1:], factors[1:]))
+        off = " and ".join(str(results[f"gated_off_dims_{f}"]) for f in factors)
+        lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
+                  "images where they fire)", f"with the gates, {tracking('')}"]
+    return "\n".join(lines)
+
+
+def next_steps(cfg: Config, argv: list[str]) -> str:
+    """The commands that look at the gates and train the NCL baseline on the same budget."""
+    named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
+    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named else cfg.out + "-ncl"
+    baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
+    steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
+             f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
+             f"{shlex.quote(cfg.out)}/inspect/)",
+             command(cfg, "report.py", cfg.out, *baseline),
+             f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
+    if cfg.method == "bayesncl":
+        flags = _without(argv, "--method", "--out", "--overwrite", "--gate-density")  # NCL has no gates to target
+        steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
+                     "    NCL on the same data and budget: the baseline the gates are judged against"]
+    return "next:\n" + "\n".join("  " + line for line in steps)
+
+
+def command(cfg: Config, script: str, *args: str) -> str:
+    """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
+    of the user's own (``package.module:name``), with its PYTHONPATH (and --trust-run: the run is the user's own);
+    paths as seen from the current folder."""
+    env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
+    trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
+    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
+    return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
+
+
+def _near(path) -> str:
+    """``path`` relative to the current folder when it lies below it, else absolute."""
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else os.path.abspath(path)
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.split("=")[0] in flags:
+            skip = "=" not in a and a != "--overwrite"
+        else:
+            kept.append(a)
+    return kept
+
+
+if __name__ == "__main__":
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, _stop_at_once)
+    sys.exit(main())
