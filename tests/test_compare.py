@@ -159,7 +159,7 @@ def test_topk_per_k_and_gates_per_density_in_one_table_and_ncl_reused_at_another
     assert "semantic_consistency_random_mask" in ste and "semantic_consistency_q_draws" in ste
     assert "_posterior_mean" in ste["representations"]
     md = (tmp_path / "a" / "comparison.md").read_text()
-    assert "| Method | Act. | Cons. | class dims | bg dims | TopK Cons. at Act. |" in md
+    assert "| Method | Act. | Sparsity | Dims | Cons. | class dims | bg dims | TopK Cons. at Act. |" in md
     assert (tmp_path / "a" / "matched_sparsity.png").stat().st_size > 0
     capsys.readouterr()
     # the published prior: NCL is the same run

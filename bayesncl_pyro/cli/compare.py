@@ -23,7 +23,7 @@ Is a gate's gain more than sparsity? NCL+TopK at several k against the gates at 
 judged beside TopK at its own activation rate, random masks as sparse as it, and its posterior (docs/RESULTS.md,
 "At matched sparsity"):
 
-    python bayesncl_pyro/cli/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
         --topk 4 8 16 --gate-density 0.15 0.3 0.45 --prior-prob 0.2 --seeds 0 1 2 --workers 0 \
         --out runs/matched-comp --record docs/results/matched-comp
 
@@ -31,9 +31,9 @@ and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 25
 on 2 free cores, estimated from the compositional runs' step time, not measured), in two commands: the published
 STE first, whose share of open gates on the test split ("Gates on") then sets D for both gates:
 
-    python bayesncl_pyro/cli/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
         --topk 16 32 --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
-    python bayesncl_pyro/cli/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
         --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.2 --gate-density D \
         --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
 
