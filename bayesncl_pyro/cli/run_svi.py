@@ -233,8 +233,10 @@ def announce(trainer) -> str:
     cfg = trainer.cfg
     args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
     kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
+    weight = (f"KL weight {cfg.kl_weight}" if cfg.gate_density is None else
+              f"KL weight from {cfg.kl_weight}, the multiplier of {cfg.gate_density:g} of the gates open")
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
-            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight}, {kl})"}[cfg.method]
+            f"rho={cfg.prior_prob}{args}, {weight}, {kl})"}[cfg.method]
     last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
