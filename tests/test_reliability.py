@@ -150,14 +150,16 @@ def test_sigkill_at_random_times_always_resumes_to_the_same_params(tmp_path):
 
 
 def signals_during_step(trainer: Trainer, step: int, *signums: int):
-    """Send ``signums`` to this process from inside the forward pass of training step ``step``."""
+    """Raise ``signums`` in the main thread from inside the forward pass of training step ``step``, each handled
+    before the next is sent (``os.kill`` of the process may land in one of torch's threads, where two signals sent
+    back to back can reach Python's handler as one, as two Ctrl-C a human presses never do)."""
     calls = []
 
     def send(module, args):
         calls.append(1)
         if len(calls) == step:
             for signum in signums:
-                os.kill(os.getpid(), signum)
+                signal.raise_signal(signum)
 
     trainer.learner.backbone.register_forward_pre_hook(send)
 
