@@ -67,7 +67,8 @@ class Config:
     prior: str = "bernoulli"  # a registry name (models/priors.py) or package.module:ClassName
     prior_prob: float = 0.8
     prior_args: dict = field(default_factory=dict)  # the prior's other constructor arguments, by name
-    kl_weight: float = 3e-5
+    kl_weight: float = 3e-5  # with gate_density: lambda's starting value
+    gate_density: float | None = None  # a target share of open gates; lambda follows it (density.py)
     kl_clamp: float = 0.01  # the KL's rates clamped to [c, 1 - c] as the reference; 0 = the exact KL
     gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: estimators.py, GATES
     gate_temperature: float = 1.0
@@ -231,6 +232,7 @@ def resolve(cfg: Config) -> Config:
     """Fill dataset defaults (and a run folder named by what the run is: :func:`run_name`) and check every value;
     raises :class:`UserError` naming the bad one."""
     from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
+    from bayesncl_pyro.density import check_gate_density
     from bayesncl_pyro.device import check_device
     from bayesncl_pyro.encoders import backbone_builder
     from bayesncl_pyro.head_arguments import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
@@ -254,6 +256,7 @@ def resolve(cfg: Config) -> Config:
     if cfg.eval_protocol == "reference" and cfg.dataset not in REFERENCE_PROBES:
         raise UserError(f"--eval-protocol reference is the paper's protocol for {', '.join(REFERENCE_PROBES)}, "
                         f"which does not include {cfg.dataset}; use --eval-protocol fast")
+    check_gate_density(cfg.gate_density, cfg.method, cfg.prior_prob)
     _positive(cfg, "lr", "gate_lr", "image_size", "epochs", "log_every", "ckpt_every")
     # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
     # the prior built once (it checks --prior-prob) and its guide checked against it: they fail now rather than

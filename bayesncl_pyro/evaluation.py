@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.matched import REPRESENTATIONS, posterior_representations, random_mask_null
 from bayesncl_pyro.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
 from bayesncl_pyro.progress import Progress
 from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
@@ -109,8 +110,10 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     done (``cfg.eval_protocol``).
 
     For BayesNCL the interpretability metrics are also reported for the same model's features before
-    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed. ``progress``
-    (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs."""
+    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity
+    and as a posterior (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``),
+    the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``). ``representations``
+    says what each suffix is a figure of. ``progress`` (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
     h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device, progress)
     recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
@@ -131,7 +134,14 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     factors = getattr(data.test, "factors", None)
     if factors is not None:
         results.update(factor_report(f_te, factors, ungated, gates))
-    return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results)
+    if learner.gated:
+        with torch.no_grad():
+            probs = learner.gate_probs(h_te.to(device)).cpu()
+        results.update(random_mask_null(ungated, f_te, y_te, factors, cfg.seed))
+        results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
+    suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
+    return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,
+                representations={s or "(no suffix)": REPRESENTATIONS[s] for s in suffixes})
 
 
 def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
@@ -159,7 +169,8 @@ def format_table(results: dict) -> str:
     gated ones."""
     ungated = {k.removesuffix(UNGATED): v for k, v in results.items() if k.endswith(UNGATED)}
     cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [(k, cell(v), cell(ungated.get(k))) for k, v in results.items() if not k.endswith(UNGATED)]
+    rows = [(k, cell(v), cell(ungated.get(k))) for k, v in results.items()
+            if not k.endswith(UNGATED) and not isinstance(v, dict)]  # representations: in eval.json
     width = max(len(k) for k, _, _ in rows)
     if ungated:
         rows.insert(0, ("", "gated", "ungated"))

@@ -27,6 +27,7 @@ from torch import nn
 from bayesncl_pyro import distributed
 from bayesncl_pyro.diagnostics import gate_pulls
 from bayesncl_pyro.elbo import MeanFieldELBO
+from bayesncl_pyro.density import DensityControl, check_gate_density
 from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.estimators import Draw, LocalExpectation, gate_class
@@ -63,7 +64,9 @@ class BayesNCLHead(nn.Module):
         prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
-            exact KL); gate: how training differentiates through the gates, a name in
+            exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
+            Lagrange multiplier updated after every training step, kl_weight its start (``bayesncl_pyro/density.py``;
+            None: lambda fixed); gate: how training differentiates through the gates, a name in
             ``bayesncl_pyro/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
             ``gs-reference-kl``; it also picks q's family); gate_temperature, head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
@@ -81,7 +84,7 @@ class BayesNCLHead(nn.Module):
                  kl_weight: float = 3e-5, kl_clamp: float = REFERENCE_KL_CLAMP, gate: str = "ste",
                  gate_temperature: float = 1.0, head_depth: int = 2,
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
-                 gather_distributed: bool = False):
+                 gather_distributed: bool = False, gate_density: float | None = None):
         super().__init__()
         check_arguments(proj_dim=proj_dim, proj_hidden=proj_hidden, head_depth=head_depth, temperature=temperature,
                         gate_temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
@@ -112,6 +115,13 @@ class BayesNCLHead(nn.Module):
         if gather_distributed:
             self.model.gather = distributed.gather_rows
         self.elbo = MeanFieldELBO()
+        self.density = None
+        if gate_density is not None:
+            if prior is None:
+                raise UserError("gate_density is a target share of open gates; a head without a prior (NCL, CL) has "
+                                "no gates: drop gate_density or give a prior")
+            check_gate_density(gate_density, "bayesncl", prior.prior_prob)
+            self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
         self._unweight_prior_gradients()
 
     @property
@@ -130,7 +140,9 @@ class BayesNCLHead(nn.Module):
         0-d ``nce`` (mean InfoNCE at the gates training used), ``kl`` (the KL term per row: summed over the gates
         and averaged over the rows, plus for a prior with global latents their KL / 2N), ``active`` (share of
         feature entries that take part in the loss) and with gates ``gate_rate``, ``incl_min``, ``incl_max`` (mean
-        inclusion probability q(g = 1 | x) over all entries, and of the least and most included dimension); R x K
+        inclusion probability q(g = 1 | x) over all entries, and of the least and most included dimension),
+        ``gates_open`` (share of the evaluation mask's open gates) and ``kl_weight`` (this step's lambda; with a
+        density target, the multiplier, which a forward pass in training mode then updates from ``gates_open``); R x K
         ``features`` (the rows InfoNCE saw) and with gates ``probs`` (q(g = 1 | x)), ``kl_probs`` (the
         probabilities the KL is taken at: ``probs``, but sigmoid(l) for ``gs-reference-kl``) and ``gates`` (the
         tensor InfoNCE's gradient reaches, whose gradient :meth:`pulls` reads after ``loss.backward()``: the gate
@@ -149,9 +161,13 @@ class BayesNCLHead(nn.Module):
                 q = seen["q"]
                 probs = q.probs.detach()
                 per_dim = probs.mean(0)
+                gates_open = self.estimator.mask(q).float().mean()
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
                              kl_probs=self.estimator.kl_probs(q).detach(), gates=seen.get("pulled", seen["gates"]),
-                             prior_rate=seen["rate"])
+                             prior_rate=seen["rate"], gates_open=gates_open, kl_weight=self.model.kl_weight)
+                if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
+                    self.density.update(gates_open)
+                    stats["density_target"] = self.density.target.clone()
         return loss, stats
 
     @property
@@ -190,6 +206,7 @@ class BayesNCLHead(nn.Module):
         (:meth:`program`), for projector outputs z and backbone features h. It runs inside :func:`own_params`, so
         no parameter reaches Pyro's global param store."""
         self._unweight_prior_gradients()
+        self._sync_kl_weight()
         model, guide, seen = self.training_program()
         with own_params():
             loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
@@ -220,6 +237,7 @@ class BayesNCLHead(nn.Module):
         (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE. The rows are
         contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
+        self._sync_kl_weight()
         model, guide, seen = self.training_program(Draw(kl_clamp=0.0))
         gather, self.model.gather = self.model.gather, None
         try:
@@ -230,6 +248,12 @@ class BayesNCLHead(nn.Module):
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
         nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
         return dict(neg_elbo=loss / self.num_rows, nce=seen["nce"].mean(), kl=kl, nce_mode=nce_mode)
+
+    def _sync_kl_weight(self):
+        """With a density target, lambda is the multiplier's current value (``density.py``): set where the model and
+        guide scale the KL, as a tensor of its own, which the step that uses it keeps through backward and logging."""
+        if self.density is not None:
+            self.model.kl_weight = self.guide.kl_weight = self.density.weight()
 
     def _check_rows(self, h: torch.Tensor):
         """A batch the loss would get wrong without a word (Python integers only: no device sync)."""
@@ -308,7 +332,7 @@ class BayesNCLHead(nn.Module):
             prior = self.prior_parameters()
             if prior:
                 groups.append(dict(name="prior", params=prior, lr=gate_lr, weight_decay=0.0,
-                                   grad_scale=1.0 / self.model.kl_weight))
+                                   grad_scale=1.0 / float(self.model.kl_weight)))
         return groups
 
     def prior_parameters(self) -> list[nn.Parameter]:

@@ -203,7 +203,9 @@ def training_curves(log: list[dict], gate: str | None, kl_weight: float) -> dict
     out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
                objective=gate_class(gate).objective if gate else "InfoNCE per row (no latent variables)")
     if gate and log:
-        gap = max(abs(r["loss"] - r["nce"] - kl_weight * r["kl"]) / max(abs(r["loss"]), 1e-12) for r in log)
+        # a run with --gate-density logs each step's lambda
+        gap = max(abs(r["loss"] - r["nce"] - r.get("kl_weight", kl_weight) * r["kl"]) / max(abs(r["loss"]), 1e-12)
+                  for r in log)
         out["loss_is_nce_plus_weighted_kl"] = _num(gap)
     notes = {k: v for r in log[-1:] for k, v in r.items() if isinstance(v, str)}  # what the log says in words, if any
     if notes:

@@ -457,7 +457,10 @@ class Trainer:
                    grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
                    active=stats["active"].item())
         if learner.gated:
-            rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max")}, **learner.head.pulls(stats))
+            rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
+                       kl_weight=float(stats["kl_weight"]), **learner.head.pulls(stats))
+            if "density_target" in stats:
+                rec["density_target"] = stats["density_target"].item()
         warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings

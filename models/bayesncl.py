@@ -20,7 +20,11 @@ So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(globa
 trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
 global-latent KL of hierarchical priors once per data set (``models/priors.py`` says why that is the
 right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) proportional to
-p(g) exp(-InfoNCE / lambda). The program says what is random; how training differentiates through the
+p(g) exp(-InfoNCE / lambda). With a density target (``--gate-density D``, ``bayesncl_pyro/density.py``) lambda
+is not chosen by hand but is the Lagrange multiplier of the constraint "share of open gates = D", found by dual
+ascent during training: in this reading, the Gibbs posterior's temperature chosen by a constraint on the posterior's
+mode, rather than a fixed hyperparameter (``kl_weight`` is then the multiplier's current value, a 0-d tensor). The
+program says what is random; how training differentiates through the
 gates is the inference's choice (``bayesncl_pyro/estimators.py``): with the ``ste`` estimator the likelihood
 term is InfoNCE at the posterior mode, not its expectation under q, the reference's deterministic surrogate.
 

@@ -141,3 +141,28 @@ def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_reco
     assert compare.main([*args, "--out", str(tmp_path / "b")]) == 0
     assert capsys.readouterr().out.count(": recorded in") == 5 and not (tmp_path / "b" / "ncl-seed0").exists()
     assert json.loads((tmp_path / "b" / "comparison.json").read_text())["summary"] == report["summary"]
+
+
+def test_topk_per_k_and_gates_per_density_in_one_table_and_ncl_reused_at_another_prior(tmp_path, capsys):
+    """The matched-sparsity experiment: TopK at several k, BayesNCL at a density target, the table and figure."""
+    small = ["--dataset", "digits", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64", "--proj-hidden",
+             "32", "--proj-dim", "16", "--workers", "0", "--device", "cpu", "--max-steps", "3",
+             "--record", str(tmp_path / "record")]
+    assert compare.main([*small, "--methods", "ncl,ncl+topk,bayesncl-ste", "--topk", "2", "4", "--gate-density", "0.3",
+                         "--prior-prob", "0.2", "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "a" / "comparison.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["ncl", "ncl+topk-k2", "ncl+topk-k4", "bayesncl-ste-d0.3"]
+    ste = report["runs"][-1]
+    config = json.loads((tmp_path / "a" / "bayesncl-ste-d0.3-seed0" / "config.json").read_text())
+    assert config["gate_density"] == 0.3 and config["prior_prob"] == 0.2
+    assert json.loads((tmp_path / "a" / "ncl-seed0" / "config.json").read_text())["prior_prob"] == 0.8
+    assert report["settings"]["prior_prob"] == 0.2  # the gates' shared settings
+    assert "semantic_consistency_random_mask" in ste and "semantic_consistency_q_draws" in ste
+    assert "_posterior_mean" in ste["representations"]
+    md = (tmp_path / "a" / "comparison.md").read_text()
+    assert "| Method | Act. | Sparsity | Dims | Cons. | class dims | bg dims | TopK Cons. at Act. |" in md
+    assert (tmp_path / "a" / "matched_sparsity.png").stat().st_size > 0
+    capsys.readouterr()
+    # the published prior: NCL is the same run
+    assert compare.main([*small, "--methods", "ncl", "--out", str(tmp_path / "b")]) == 0
+    assert "ncl, seed 0: recorded in" in capsys.readouterr().out

@@ -18,6 +18,25 @@ BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
     python experiments/compare.py --dataset compositional --methods ncl,bayesncl-ste,bayesncl-relaxed,\
 bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 --seeds 0 1 2 --workers 1 --out runs/estimators-comp
 
+Is a gate's gain more than sparsity? NCL+TopK at several k against the gates at several densities of open gates
+(--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL closes gates), each
+judged beside TopK at its own activation rate, random masks as sparse as it, and its posterior (docs/RESULTS.md,
+"At matched sparsity"):
+
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
+        --topk 4 8 16 --gate-density 0.15 0.3 0.45 --prior-prob 0.2 --seeds 0 1 2 --workers 0 \
+        --out runs/matched-comp --record docs/results/matched-comp
+
+and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; about 12 runs of 5-10 minutes
+on 2 free cores, estimated from the compositional runs' step time, not measured), in two commands: the published
+STE first, whose share of open gates on the test split ("Gates on") then sets D for both gates:
+
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
+        --topk 16 32 --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
+        --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.2 --gate-density D \
+        --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
+
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), with the recipe's evaluation protocol: the paper's (linear probe on raw
 backbone features with the reference's optimizer and lr, retrieval on the strongest dims) for --recipe
@@ -25,7 +44,9 @@ reference on CIFAR and ImageNet-100, the fast one (standardised features, one lr
 --eval-protocol overrides it. Every table names the protocol that produced it. Rerunning the command
 reuses finished runs and resumes interrupted ones; a folder holding a run with other settings is an error,
 never mixed in.
-Writes <out>/comparison.md, comparison.json and consistency_vs_probe.png.
+Writes <out>/comparison.md, comparison.json, consistency_vs_probe.png and matched_sparsity.png (consistency and
+LP@1 against the activation rate, one curve per method). NCL and CL runs ignore --prior-prob and --kl-weight (they
+have no gates), so their records serve comparisons at any prior.
 
 --budget-minutes M fits the whole command after start-up (timing, training, evaluation) in about M
 minutes: it first trains each method for a few steps and evaluates one of them, timing both, then trains
@@ -60,6 +81,7 @@ from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config, resol
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.estimators import GATES
+from bayesncl_pyro.matched import MATCHED_COLUMNS, family, plot_matched, topk_at_rate
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"
@@ -135,26 +157,36 @@ def parser() -> argparse.ArgumentParser:
                    "once per value, named <method>-lambda<value>")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
-    g.add_argument("--topk", type=int, help="k of NCL+TopK (default: proj-dim / 8)")
+    g.add_argument("--gate-density", type=float, nargs="+", help="a target share of open gates (lambda follows "
+                   "it from --kl-weight); each BayesNCL method runs once per value, named <method>-d<D>")
+    g.add_argument("--topk", type=int, nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
+                   "NCL+TopK once per k, named ncl+topk-k<k>")
     g.add_argument("--workers", type=int, default=2)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     return p
 
 
-def method_configs(methods: list[str], priors: list[str], topk: int, kl_weights: list[float] | None = None
-                   ) -> dict[str, dict]:
+def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
+                   kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
     """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
-    ``kl_weights``, once per lambda (one lambda is a shared setting)."""
+    ``kl_weights``, once per lambda (one lambda is a shared setting), and once per density in ``densities`` (named
+    <method>-d<D> even for one: a density target makes another method than a fixed lambda); NCL+TopK once per k
+    given several."""
     made = {}
-    lambdas = kl_weights if kl_weights and len(kl_weights) > 1 else [None]
+    several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
+    topks = topk if isinstance(topk, list) else [topk]
     for m in methods:
         if m.startswith("bayesncl-"):
-            for prior, lam in itertools.product(priors, lambdas):
-                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}")
+            for prior, lam, d in itertools.product(priors, several(kl_weights), densities or [None]):
+                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
+                    + ("" if d is None else f"-d{d:g}")
                 made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
-                                  **({} if lam is None else {"kl_weight": lam}))
+                                  **({} if lam is None else {"kl_weight": lam}),
+                                  **({} if d is None else {"gate_density": d}))
+        elif m == "ncl+topk" and len(topks) > 1:
+            made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
         else:
-            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topk if m == "ncl+topk" else 0)
+            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topks[0] if m == "ncl+topk" else 0)
     return made
 
 
@@ -162,7 +194,7 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     """The Config fields every method shares, and notes on what departs from the reference recipe."""
     fields = {f.name for f in dataclasses.fields(Config)}
     shared = {k: v for k, v in vars(args).items()
-              if k in fields and v is not None and k not in ("out", "topk", "kl_weight")}
+              if k in fields and v is not None and k not in ("out", "topk", "kl_weight", "gate_density")}
     if args.kl_weight and len(args.kl_weight) == 1:
         shared["kl_weight"] = args.kl_weight[0]
     notes = []
@@ -342,7 +374,8 @@ def compare(args) -> dict:
     train_size = len(load_dataset(args.dataset, args.data_dir).train)
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
-    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight)
+    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight,
+                             args.gate_density)
     plan = None
     if args.budget_minutes is not None:
         plan = plan_budget(args, shared, configs, out, started)
@@ -357,7 +390,10 @@ def compare(args) -> dict:
     for name, fields in configs.items():
         for seed in args.seeds:
             run_dir = out / f"{name}-seed{seed}"
-            cfg = resolve(Config(**shared, **fields, seed=seed, out=str(run_dir)))
+            # the gates' settings are BayesNCL's alone: NCL and CL runs keep the defaults, so a comparison at another
+            # prior reuses their records
+            own = {k: v for k, v in shared.items() if fields["method"] == "bayesncl" or k not in GATE_SETTINGS}
+            cfg = resolve(Config(**own, **fields, seed=seed, out=str(run_dir)))
             recorded = args.record and recorded_run(args.record / run_dir.name, cfg)
             if recorded:
                 print(f"== {name}, seed {seed}: recorded in {args.record / run_dir.name}", flush=True)
@@ -368,12 +404,15 @@ def compare(args) -> dict:
                 results = Trainer(cfg).fit()
                 if args.record:
                     record(run_dir, args.record / run_dir.name)
-            runs.append(dict(name=name, seed=seed, folder=run_dir.name, **results,
+            runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,
                              train_time_s=train_time(run_dir, cfg.batch_size)))
-            settings = settings or cfg
-    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS))
+            if settings is None or (cfg.method == "bayesncl" and settings.method != "bayesncl"):
+                settings = cfg  # the gates' shared settings, where there are gates
+    runs = topk_at_rate(runs)
+    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
     summary = summarise(runs, keys)
-    per_run = {"method", "gate", "prior", "topk", "seed"} | ({"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+        {"kl_weight"} if len(args.kl_weight or ()) > 1 else set())
     settings = {k: v for k, v in settings.identity().items() if k not in per_run}
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     report = dict(dataset=args.dataset, seeds=args.seeds, protocol=protocol, notes=notes, settings=settings,
@@ -382,6 +421,7 @@ def compare(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(runs, out / "consistency_vs_probe.png")
+    plot_matched(runs, out / "matched_sparsity.png")
     md = [f"# {args.dataset}: " + " vs ".join(summary), "",
           *(f"- {n}" for n in notes),
           "- evaluation protocol " + describe_protocol(protocol, args.dataset),
@@ -398,6 +438,14 @@ def compare(args) -> dict:
         md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(args.seeds))]
+    if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
+        md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
+               "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
+               "the two nearest k, "
+               "each the mean over its seeds, NCL as k = K; blank outside their range), the same run's ungated "
+               "features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
+               "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
+               table(summary, MATCHED_COLUMNS, len(args.seeds))]
     paper = paper_table(args.dataset, summary, protocol)
     if paper:
         caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "
@@ -415,6 +463,7 @@ def compare(args) -> dict:
     return report
 
 
+GATE_SETTINGS = ("prior_prob", "kl_weight")  # shared flags that only BayesNCL runs read
 RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
 
 

@@ -84,7 +84,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prior-prob", type=float, default=d.prior_prob,
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
-                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE (default: %(default)s)")
+                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE; with --gate-density, its "
+                   "starting value (default: %(default)s)")
+    g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
+                   "(0, 1): lambda becomes a Lagrange multiplier, raised or lowered after every step until the share "
+                   "meets it (bayesncl_pyro/density.py; default: off, lambda fixed)")
     g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")
@@ -229,8 +233,10 @@ def announce(trainer) -> str:
     cfg = trainer.cfg
     args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
     kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
+    weight = (f"KL weight {cfg.kl_weight}" if cfg.gate_density is None else
+              f"KL weight from {cfg.kl_weight}, the multiplier of {cfg.gate_density:g} of the gates open")
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
-            f"rho={cfg.prior_prob}{args}, KL weight {cfg.kl_weight}, {kl})"}[cfg.method]
+            f"rho={cfg.prior_prob}{args}, {weight}, {kl})"}[cfg.method]
     last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
@@ -278,7 +284,7 @@ def outcome(results: dict) -> str:
 def next_steps(cfg: Config, argv: list[str]) -> str:
     """The commands that look at the gates and train the NCL baseline on the same budget."""
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl"))) if named else cfg.out + "-ncl"
+    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named else cfg.out + "-ncl"
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
     steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
@@ -286,7 +292,7 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
              command(cfg, "report.py", cfg.out, *baseline),
              f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
     if cfg.method == "bayesncl":
-        flags = _without(argv, "--method", "--out", "--overwrite")
+        flags = _without(argv, "--method", "--out", "--overwrite", "--gate-density")  # NCL has no gates to target
         steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]
     return "next:\n" + "\n".join("  " + line for line in steps)

@@ -1,0 +1,200 @@
+"""Is a gate's gain more than sparsity? The baselines that answer it, and the representations of a gated run.
+
+Semantic consistency rises as a representation gets sparser, whatever selects the entries that stay: a dimension
+that fires on fewer images has its top class cover more of them. So a gated run is judged beside
+
+* the same run's ungated features under *random* masks that keep as many active entries as its representation F
+  has (:func:`random_mask_null`): the same encoder and the same sparsity, without the gates' selection;
+* NCL+TopK at the same activation rate (:func:`topk_at_rate`, in ``compare.py``'s tables): another way to be that
+  sparse, trained as such;
+
+and, since an ELBO-trained q near its prior has a mode that summarises it badly, at the posterior mean (the paper's
+"soft gating", normalise(u * p)) and averaged over draws of g ~ q(g | x) (:func:`posterior_representations`).
+"""
+
+import itertools
+import math
+
+import torch
+
+from bayesncl_pyro.losses import normalize
+from bayesncl_pyro.metrics import active_dims, active_entries, activation_rate, factor_tracking, semantic_consistency
+
+RANDOM_MASKS = 5
+"""Seeded random masks the null's figures are averaged over."""
+Q_DRAWS = 5
+"""Draws of g ~ q(g | x) the ``_q_draws`` figures are averaged over."""
+
+REPRESENTATIONS = {
+    "": "F, the evaluated representation: normalise(u * m), m the posterior mode 1[q(g = 1 | x) > 0.5] for "
+        "BayesNCL; normalise(relu(z)) (top k kept with --topk) for NCL; normalise(z) for CL",
+    "_ungated": "u = normalise(relu(z)), BayesNCL's features with every gate open",
+    "_posterior_mean": "normalise(u * p), p = q(g = 1 | x): the posterior mean's soft gating",
+    "_q_draws": f"normalise(u * g), g ~ q(g | x): the mean over {Q_DRAWS} seeded draws",
+    "_random_mask": f"normalise(u * r), r a random mask keeping each active entry of u with probability "
+                    f"random_mask_keep (= F's active entries / u's): the mean over {RANDOM_MASKS} seeded masks",
+}
+"""What each suffix of eval.json's keys is a figure of (eval.json's ``representations``); the linear probe and kNN
+are on backbone features, the same for all."""
+
+
+def summary(features: torch.Tensor, labels: torch.Tensor, factors: dict | None) -> dict:
+    """The figures that change with the representation: consistency, activation rate, dims in use and, where the
+    factors are known, the dims tracking each."""
+    out = dict(semantic_consistency=semantic_consistency(features, labels), activation_rate=activation_rate(features),
+               active_dims=active_dims(features))
+    if factors is not None:
+        out.update({f"dims_tracking_{n}": int(m.sum()) for n, m in factor_tracking(features, factors).items()})
+    return out
+
+
+def _mean(runs: list[dict], suffix: str) -> dict:
+    return {k + suffix: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+def random_mask_null(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, factors: dict | None = None,
+                     seed: int = 0) -> dict:
+    """The sparsity null of a gated run: its ungated features u (N x K) under random masks that keep each active entry
+    with probability ``random_mask_keep`` = (active entries of F) / (active entries of u), so that the masked
+    features have F's active entries in expectation, chosen without regard to the image. Masking an inactive entry
+    changes nothing, so this is the run's own open rate whenever the gates close active and inactive entries alike;
+    where they prefer one kind, the open rate would not keep F's sparsity, and this does. :func:`summary`'s
+    figures averaged over :data:`RANDOM_MASKS` seeded masks, keys ending in ``_random_mask``."""
+    keep = float(active_entries(features).sum() / active_entries(ungated).sum().clamp_min(1))
+    g = torch.Generator().manual_seed(seed)
+    runs = [summary(normalize(ungated * (torch.rand(ungated.shape, generator=g) < keep)), labels, factors)
+            for _ in range(RANDOM_MASKS)]
+    return dict(_mean(runs, "_random_mask"), random_mask_keep=keep)
+
+
+def posterior_representations(ungated: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor,
+                              factors: dict | None = None, seed: int = 0) -> dict:
+    """A gated run judged as a posterior, not by its mode: :func:`summary` of normalise(u * p) (keys ending in
+    ``_posterior_mean``) and the mean of it over :data:`Q_DRAWS` seeded draws normalise(u * g), g ~ Bernoulli(p)
+    (``_q_draws``); u: N x K ungated features, p: N x K q(g = 1 | x)."""
+    g = torch.Generator().manual_seed(seed)
+    draws = [summary(normalize(ungated * torch.bernoulli(probs, generator=g)), labels, factors)
+             for _ in range(Q_DRAWS)]
+    return {**_mean([summary(normalize(ungated * probs), labels, factors)], "_posterior_mean"),
+            **_mean(draws, "_q_draws")}
+
+
+def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
+    """y at x, linear between the two nearest points (x_i, y_i) that bracket x; None outside their range."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if points and x == points[0][0]:
+        return points[0][1]
+    return None
+
+
+TOPK_KEYS = ("semantic_consistency", "dims_tracking_class", "linear_probe_top1")
+
+
+MATCH_ON = {"rate": "activation_rate", "sparsity": "sparsity"}
+"""The two measures of sparsity a run is matched on: the activation rate (the reference's: the share of active
+entries among the dims in use, so a representation that closes whole dims can be sparse and still have a high rate)
+and the share of zero entries over all K dims (what a TopK's k fixes, and what the random-mask null keeps)."""
+
+
+def topk_at_rate(runs: list[dict]) -> list[dict]:
+    """``runs`` (compare.py's: dicts with ``name``, ``family`` and their eval figures), each given the NCL+TopK curve's
+    figures at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and ``topk_<key>_at_sparsity``
+    for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest TopK settings (each the
+    mean over its seeds; NCL, TopK with every dim kept, is a point of the curve) and left out where the run lies
+    outside the curve's range. Runs of the curve itself get nothing."""
+    curve = {}
+    for r in runs:
+        if r["family"] in ("ncl+topk", "ncl"):
+            curve.setdefault(r["name"], []).append(r)
+    means = [{k: sum(r[k] for r in rs) / len(rs) for k in (*MATCH_ON.values(), *TOPK_KEYS)
+              if all(k in r for r in rs)} for rs in curve.values()]
+    out = []
+    for r in runs:
+        r = dict(r)
+        if r["family"] not in ("ncl+topk", "ncl") and len(means) >= 2:
+            for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
+                value = interpolate(r[x], [(m[x], m[key]) for m in means if key in m])
+                if value is not None:
+                    r[f"topk_{key}_at_{suffix}"] = value
+        out.append(r)
+    return out
+
+
+MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
+                   ("Dims", "active_dims", 1, ".0f"), ("Cons.", "semantic_consistency", 100, ".2f"),
+                   ("class dims", "dims_tracking_class", 1, ".1f"), ("bg dims", "dims_tracking_background", 1, ".1f"),
+                   ("TopK Cons. at Act.", "topk_semantic_consistency_at_rate", 100, ".2f"),
+                   ("TopK class dims at Act.", "topk_dims_tracking_class_at_rate", 1, ".1f"),
+                   ("TopK Cons. at Sparsity", "topk_semantic_consistency_at_sparsity", 100, ".2f"),
+                   ("TopK class dims at Sparsity", "topk_dims_tracking_class_at_sparsity", 1, ".1f"),
+                   ("random-mask Cons.", "semantic_consistency_random_mask", 100, ".2f"),
+                   ("random-mask class dims", "dims_tracking_class_random_mask", 1, ".1f"),
+                   ("post. mean Cons.", "semantic_consistency_posterior_mean", 100, ".2f"),
+                   ("post. mean Act.", "activation_rate_posterior_mean", 100, ".1f"),
+                   ("q draws Cons.", "semantic_consistency_q_draws", 100, ".2f"),
+                   ("q draws class dims", "dims_tracking_class_q_draws", 1, ".1f"),
+                   ("Gates on", "gates_open", 100, ".1f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
+                   ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f"),
+                   ("TopK LP@1 at Sparsity", "topk_linear_probe_top1_at_sparsity", 100, ".2f")]
+"""compare.py's table at matched sparsity: each run's figures beside the baselines at its own sparsity."""
+
+
+def family(fields: dict) -> str:
+    """The curve a run belongs to in the matched-sparsity figure: the method, TopK and gates named, without the
+    setting (k, D, lambda) that moves it along the curve."""
+    if fields.get("method") == "bayesncl":
+        prior = fields.get("prior", "bernoulli")
+        return f"bayesncl-{fields.get('gate', 'ste')}" + ("" if prior == "bernoulli" else f"+{prior}")
+    if fields.get("method") == "ncl":
+        return "ncl+topk" if fields.get("topk") else "ncl"
+    return fields.get("method", "?")
+
+
+def plot_matched(runs: list[dict], path):
+    """Consistency and LP@1 against the activation rate of F (top row) and against its active entries, 1 - sparsity
+    (bottom row): one curve per family (NCL joins NCL+TopK's, as its k = K end), one point per setting at its seeds'
+    mean, the seeds' standard deviation as error bars on both axes; for gated runs also the random-mask null's
+    consistency (dotted, bottom row: it keeps F's active entries, not its rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def stats(rs, key):
+        vals = [r[key] for r in rs if key in r]
+        if not vals:
+            return math.nan, 0.0
+        m = sum(vals) / len(vals)
+        return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+
+    curves = {}
+    for r in runs:
+        fam = "ncl+topk" if r["family"] == "ncl" else r["family"]
+        curves.setdefault(fam, {}).setdefault(r["name"], []).append(r)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 8))
+    for row, (x_key, x_label, flip) in zip(axes, (("activation_rate", "activation rate of F (% of entries of the dims "
+                                                  "in use)", False),
+                                                 ("sparsity", "active entries of F (% of all K dims)", True))):
+        for i, (fam, settings) in enumerate(curves.items()):
+            points = sorted(((stats(rs, x_key), rs) for rs in settings.values()), key=lambda p: p[0])
+            x = [100 * (1 - p[0][0] if flip else p[0][0]) for p in points]
+            xerr = [100 * p[0][1] for p in points]
+            for ax, key in zip(row, ("semantic_consistency", "linear_probe_top1")):
+                y = [stats(rs, key) for _, rs in points]
+                ax.errorbar(x, [100 * m for m, _ in y], xerr=xerr, yerr=[100 * s for _, s in y], marker="o",
+                            capsize=3, color=f"C{i}", label=fam)
+            if flip:  # the null keeps F's active entries, so it sits at F's point on this axis only
+                null = [stats(rs, "semantic_consistency_random_mask") for _, rs in points]
+                if not any(math.isnan(m) for m, _ in null):
+                    row[0].errorbar(x, [100 * m for m, _ in null], yerr=[100 * s for _, s in null], ls=":",
+                                    marker="x", capsize=2, color=f"C{i}", label=f"{fam}: random masks as sparse")
+        for ax, label in zip(row, ("semantic consistency (%)", "linear probe top-1 (%)")):
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,136 @@
+"""--gate-density: lambda as a Lagrange multiplier (bayesncl_pyro/density.py), and the matched-sparsity evaluation
+(bayesncl_pyro/matched.py)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
+from bayesncl_pyro.metrics import active_entries, semantic_consistency
+from bayesncl_pyro.training import Trainer
+
+# a tiny digits run: 2 epochs of 7 steps at batch 200, the prior below 1/2 so that lambda closes gates
+TINY = dict(dataset="digits", proj_hidden=64, proj_dim=32, batch_size=200, epochs=2, warmup_epochs=0.5, workers=0,
+            log_every=1, ckpt_every=3, monitor_every=0, prior_prob=0.2, gate_density=0.1, kl_weight=1e-3)
+
+
+def tiny(path, **kw):
+    return Config(out=str(path), **{**TINY, **kw})
+
+
+def log(path):
+    return [json.loads(line) for line in open(path / "log.jsonl")]
+
+
+@pytest.mark.parametrize("prior_prob, sign", [(0.2, 1.0), (0.8, -1.0)])
+def test_the_dual_step_raises_lambda_where_the_kl_moves_the_share_toward_the_target(prior_prob, sign):
+    control = DensityControl(0.3, 1e-3, prior_prob)
+    control.update(torch.tensor(0.5))  # too many gates open; the target starts its path from this share
+    target = 0.3 + 0.2 * RAMP_DECAY
+    assert control.target.item() == pytest.approx(target)
+    error = sign * (0.5 - target)
+    assert control.weight().item() == pytest.approx(1e-3 * math.exp((DUAL_LR + DUAL_P) * error), rel=1e-6)
+    control.update(torch.tensor(0.5))
+    target2 = 0.3 + (target - 0.3) * RAMP_DECAY
+    assert control.target.item() == pytest.approx(target2)
+    assert control.weight().item() == pytest.approx(
+        1e-3 * math.exp(DUAL_LR * error + (DUAL_LR + DUAL_P) * sign * (0.5 - target2)), rel=1e-6)
+    before = control.weight()
+    control.update(torch.tensor(float("nan")))  # a bad step leaves the multiplier and the path alone
+    assert torch.equal(control.weight(), before) and control.target.item() == pytest.approx(target2)
+
+
+def test_the_target_moves_from_the_first_share_to_the_density():
+    control = DensityControl(0.3, 1e-3, 0.2)
+    for _ in range(400):
+        control.update(torch.tensor(0.6))
+    assert control.target.item() == pytest.approx(0.3, abs=1e-3)
+
+
+def test_a_short_run_follows_the_dual_update_and_weights_the_kl_by_it(tmp_path):
+    """Each logged lambda is exp(eta + DUAL_P * e_t), eta the start's log plus DUAL_LR times the sum of the errors
+    e = share - target of the steps before, e_t the last one's, at the logged shares and targets; the target moves
+    from the first share toward D; the loss is InfoNCE plus that lambda times the KL."""
+    trainer = Trainer(tiny(tmp_path), progress=False)
+    trainer.train(trainer.total_steps)
+    records = log(tmp_path)
+    assert records[0]["kl_weight"] == pytest.approx(1e-3, rel=1e-6)  # the first step uses the starting value
+    targets = [r["density_target"] for r in records]
+    assert targets[0] == pytest.approx(0.1 + (records[0]["gates_open"] - 0.1) * RAMP_DECAY, abs=1e-6)
+    for before, after in zip(targets, targets[1:]):
+        assert after == pytest.approx(0.1 + (before - 0.1) * RAMP_DECAY, abs=1e-6)
+    errors = [r["gates_open"] - t for r, t in zip(records, targets)]
+    for t, r in enumerate(records[1:], 1):
+        assert math.log(r["kl_weight"]) == pytest.approx(
+            math.log(1e-3) + DUAL_LR * sum(errors[:t]) + DUAL_P * errors[t - 1], abs=1e-5)
+        assert r["loss"] == pytest.approx(r["nce"] + r["kl_weight"] * r["kl"], rel=1e-4)
+    assert sum(errors) > 0 and records[-1]["kl_weight"] > 1e-3  # the share stayed above its target: lambda rose
+    expected = math.log(1e-3) + DUAL_LR * sum(errors) + DUAL_P * errors[-1]
+    assert trainer.learner.head.density.weight().log().item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_resumed_run_continues_the_same_multipliers(tmp_path):
+    straight = Trainer(tiny(tmp_path / "a"), progress=False)
+    straight.train(straight.total_steps)
+    first = Trainer(tiny(tmp_path / "b", max_steps=9), progress=False)
+    first.train(9)
+    first.save()
+    resumed = Trainer(tiny(tmp_path / "b"), progress=False)
+    assert resumed.step == 9
+    resumed.train(resumed.total_steps)
+    a, b = straight.learner.state_dict(), resumed.learner.state_dict()
+    assert "head.density.eta" in a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert [r["kl_weight"] for r in log(tmp_path / "a")] == [r["kl_weight"] for r in log(tmp_path / "b")][-14:]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(method="ncl"), "--method ncl has no gates"), (dict(method="cl"), "--method cl has no gates"),
+    (dict(gate_density=1.0), "strictly between 0 and 1"), (dict(gate_density=0.0), "strictly between 0 and 1"),
+    (dict(prior_prob=0.5), "away from 0.5")])
+def test_an_impossible_density_is_one_line(tmp_path, bad, match):
+    with pytest.raises(UserError, match=match) as e:
+        resolve(tiny(tmp_path, **bad))
+    assert "\n" not in str(e.value)
+
+
+def test_the_random_mask_null_keeps_the_representations_active_entries():
+    g = torch.Generator().manual_seed(0)
+    ungated = torch.rand(400, 16, generator=g) * (torch.rand(400, 16, generator=g) < 0.6)
+    gated = ungated * (torch.rand(400, 16, generator=g) < 0.3)
+    labels = torch.randint(0, 4, (400,), generator=g)
+    null = random_mask_null(ungated, gated, labels)
+    keep = active_entries(gated).sum() / active_entries(ungated).sum()
+    assert null["random_mask_keep"] == pytest.approx(keep.item())
+    assert null["activation_rate_random_mask"] == pytest.approx(0.6 * keep.item(), abs=0.03)
+
+
+def test_a_posterior_of_certain_gates_is_its_mode():
+    g = torch.Generator().manual_seed(0)
+    ungated, labels = torch.rand(300, 8, generator=g), torch.randint(0, 3, (300,), generator=g)
+    mode = (torch.rand(300, 8, generator=g) < 0.4).float()
+    out = posterior_representations(ungated, mode, labels)
+    assert out["semantic_consistency_posterior_mean"] == pytest.approx(semantic_consistency(ungated * mode, labels))
+    assert out["semantic_consistency_q_draws"] == pytest.approx(out["semantic_consistency_posterior_mean"])
+
+
+def test_topk_is_interpolated_at_each_runs_rate_and_never_extrapolated():
+    assert interpolate(0.25, [(0.3, 10.0), (0.2, 20.0)]) == pytest.approx(15.0)
+    assert interpolate(0.35, [(0.3, 10.0), (0.2, 20.0)]) is None
+    runs = [dict(name="ncl+topk-k4", family="ncl+topk", activation_rate=0.1, sparsity=0.9, semantic_consistency=0.4),
+            dict(name="ncl+topk-k8", family="ncl+topk", activation_rate=0.2, sparsity=0.8, semantic_consistency=0.3),
+            dict(name="ncl", family="ncl", activation_rate=0.4, sparsity=0.6, semantic_consistency=0.2),
+            dict(name="ste", family="bayesncl-ste", activation_rate=0.3, sparsity=0.85, semantic_consistency=0.5),
+            dict(name="leg", family="bayesncl-leg", activation_rate=0.05, sparsity=0.7, semantic_consistency=0.5)]
+    out = {r["name"]: r for r in topk_at_rate(runs)}
+    assert out["ste"]["topk_semantic_consistency_at_rate"] == pytest.approx(0.25)
+    assert out["ste"]["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.35)
+    assert "topk_semantic_consistency_at_rate" not in out["leg"]  # below the curve's sparsest point
+    assert out["leg"]["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.25)
+    assert "topk_semantic_consistency_at_rate" not in out["ncl+topk-k4"]
