@@ -8,8 +8,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import math
-import os
 import re
 import types
 from dataclasses import dataclass, field
@@ -21,7 +19,7 @@ METHODS = ("cl", "ncl", "bayesncl")
 OPTIMIZERS = ("lars", "sgd", "adamw")
 ON_NAN = ("stop", "skip")
 AUGMENT = ("auto", "workers", "device")
-EVAL_PROTOCOLS = ("fast", "reference")  # bayesncl_pyro.evaluation.protocol
+EVAL_PROTOCOLS = ("fast", "reference")  # bayesncl_pyro.evaluate.heldout.protocol
 
 # The reference recipes (docs/METHOD.md, "Settings of the reference") for CIFAR and ImageNet-100, evaluated
 # by the reference's protocol; digits is our CPU demo.
@@ -102,7 +100,7 @@ class Config:
     # evaluation
     eval_protocol: str | None = None  # linear probe and retrieval: "fast" (small runs) or "reference" (the paper's)
     tensorboard: bool = False  # also write the log and the evaluation as TensorBoard events in the run folder
-    wandb: bool = False  # also log them, and the config, to a Weights & Biases run (wandb_log.py)
+    wandb: bool = False  # also log them, and the config, to a Weights & Biases run (loggers.py)
     monitor_every: int = 5  # epochs between online kNN top-1 and RankMe records in the log (monitor.py), 0 = off
 
     def to_dict(self) -> dict:
@@ -209,7 +207,7 @@ def run_name(cfg: Config) -> str:
     its identity that differ from its dataset's recipe as ``name=value`` (a hash of them when they are many), e.g.
     ``compositional-bayesncl-ste``, ``compositional-ncl-topk=16``, ``cifar10-bayesncl-ste-encoder=cnn,seed=1``.
     ``cfg``: with its recipe's defaults filled in."""
-    mine, recipe = cfg.identity(), _with_recipe(Config(dataset=cfg.dataset, method=cfg.method)).identity()
+    mine, recipe = cfg.identity(), with_recipe(Config(dataset=cfg.dataset, method=cfg.method)).identity()
     named = ["dataset", "method"] + (["gate"] if cfg.method == "bayesncl" else [])
     changed = {**{k: mine[k] for k in mine if k not in named and mine[k] != recipe[k]}, **mine["prior_args"]}
     changed.pop("prior_args", None)  # its arguments stand for it, by their names
@@ -220,7 +218,7 @@ def run_name(cfg: Config) -> str:
     return "-".join([mine[k] for k in named] + ([tag] if tag else []))
 
 
-def _with_recipe(cfg: Config) -> Config:
+def with_recipe(cfg: Config) -> Config:
     """``cfg`` with the fields it leaves None set by its dataset's recipe (``DATASET_DEFAULTS``)."""
     defaults = {k: v for k, v in DATASET_DEFAULTS[cfg.dataset].items() if getattr(cfg, k) is None}
     if cfg.method == "cl" and cfg.nonneg is None:
@@ -228,69 +226,3 @@ def _with_recipe(cfg: Config) -> Config:
     return dataclasses.replace(cfg, **defaults)
 
 
-def resolve(cfg: Config) -> Config:
-    """Fill dataset defaults (and a run folder named by what the run is: :func:`run_name`) and check every value;
-    raises :class:`UserError` naming the bad one."""
-    from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
-    from bayesncl_pyro.density import check_gate_density
-    from bayesncl_pyro.device import check_device
-    from bayesncl_pyro.encoders import backbone_builder
-    from bayesncl_pyro.head_arguments import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
-    from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
-    from bayesncl_pyro.probe import REFERENCE_PROBES
-
-    _choice("dataset", cfg.dataset, DATASETS)
-    cfg = _with_recipe(cfg)
-    for f in dataclasses.fields(cfg):  # NaN passes every comparison below; inf makes a run of NaN
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-    _choice("method", cfg.method, METHODS)
-    check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
-    _choice("optimizer", cfg.optimizer, OPTIMIZERS)
-    backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
-    check_device(cfg.device)
-    _choice("on_nan", cfg.on_nan, ON_NAN)
-    _choice("augment", cfg.augment, AUGMENT)
-    _choice("eval_protocol", cfg.eval_protocol, EVAL_PROTOCOLS)
-    if cfg.eval_protocol == "reference" and cfg.dataset not in REFERENCE_PROBES:
-        raise UserError(f"--eval-protocol reference is the paper's protocol for {', '.join(REFERENCE_PROBES)}, "
-                        f"which does not include {cfg.dataset}; use --eval-protocol fast")
-    check_gate_density(cfg.gate_density, cfg.method, cfg.prior_prob)
-    _positive(cfg, "lr", "gate_lr", "image_size", "epochs", "log_every", "ckpt_every")
-    # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
-    # the prior built once (it checks --prior-prob) and its guide checked against it: they fail now rather than
-    # when training starts
-    cfg = dataclasses.replace(cfg, prior_args=prior_args(cfg.prior, cfg.prior_args))
-    checked_guide(build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args))
-    if cfg.batch_size < 2:
-        raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
-    if min(cfg.weight_decay, cfg.warmup_epochs, cfg.workers, cfg.conflict_every, cfg.monitor_every) < 0:
-        raise UserError("--weight-decay, --warmup-epochs, --workers, --conflict-every and --monitor-every must not be "
-                        "negative")
-    if not 0 <= cfg.momentum < 1:
-        raise UserError(f"--momentum must lie in [0, 1), got {cfg.momentum}")
-    if not 0 <= cfg.seed < 2**31:  # the per-process seeds (seed + 1,000,003 x rank) must stay below numpy's 2**32
-        raise UserError(f"--seed must be a whole number from 0 to {2**31 - 1}, got {cfg.seed}")
-    if cfg.warmup_epochs >= cfg.epochs:
-        raise UserError(f"--warmup-epochs ({cfg.warmup_epochs}) must be shorter than --epochs ({cfg.epochs})")
-    if cfg.max_steps is not None and cfg.max_steps < 1:
-        raise UserError(f"--max-steps must be at least 1, got {cfg.max_steps}")
-    if cfg.ckpt_minutes is not None and not cfg.ckpt_minutes > 0:
-        raise UserError(f"--ckpt-minutes must be positive, got {cfg.ckpt_minutes}")
-    if cfg.out is None:
-        cfg = dataclasses.replace(cfg, out=str(Path(RUNS) / run_name(cfg)))
-    if cfg.data_dir is not None:  # as an absolute path: what opens the run later reads no relative one (rundir)
-        cfg = dataclasses.replace(cfg, data_dir=os.path.abspath(os.path.expanduser(cfg.data_dir)))
-    return cfg
-
-
-def _choice(flag: str, value, valid):
-    if value not in valid:
-        raise UserError(f"unknown --{flag.replace('_', '-')} {value!r}; choose one of: {', '.join(valid)}")
-
-
-def _positive(cfg: Config, *names: str):
-    for n in names:
-        if not getattr(cfg, n) > 0:
-            raise UserError(f"--{n.replace('_', '-')} must be positive, got {getattr(cfg, n)}")

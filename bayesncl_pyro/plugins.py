@@ -1,7 +1,7 @@
 """What a command line may take from the user's own code: an object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
 checked against the constructor they are for and converted to the types it declares; and the flags by which a script
-that opens a run folder is told to import the code its configuration names (``rundir.load_learner``)."""
+that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``)."""
 
 import argparse
 import ast
@@ -25,6 +25,21 @@ class Registry(dict):
             return obj
 
         return add
+
+
+TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
+
+
+TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
+
+
+TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
+
+
+TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
+
+
+TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
 
 
 def is_spec(name: str) -> bool:
@@ -105,7 +120,7 @@ def _convert(value, param: inspect.Parameter | None, context: str):
 
 
 def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
-    """The flags of a script that opens a run folder (``rundir.load_learner``): --trust-run, and --data-dir if it
+    """The flags of a script that opens a run folder (``infer.learner.load_learner``): --trust-run, and --data-dir if it
     reads the run's data."""
     if data_dir:
         p.add_argument("--data-dir", help="the run's data folder (default: the run's own, when it is an absolute "

@@ -28,19 +28,13 @@ import tempfile
 import time
 import warnings
 import weakref
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from bayesncl_pyro import __version__
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data.datasets import FOLDER_DATASETS
-from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.encoders import TIMM
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.plugins import is_spec
+from bayesncl_pyro.plugins import TIMM, is_spec
 
 CONFIG = "config.json"
 CHECKPOINT = "checkpoint.pt"
@@ -331,57 +325,10 @@ def _rescale_prior_group(state: dict):
                 state["scheduler"][key][i] = state["scheduler"][key][i] * lam
 
 
-# bayesncl-pyro 0.1 named the learner's parts encoder.{backbone,projector}, model and guide; the head holds the
-# projector, model and guide since 0.2
-_RENAMED = (("encoder.backbone.", "backbone."), ("encoder.projector.", "head.projector."), ("model.", "head.model."),
-            ("guide.", "head.guide."))
-
-
-def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
-    """Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
-    version's model) in one line instead of torch's state_dict error."""
-    mine, theirs = learner.state_dict(), state["learner"]
-    if any(k.startswith("encoder.") for k in theirs):
-        theirs = {next((new + k[len(old):] for old, new in _RENAMED if k.startswith(old)), k): v
-                  for k, v in theirs.items()}
-    problems = [f"{k} is {tuple(theirs[k].shape)} there but {tuple(v.shape)} here"
-                for k, v in mine.items() if k in theirs and theirs[k].shape != v.shape]
-    problems += [f"{k} missing" for k in mine if k not in theirs]
-    problems += [f"{k} unexpected" for k in theirs if k not in mine]
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise UserError(f"{path} (bayesncl-pyro {state['version']}) does not fit the model of bayesncl-pyro "
-                        f"{__version__}: {'; '.join(problems[:3])}{more}; load it with the version that wrote it")
-    learner.load_state_dict(theirs)
-
-
 def run_folder(run: str | os.PathLike) -> Path:
     """The run folder that ``run`` names: the folder itself, or its ``checkpoint.pt``."""
     run = Path(run)
     return run.parent if run.name == CHECKPOINT and run.is_file() else run
-
-
-def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
-                 data_dir: str | os.PathLike | None = None) -> tuple[ContrastiveLearner, Config]:
-    """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
-    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), and its config.
-
-    A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
-    (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
-    given, else the run's own if it is absolute and outside the run folder (else None: loading the run's data then
-    asks for ``--data-dir``)."""
-    folder = run_folder(run_dir)
-    path = folder / CHECKPOINT
-    if not path.exists():
-        raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
-    device = pick_device(str(device), flag="device")
-    state = load_checkpoint(path)
-    cfg = Config.from_dict(state["config"])
-    _check_code(cfg, path, trust_code)
-    cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))
-    learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
-    load_weights(learner, state, path)
-    return learner.to(device).eval(), cfg
 
 
 def code_references(cfg: Config) -> dict[str, str]:
@@ -389,33 +336,4 @@ def code_references(cfg: Config) -> dict[str, str]:
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
             if is_spec(spec) and not spec.startswith(TIMM)}
 
-
-def _check_code(cfg: Config, path: Path, trust: bool):
-    """Refuse (or, trusted, announce) the modules that the run's encoder and prior would import."""
-    code = code_references(cfg)
-    if not code:
-        return
-    named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())
-    if not trust:
-        raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
-                        "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
-    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
-
-
-def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
-    """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
-    shared file system); a relative one depends on where the command runs, and one in the run folder is the
-    sender's: None, said in a note."""
-    if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
-        return cfg.data_dir
-    saved = Path(cfg.data_dir)
-    real, run = saved.resolve(), folder.resolve()
-    why = "is relative" if not saved.is_absolute() else \
-        "is the run folder or lies in it" if real == run or run in real.parents else \
-        "holds the run folder" if real in run.parents else None
-    if why:
-        print(f"note: {path} names the data folder {cfg.data_dir!r}, which {why}; a run's data folder is read only "
-              "from an absolute path outside the run: name it with --data-dir (data_dir= in Python)", file=sys.stderr)
-        return None
-    return cfg.data_dir
 

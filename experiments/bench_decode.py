@@ -20,7 +20,7 @@ from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.decode import JPEG_DECODERS
-from bayesncl_pyro.training import pick_device
+from bayesncl_pyro.device import pick_device
 
 
 def jpeg(i: int, large: bool) -> bytes:

@@ -31,12 +31,13 @@ import torch
 from pyro.infer import TraceMeanField_ELBO
 from torch.utils.flop_counter import FlopCounterMode
 
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.head import own_params
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
-from bayesncl_pyro.training import pick_device
+from bayesncl_pyro.infer.head import own_params
+from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.train.resolve import resolve
 
 
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
 
 def stock_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     """``learner(x)[0]`` through Pyro's own ``TraceMeanField_ELBO`` on the head's program: the per-step work that
-    ``bayesncl_pyro/elbo.py`` leaves out."""
+    ``bayesncl_pyro/infer/elbo.py`` leaves out."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
         z = learner.head.projector(h)
@@ -303,7 +304,7 @@ def pipeline(cfg: Config, args, device: torch.device):
     batched on the device, of the training set held there (``resident``: in-memory sets, folders of small
     images of one size) or of each batch's files."""
     from bayesncl_pyro.data import pipeline as P
-    from bayesncl_pyro.training import EpochSampler, Trainer
+    from bayesncl_pyro.train.trainer import EpochSampler, Trainer
 
     n = args.pipeline_batches
 

@@ -192,7 +192,7 @@ for name, n, large in (("jpeg224", n224, True), ("jpeg32", n32, False)):
 
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, jpeg_decoders  # noqa: E402
-from bayesncl_pyro.training import pick_device  # noqa: E402
+from bayesncl_pyro.train.trainer import pick_device  # noqa: E402
 
 device = pick_device(device)
 cuda = device.type == "cuda"
@@ -281,7 +281,7 @@ from unittest import mock
 from bayesncl_pyro import training
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import Stopped
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.train.trainer import Trainer
 
 out, device, steps, workers, limit = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 extra = sys.argv[6:]

@@ -2,7 +2,7 @@
 
 The guide says what q is, not how training differentiates through it: its site ``g`` draws hard 0/1 gates
 from one of two variational families, and the gradient estimator (``--gate``) is applied by the inference
-side (``bayesncl_pyro/estimators.py``). Both families are Bernoulli distributions whose ``sample`` draws,
+side (``bayesncl_pyro/infer/estimators.py``). Both families are Bernoulli distributions whose ``sample`` draws,
 ``log_prob``, ``entropy``, ``enumerate_support`` and KL are the Bernoulli's, with one reparameterised draw
 attached as ``rsample`` (hard values, a relaxed gradient):
 
@@ -42,8 +42,8 @@ import torch
 from pyro import poutine
 from pyro.nn import PyroModule
 
-from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.models.bayesncl import rows_plate
+from bayesncl_pyro.nn.encoders import mlp
 
 
 class BernoulliGates(dist.Bernoulli):
@@ -110,7 +110,7 @@ class GateGuide(PyroModule):
         in_dim: backbone feature width; hidden, depth: gating-head MLP shape; num_features: K.
         num_rows: rows in the whole training set (2 per image), for minibatch scaling.
         family: the variational family of the gates, :class:`BernoulliGates` or :class:`GumbelSigmoidGates`
-            (the estimator's, ``bayesncl_pyro.estimators``); temperature: its relaxation's temperature.
+            (the estimator's, ``bayesncl_pyro.infer.estimators``); temperature: its relaxation's temperature.
         logit_bound: logits are squashed smoothly into (-bound, bound): a saturated gate would get no
             gradient and never come back.
         kl_weight: lambda, applied here and in the model (a mean-field ELBO scales the KL by the guide's scale).

@@ -20,12 +20,12 @@ So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(globa
 trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
 global-latent KL of hierarchical priors once per data set (``models/priors.py`` says why that is the
 right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) proportional to
-p(g) exp(-InfoNCE / lambda). With a density target (``--gate-density D``, ``bayesncl_pyro/density.py``) lambda
+p(g) exp(-InfoNCE / lambda). With a density target (``--gate-density D``, ``bayesncl_pyro/infer/density.py``) lambda
 is not chosen by hand but is the Lagrange multiplier of the constraint "share of open gates = D", found by dual
 ascent during training: in this reading, the Gibbs posterior's temperature chosen by a constraint on the posterior's
 mode, rather than a fixed hyperparameter (``kl_weight`` is then the multiplier's current value, a 0-d tensor). The
 program says what is random; how training differentiates through the
-gates is the inference's choice (``bayesncl_pyro/estimators.py``): with the ``ste`` estimator the likelihood
+gates is the inference's choice (``bayesncl_pyro/infer/estimators.py``): with the ``ste`` estimator the likelihood
 term is InfoNCE at the posterior mode, not its expectation under q, the reference's deterministic surrogate.
 
 Why the factor is outside the rows plate
@@ -51,8 +51,8 @@ import torch
 from pyro import poutine
 from pyro.nn import PyroModule
 
-from bayesncl_pyro.losses import info_nce_rows, nonneg, normalize, topk_mask
 from bayesncl_pyro.models.priors import Prior
+from bayesncl_pyro.nn.losses import info_nce_rows, nonneg, normalize, topk_mask
 
 
 def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
@@ -104,7 +104,7 @@ class ContrastiveModel(PyroModule):
                 with rows_plate(self.num_rows, rows, u.device):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
             if g.requires_grad:
-                g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (diagnostics.gate_pulls)
+                g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (infer.head.gate_pulls)
             u = normalize(u * g)
         if self.gather is None:
             nce = info_nce_rows(u, self.temperature)

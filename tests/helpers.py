@@ -90,7 +90,7 @@ def truncate(path):
 def assert_resume_is_exact(straight, config):
     """Train ``straight`` (a Trainer) 6 steps, and ``config(**overrides)``'s run 4 steps (mid-epoch 2), saved and
     resumed to 6: the weights must be equal."""
-    from bayesncl_pyro.training import Trainer
+    from bayesncl_pyro.train.trainer import Trainer
 
     straight.train(6)
     first = Trainer(config(max_steps=4), progress=False)

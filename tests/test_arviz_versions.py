@@ -24,10 +24,10 @@ WRITE = """
 import json, sys
 from pathlib import Path
 import torch
-from bayesncl_pyro.arviz_export import export_gates
+from bayesncl_pyro.evaluate.arviz_export import export_gates
 from bayesncl_pyro.config import Config, resolve
 from bayesncl_pyro.data import load_dataset
-from bayesncl_pyro.learner import ContrastiveLearner
+from bayesncl_pyro.infer.learner import ContrastiveLearner
 out = Path(sys.argv[1])
 data = load_dataset("digits", None, seed=0)
 torch.manual_seed(0)
@@ -43,7 +43,7 @@ READ = """
 import json, sys, warnings
 warnings.simplefilter("ignore", FutureWarning)
 import arviz as az
-from bayesncl_pyro.arviz_export import read_gates
+from bayesncl_pyro.evaluate.arviz_export import read_gates
 for path in sys.argv[1:]:
     d = read_gates(path)
     out = {"arviz": az.__version__.split(".")[0], "type": type(d).__name__, "config": d.posterior.attrs["config"]}

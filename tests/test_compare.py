@@ -60,7 +60,8 @@ def test_paper_table_puts_the_papers_numbers_beside_ours_each_column_naming_its_
 
 @pytest.mark.parametrize("recipe, protocol", [("reference", "reference"), ("cpu", "fast")])
 def test_the_recipe_chooses_the_evaluation_protocol(recipe, protocol):
-    from bayesncl_pyro.config import Config, resolve
+    from bayesncl_pyro.config import Config
+    from bayesncl_pyro.train.resolve import resolve
 
     args = compare.parser().parse_args(["--dataset", "cifar100", "--recipe", recipe])
     shared, notes = compare.shared_config(args, 50_000)

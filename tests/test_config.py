@@ -2,8 +2,9 @@
 
 import pytest
 
-from bayesncl_pyro.config import DATASET_DEFAULTS, Config, resolve
+from bayesncl_pyro.config import DATASET_DEFAULTS, Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.train.resolve import resolve
 
 
 def test_every_dataset_has_its_own_recipe(monkeypatch):

@@ -10,12 +10,12 @@ import torch
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset, pipeline
-from bayesncl_pyro.data import resident as resident_module
+from bayesncl_pyro.data import load_dataset, pipeline, resident as resident_module
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.training import Trainer, pick_device
+from bayesncl_pyro.train.trainer import Trainer
 from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
 from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
@@ -565,7 +565,7 @@ def test_a_bad_step_read_late_is_named_before_a_later_failure_and_never_saved(tm
 
 
 def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
-    from bayesncl_pyro import divergence
+    from bayesncl_pyro.train import guard as divergence
 
     torch.manual_seed(0)
     net = torch.nn.Module()  # parameter names as the learner's: backbone.*, ...

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
+from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.errors import UserError
 from helpers import make_tree, write_image
 

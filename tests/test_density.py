@@ -1,5 +1,5 @@
-"""--gate-density: lambda as a Lagrange multiplier (bayesncl_pyro/density.py), and the matched-sparsity evaluation
-(bayesncl_pyro/matched.py)."""
+"""--gate-density: lambda as a Lagrange multiplier (bayesncl_pyro/infer/density.py), and the matched-sparsity evaluation
+(bayesncl_pyro/evaluate/matched.py)."""
 
 import json
 import math
@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
-from bayesncl_pyro.metrics import active_entries, semantic_consistency
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.evaluate.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
+from bayesncl_pyro.evaluate.metrics import active_entries, semantic_consistency
+from bayesncl_pyro.infer.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 
 # a tiny digits run: 2 epochs of 7 steps at batch 200, the prior below 1/2 so that lambda closes gates
 TINY = dict(dataset="digits", proj_hidden=64, proj_dim=32, batch_size=200, epochs=2, warmup_epochs=0.5, workers=0,

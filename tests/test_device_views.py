@@ -11,14 +11,13 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
-from bayesncl_pyro.data import device_views as D
-from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data import device_views as D, load_dataset
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
-from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.data.pipeline import FileViews, ResidentViews
-from bayesncl_pyro.training import EpochSampler, Trainer
+from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.train.trainer import EpochSampler, Trainer
 from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
@@ -188,7 +187,7 @@ import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.pipeline import FileViews
-from bayesncl_pyro.training import EpochSampler, Trainer
+from bayesncl_pyro.train.trainer import EpochSampler, Trainer
 cfg = Config(dataset="imagefolder", data_dir={str(tmp_path / "data")!r}, encoder="cnn", image_size=8, proj_hidden=16,
              proj_dim=8, batch_size=64, epochs=1, warmup_epochs=0, workers=4, device="cpu", augment="device",
              out={str(tmp_path / "run")!r})

@@ -5,11 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, gate_pulls,
-                                       nce_grad_parts, read_conflict, to_json)
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.evaluate.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, nce_grad_parts,
+                                                read_conflict, to_json)
+from bayesncl_pyro.infer.head import gate_pulls
+from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.train.resolve import resolve
 
 
 def test_grad_parts_sum_to_the_autograd_gradient():

@@ -5,13 +5,14 @@ import pytest
 import torch
 from pyro.infer import TraceMeanField_ELBO
 
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.elbo import MeanFieldELBO
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.head import own_params
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.estimators import GATES
+from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.estimators import GATES
+from bayesncl_pyro.infer.head import own_params
+from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.models.priors import PRIORS
+from bayesncl_pyro.train.resolve import resolve
 
 CASES = [("cl", "bernoulli", "ste"), ("ncl", "bernoulli", "ste")] + [
     ("bayesncl", prior, gate) for prior in sorted(PRIORS) for gate in GATES]

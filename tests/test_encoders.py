@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from bayesncl_pyro import encoders
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.encoders import ENCODERS, build_backbone
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.rundir import load_learner
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.nn import encoders
+from bayesncl_pyro.nn.encoders import ENCODERS, build_backbone
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 
 
 class TinyNet(nn.Module):

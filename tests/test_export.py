@@ -9,7 +9,7 @@ import torch
 
 from bayesncl_pyro import load_run
 from bayesncl_pyro.cli import export, run_svi
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN
 
 

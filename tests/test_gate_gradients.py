@@ -7,12 +7,13 @@ import pyro
 import pytest
 import torch
 
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES
-from bayesncl_pyro.gate_gradients import SCORE, gate_gradient_bias, unbiased_gradient
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_flip_differences, info_nce_rows, normalize
+from bayesncl_pyro.infer.estimators import GATES
+from bayesncl_pyro.infer.gate_gradients import SCORE, gate_gradient_bias, unbiased_gradient
+from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_flip_differences, info_nce_rows, normalize
+from bayesncl_pyro.train.resolve import resolve
 
 
 def _total(features, gates, tau):

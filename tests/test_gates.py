@@ -18,10 +18,10 @@ from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, TrainedGates, gate_class
 from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide, GumbelSigmoidGates
-from bayesncl_pyro.head import own_params
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.infer.estimators import GATES, TrainedGates, gate_class
+from bayesncl_pyro.infer.head import own_params
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 
 LOGITS = torch.linspace(-5, 5, 21)  # the range the guide's logit bound allows
 DRAWS = 100_000

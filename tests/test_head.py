@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro import BayesNCLHead
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.encoders import build_backbone
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
+from bayesncl_pyro.nn.encoders import build_backbone
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.rundir import read_log
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_your_backbone.py"
 R, D, K, H = 12, 10, 8, 16
@@ -212,7 +213,7 @@ def test_an_install_keeps_the_pyro_program_inside_the_package(tmp_path):
     (user / "models").mkdir(parents=True)
     (user / "models" / "__init__.py").write_text("MINE = True\n")
     code = ("import json, bayesncl_pyro, models; from bayesncl_pyro.models.priors import PRIORS; "
-            "from bayesncl_pyro.estimators import GATES; from bayesncl_pyro import BayesNCLHead; "
+            "from bayesncl_pyro.infer.estimators import GATES; from bayesncl_pyro import BayesNCLHead; "
             "print(json.dumps([bayesncl_pyro.__file__, models.__file__, models.MINE, 'bernoulli' in PRIORS, "
             "'ste' in GATES]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=user, env={**os.environ, "PYTHONPATH": str(site)},

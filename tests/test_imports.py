@@ -1,13 +1,16 @@
 """The installed package's modules import downwards only: no circle, not even one closed by an import inside a
-function (which hides the circle from Python until that function runs, and from a reader always)."""
+function (which hides the circle from Python until that function runs, and from a reader always), and no import
+from a higher layer than the module's own, the layers being those that the package's docstring lists."""
 
 import ast
 import graphlib
 import importlib.util
+import re
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "bayesncl_pyro"
 
 
 def package_modules() -> dict[str, Path]:
@@ -46,16 +49,45 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
+def layers() -> tuple[list[str], set[str]]:
+    """The layers from the ground up as the package's docstring lists them ("" for the modules at the package's
+    root), and the names of those root modules, the leaves, as it lists them."""
+    doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / "__init__.py").read_text()))
+    rows = re.findall(r"^    (\*\.py|\w+/) +(.*)$", doc, re.M)
+    leaves = re.search(r"the leaves: ([\w, ]+)", dict(rows)["*.py"]).group(1)
+    return ["" if row == "*.py" else row.rstrip("/") for row, _ in rows], set(leaves.replace(" ", "").split(","))
+
+
+def layer_of(module: str) -> str:
+    """bayesncl_pyro.infer.head -> "infer"; bayesncl_pyro.config and the package itself -> ""."""
+    parts = module.split(".")[1:]
+    return parts[0] if len(parts) > 1 or (parts and parts[0] not in LEAVES) else ""
+
+
+ORDER, LEAVES = layers()
+
+
 def test_the_package_imports_downwards_only():
     modules = package_modules()
     assert {"bayesncl_pyro.config", "bayesncl_pyro.data.pipeline", "bayesncl_pyro.models.priors",
             "bayesncl_pyro.guides.gates"} <= modules.keys()
+    graph = import_graph(modules)
     try:
-        order = list(graphlib.TopologicalSorter(import_graph(modules)).static_order())
+        list(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as e:
         raise AssertionError(f"an import circle: {' -> '.join(e.args[1])}") from None
-    layers = ["bayesncl_pyro.models.priors", "bayesncl_pyro.head", "bayesncl_pyro.learner", "bayesncl_pyro.training"]
-    assert sorted(layers, key=order.index) == layers
+    roots = {m.split(".")[1] for m in modules if m.count(".") == 1 and modules[m].name != "__init__.py"}
+    assert roots == LEAVES, "the modules at the package's root are the leaves its docstring names"
+    assert {layer_of(m) for m in modules} <= set(ORDER), "every subpackage is a layer the docstring lists"
+    upward = [f"{a} -> {b}" for a in modules for b in graph[a] if ORDER.index(layer_of(b)) > ORDER.index(layer_of(a))]
+    assert not upward, f"imports from a higher layer: {upward}"
+
+
+def test_the_layers_are_read_from_the_docstring():
+    assert ORDER[0] == "" and ORDER.index("data") < ORDER.index("infer") < ORDER.index("train")
+    assert {"errors", "config", "rundir"} <= LEAVES
+    assert [layer_of(m) for m in ("bayesncl_pyro", "bayesncl_pyro.config", "bayesncl_pyro.data",
+                                  "bayesncl_pyro.infer.head")] == ["", "", "data", "infer"]
 
 
 def test_the_graph_sees_a_circle_closed_inside_a_function(tmp_path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro import dimensions as dm
 from bayesncl_pyro.cli import inspect_gates
-from bayesncl_pyro.estimators import gate_class
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.infer.estimators import gate_class
 
 
 

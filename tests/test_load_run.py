@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 
 from bayesncl_pyro import load_run
-from bayesncl_pyro.arviz_export import read_gates
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.run import image_paths
+from bayesncl_pyro.evaluate.arviz_export import read_gates
+from bayesncl_pyro.evaluate.run import image_paths
 from bayesncl_pyro.rundir import read_eval
 
 

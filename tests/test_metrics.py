@@ -3,17 +3,9 @@ import math
 import pytest
 import torch
 
-from bayesncl_pyro.metrics import (
-    activation_rate,
-    active_dims,
-    effective_rank,
-    interpretability_metrics,
-    orthogonality,
-    retrieval_precision,
-    semantic_consistency,
-    semantic_entropy,
-    sparsity,
-)
+from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, effective_rank, interpretability_metrics,
+                                            orthogonality, retrieval_precision, semantic_consistency, semantic_entropy,
+                                            sparsity)
 
 
 def entropy(*p):
@@ -165,7 +157,7 @@ def test_all_zero_features_do_not_crash():
 
 
 def test_factor_information_on_hand_built_features():
-    from bayesncl_pyro.metrics import factor_information, factor_tracking
+    from bayesncl_pyro.evaluate.metrics import factor_information, factor_tracking
 
     # 8 samples, 50 times: class = i % 4, background = i // 4 (two backgrounds, crossed with four classes)
     cls, bg = torch.arange(8).repeat(50) % 4, torch.arange(8).repeat(50) // 4
@@ -194,7 +186,7 @@ def test_factor_information_on_hand_built_features():
 def test_a_dim_that_fires_in_a_few_images_does_not_track_a_factor_by_chance():
     """1,280 images of 8 classes: a dim on in 4 random images, independent of the class, once scored at least 0.1
     (its entropy is as small as the plug-in information's bias); a dim on for one class scores about 1."""
-    from bayesncl_pyro.metrics import factor_information
+    from bayesncl_pyro.evaluate.metrics import factor_information
 
     generator = torch.Generator().manual_seed(0)
     cls = torch.arange(1280) % 8
@@ -207,7 +199,7 @@ def test_a_dim_that_fires_in_a_few_images_does_not_track_a_factor_by_chance():
 
 
 def test_factor_report_counts_the_dims_the_gates_close_per_factor():
-    from bayesncl_pyro.evaluation import factor_report
+    from bayesncl_pyro.evaluate.heldout import factor_report
 
     cls = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
     bg = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])

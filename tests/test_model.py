@@ -9,16 +9,17 @@ from pyro import poutine
 from pyro.infer import TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.infer.tracegraph_elbo import _compute_elbo
 
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.elbo import MeanFieldELBO
-from bayesncl_pyro.head import BayesNCLHead
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.losses import bernoulli_kl, info_nce_rows, normalize
-from bayesncl_pyro.estimators import GATES, gate_class
 from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
+from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.estimators import GATES, gate_class
+from bayesncl_pyro.infer.head import BayesNCLHead
+from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
 from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
+from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.train.resolve import resolve
 
 R, K, D, N = 12, 8, 10, 1000
 

@@ -9,13 +9,12 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from bayesncl_pyro.data import resident as resident_module
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data import load_dataset, resident as resident_module
+from bayesncl_pyro.data.pipeline import IndexBatches, ResidentViews, prefetch
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.data.pipeline import IndexBatches, ResidentViews, prefetch
-from bayesncl_pyro.training import EpochSampler, Trainer
+from bayesncl_pyro.train.trainer import EpochSampler, Trainer
 
 from helpers import assert_resume_is_exact
 

@@ -17,10 +17,11 @@ from pyro.nn import PyroModule
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.cli import run_svi
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.infer.learner import load_learner
 from bayesncl_pyro.models.priors import Prior
-from bayesncl_pyro.rundir import load_learner
+from bayesncl_pyro.train.resolve import resolve
 from helpers import RUN_SVI, TINY_RUN
 
 PRIOR_CODE = '''

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, knn_top1, linear_probe, train_linear
+from bayesncl_pyro.evaluate.probe import FAST_PROBE, REFERENCE_PROBES, knn_top1, linear_probe, train_linear
 
 
 def blobs(num_classes, n, dim=16, spread=0.5, seed=0):

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from bayesncl_pyro.cli import run_svi
-from bayesncl_pyro.config import resolve
+from bayesncl_pyro.train.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 

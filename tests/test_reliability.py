@@ -20,13 +20,16 @@ import pytest
 import torch
 
 import bayesncl_pyro.rundir as rundir
-import bayesncl_pyro.training as training
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.data import ImageFiles
-from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
-from bayesncl_pyro.rundir import load_checkpoint, load_learner
-from bayesncl_pyro.training import Trainer, pick_device
+import bayesncl_pyro.train.trainer as training
 from bayesncl_pyro.cli import run_svi
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import ImageFiles
+from bayesncl_pyro.device import pick_device
+from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
+from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.rundir import load_checkpoint
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
 
 def reference(path: Path, steps: int) -> dict:
@@ -300,10 +303,10 @@ def test_divergence_stops_naming_step_and_term_and_keeps_the_last_good_checkpoin
 
 
 def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
-    import bayesncl_pyro.estimators
+    import bayesncl_pyro.infer.estimators
 
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    monkeypatch.setattr(bayesncl_pyro.estimators, "bernoulli_kl", lambda q, p, clamp: torch.full_like(q, float("inf")))
+    monkeypatch.setattr(bayesncl_pyro.infer.estimators, "bernoulli_kl", lambda q, p, clamp: torch.full_like(q, float("inf")))
     with pytest.raises(UserError, match="diverged at step 1: the KL term is (inf|nan); no checkpoint is kept"):
         trainer.train(3)
 

@@ -1,4 +1,4 @@
-"""The per-dimension report (experiments/report.py, bayesncl_pyro/report.py): report.json's invariants and its
+"""The per-dimension report (experiments/report.py, bayesncl_pyro/evaluate/report.py): report.json's invariants and its
 agreement with eval.json, a page that needs nothing from outside, and the page in a real browser (Debian's
 Chromium, driven by Playwright), at the size of a tiny run and at ImageNet-100's on the benchmark's stand-in."""
 
@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayesncl_pyro import dimensions as dm, report
 from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.posterior import gate_posterior
-from bayesncl_pyro.rundir import load_learner, read_eval
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.evaluate import dimensions as dm, report
+from bayesncl_pyro.evaluate.dimensions import gate_posterior
+from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.rundir import read_eval
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN
 
 # the compositional benchmark (factors recorded), a few steps: 1280 test images, K = 16
@@ -102,7 +103,7 @@ def test_report_json_invariants_and_eval_json(runs):
 
 def test_the_report_and_the_posterior_agree(runs):
     """Inclusion by class is GatePosterior's class_means; mask stability, exact in the report, is what draws from q
-    (through bayesncl_pyro.posterior) give; top images and class counts are what inspect_gates ranks by."""
+    (through bayesncl_pyro.evaluate.dimensions) give; top images and class counts are what inspect_gates ranks by."""
     bayes, _, _, data = runs
     learner, cfg = load_learner(bayes)
     spec = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)

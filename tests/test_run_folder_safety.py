@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayesncl_pyro import report, rundir
-from bayesncl_pyro.config import Config, read_file, resolve
+from bayesncl_pyro import rundir
+from bayesncl_pyro.cli import export as export_script, inspect_gates, report as report_script, run_svi
+from bayesncl_pyro.config import Config, read_file
 from bayesncl_pyro.data import load_dataset
-from bayesncl_pyro.encoders import build_backbone
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.run import load_run
-from bayesncl_pyro.training import Trainer
-from bayesncl_pyro.cli import export as export_script
-from bayesncl_pyro.cli import inspect_gates, run_svi
-from bayesncl_pyro.cli import report as report_script
+from bayesncl_pyro.evaluate import report
+from bayesncl_pyro.evaluate.run import load_run
+from bayesncl_pyro.nn.encoders import build_backbone
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN, fast, make_tree, write_image
 
 
@@ -74,7 +74,7 @@ def gadget_module(tmp_path, monkeypatch) -> Path:
     (code / "t30_gadget.py").write_text(textwrap.dedent(f'''
         from pathlib import Path
         Path({str(tmp_path / "imported")!r}).touch()
-        from bayesncl_pyro.encoders import SmallCNN
+        from bayesncl_pyro.nn.encoders import SmallCNN
 
         def small(in_channels):
             return SmallCNN(in_channels)
@@ -395,7 +395,7 @@ def test_names_that_are_not_utf8_or_hold_a_dollar_train_export_and_plot(tmp_path
     assert (out / "bad_images.txt").read_bytes() == bad + b"\n" and (out / "gates.nc").exists()
     assert inspect_gates.main([str(out), "--export"]) == 0, capsys.readouterr().err
     assert (out / "inspect" / "class_heatmap.png").exists()
-    from bayesncl_pyro.arviz_export import read_gates
+    from bayesncl_pyro.evaluate.arviz_export import read_gates
 
     assert list(read_gates(out)["gates"]["class"].values) == ["caf\\xe9", "cost $^$"]
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bayesncl_pyro import arviz_export, progress
+from bayesncl_pyro import loggers as progress
 from bayesncl_pyro.cli import inspect_gates, run_svi
+from bayesncl_pyro.evaluate import arviz_export
 from helpers import EXPERIMENTS, TINY_RUN
 
 
@@ -66,7 +67,7 @@ def test_export_of_a_run_without_gates_is_refused(tmp_path, capsys):
 
 def test_the_training_loop_does_not_import_the_arviz_code():
     """training -> rundir; the export (arviz_export -> posterior -> rundir) belongs to the caller: no circle."""
-    code = ("import sys, bayesncl_pyro.training; "
+    code = ("import sys, bayesncl_pyro.train.trainer; "
             "print(sorted(m for m in sys.modules if m.startswith('bayesncl_pyro.') or m == 'arviz'))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "arviz" not in loaded and "posterior" not in loaded and "bayesncl_pyro.rundir" in loaded
@@ -75,7 +76,8 @@ def test_the_training_loop_does_not_import_the_arviz_code():
 def test_a_runs_config_json_again_with_another_seed(tmp_path, monkeypatch, capsys):
     """--config FILE takes a file of Config fields, a run's own config.json as it is; the flags override it, and a
     run without --out goes to a folder named by what it is, so the changed run does not collide with the first."""
-    from bayesncl_pyro.config import Config, resolve
+    from bayesncl_pyro.config import Config
+    from bayesncl_pyro.train.resolve import resolve
 
     monkeypatch.chdir(tmp_path)
     assert run_svi.main(TINY_RUN) == 0

@@ -7,9 +7,9 @@ import pytest
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.loggers import INCLUSION
 from bayesncl_pyro.rundir import read_log
-from bayesncl_pyro.tensorboard_log import INCLUSION
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.train.trainer import Trainer
 
 TINY = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=200, epochs=1, warmup_epochs=0, workers=0,
             log_every=2, tensorboard=True)

@@ -3,11 +3,13 @@ import json
 import pytest
 import torch
 
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.optim import LARS, WARMUP_START_LR, warmup_cosine
-from bayesncl_pyro.rundir import load_checkpoint, load_learner, read_log
-from bayesncl_pyro.training import Trainer
+from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.nn.optim import LARS, WARMUP_START_LR, warmup_cosine
+from bayesncl_pyro.rundir import load_checkpoint, read_log
+from bayesncl_pyro.train.resolve import resolve
+from bayesncl_pyro.train.trainer import Trainer
 
 # a tiny digits run: 2 epochs of 7 steps at batch 200
 TINY = dict(dataset="digits", proj_hidden=64, proj_dim=32, batch_size=200, epochs=2, warmup_epochs=0.5,

@@ -7,7 +7,7 @@ The stand-in is no trained model: it is made here, to the shapes of ImageNet-100
 images of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features,
 most dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the
 report's cost and size can be measured without training ResNet-50. Its images are made too, to compress no better
-than ImageNet's photographs at 64 px. It times each stage of ``bayesncl_pyro.report`` (the numbers, the thumbnails, the page) and, with
+than ImageNet's photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page) and, with
 ``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it scrolls.
 Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what evaluation
 costs.
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro import dimensions as dm, report
 from bayesncl_pyro.data.images import TensorImages
+from bayesncl_pyro.evaluate import dimensions as dm, report
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",

@@ -77,11 +77,13 @@ import time
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config, resolve
+from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES
-from bayesncl_pyro.matched import MATCHED_COLUMNS, family, plot_matched, topk_at_rate
+from bayesncl_pyro.evaluate.matched import MATCHED_COLUMNS, family, plot_matched, topk_at_rate
+from bayesncl_pyro.infer.estimators import GATES
+from bayesncl_pyro.train.resolve import resolve
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"
@@ -235,8 +237,8 @@ def plan_budget(args, shared: dict, configs: dict[str, dict], out: Path, started
     """Time a few training steps of each method and one evaluation, then choose the epochs that fit
     ``--budget-minutes`` (``budget_epochs``), at most --epochs or the recipe's. The plan is kept in
     <out>/budget.json and reused by a rerun with the same settings, so that its runs keep their configuration."""
-    from bayesncl_pyro.evaluation import evaluate
-    from bayesncl_pyro.training import Trainer
+    from bayesncl_pyro.evaluate.heldout import evaluate
+    from bayesncl_pyro.train.trainer import Trainer
 
     max_epochs = args.epochs or recipe(args)["epochs"]
     key = dict(budget_minutes=args.budget_minutes, max_epochs=max_epochs, runs=list(configs), seeds=args.seeds,
@@ -360,8 +362,8 @@ def plot(runs: list[dict], path: Path):
 
 def compare(args) -> dict:
     from bayesncl_pyro.data import load_dataset
-    from bayesncl_pyro.evaluation import describe_protocol
-    from bayesncl_pyro.training import Trainer
+    from bayesncl_pyro.evaluate.heldout import describe_protocol
+    from bayesncl_pyro.train.trainer import Trainer
 
     methods = METHOD_NAMES if args.methods == "all" else [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in METHOD_NAMES]
@@ -481,13 +483,9 @@ def record(run_dir: Path, folder: Path):
         shutil.copyfile(run_dir / name, folder / name)
 
 
+@one_line_errors
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        compare(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    compare(parser().parse_args(argv))
     return 0
 
 

@@ -5,7 +5,7 @@
 The backbone file is ``backbone.state_dict()`` exactly: a torchvision model loads it into
 ``torchvision.models.get_model(name)`` once the run's changes are made to it (its classifier replaced by
 ``Identity``, as the run did; below 64 px a ResNet's CIFAR stem), and the script prints those lines. Any other
-backbone loads into ``bayesncl_pyro.encoders.build_backbone(encoder, channels, image_size)``. The head file is the
+backbone loads into ``bayesncl_pyro.nn.encoders.build_backbone(encoder, channels, image_size)``. The head file is the
 ``BayesNCLHead``'s state_dict (projector, gating head, prior): the printed ``BayesNCLHead(...)`` with the run's
 arguments loads it.
 """
@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.encoders import torchvision_code
+from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.learner import head_arguments
+from bayesncl_pyro.infer.learner import head_arguments, load_learner
+from bayesncl_pyro.nn.encoders import torchvision_code
 from bayesncl_pyro.plugins import add_reader_flags
 
 
@@ -30,7 +31,7 @@ def export(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: b
             raise UserError(f"{path} is the run's own {path.name}; pass another --out")
     if out.resolve() == head_out.resolve():
         raise UserError(f"--out and --head-out are both {out}; give them two names")
-    learner, cfg = rundir.load_learner(run_dir, trust_code=trust_code)
+    learner, cfg = load_learner(run_dir, trust_code=trust_code)
     for path in (out, head_out):
         path.parent.mkdir(parents=True, exist_ok=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
@@ -39,7 +40,7 @@ def export(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: b
     channels, size = learner.in_channels, cfg.image_size
     feature_dim = learner.head.projector[0].in_features
     build = torchvision_code(cfg.encoder, channels, size) or [
-        "from bayesncl_pyro.encoders import build_backbone",
+        "from bayesncl_pyro.nn.encoders import build_backbone",
         f"backbone, _ = build_backbone({cfg.encoder!r}, {channels}, {size})"]
     arguments = "".join(f", {k}={v!r}" for k, v in head_arguments(cfg).items())
     return [f"wrote {out}: the {cfg.encoder} backbone's state_dict ({len(backbone)} tensors; {channels} x {size} x "
@@ -55,6 +56,7 @@ def export(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: b
             f"    head.load_state_dict(torch.load({str(head_out)!r}))"]
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py (or its checkpoint.pt)")
@@ -62,12 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-out", type=Path, help="the head's state_dict (default: beside --out, <name>_head.pt)")
     add_reader_flags(p, data_dir=False)
     args = p.parse_args(argv)
-    try:
-        out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
-        print("\n".join(export(args.run_dir, out, args.head_out, args.trust_run)))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
+    print("\n".join(export(args.run_dir, out, args.head_out, args.trust_run)))
     return 0
 
 

@@ -6,7 +6,7 @@
 For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: the score-function gradient
 of the program as written, as Pyro's TraceGraph_ELBO takes it; the run's gating head as trained, or with --untrained at initialisation, only the estimator
 swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
-(exact in each gate, Monte Carlo over the others: bayesncl_pyro/gate_gradients.py). It prints, for the
+(exact in each gate, Monte Carlo over the others: bayesncl_pyro/infer/gate_gradients.py). It prints, for the
 estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
 error and the norm ratio; the mean cosine of a single draw (one training step); and the cosines between
 the two halves of the estimator's draws and of the unbiased estimate's draws (how precise each mean is:
@@ -23,15 +23,14 @@ from pathlib import Path
 
 import torch
 
+from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
-from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.gate_gradients import SCORE, gate_gradient_bias
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.estimators import GATES, gate_class
+from bayesncl_pyro.infer.estimators import GATES, gate_class
+from bayesncl_pyro.infer.gate_gradients import SCORE, gate_gradient_bias
+from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
 from bayesncl_pyro.plugins import add_reader_flags
-from bayesncl_pyro.rundir import load_learner
-from bayesncl_pyro.training import EpochSampler
+from bayesncl_pyro.train.trainer import EpochSampler
 
 
 def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
@@ -41,6 +40,7 @@ def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
     return collate_views([views[i] for i in order])
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
@@ -56,22 +56,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     add_reader_flags(p)
     args = p.parse_args(argv)
-    try:
-        learner, cfg = load_learner(args.run_dir, trust_code=args.trust_run, data_dir=args.data_dir)
-        if args.untrained:
-            torch.manual_seed(args.seed)
-            learner = ContrastiveLearner(cfg, learner.in_channels, learner.head.num_rows // 2)
-        names = args.estimators.split(",")
-        for name in names:
-            if name != SCORE:
-                gate_class(name)  # before the data loads
-        data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
-        x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
+    learner, cfg = load_learner(args.run_dir, trust_code=args.trust_run, data_dir=args.data_dir)
+    if args.untrained:
         torch.manual_seed(args.seed)
-        results = gate_gradient_bias(learner, x, names, args.draws, args.reference_draws)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        learner = ContrastiveLearner(cfg, learner.in_channels, learner.head.num_rows // 2)
+    names = args.estimators.split(",")
+    for name in names:
+        if name != SCORE:
+            gate_class(name)  # before the data loads
+    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
+    torch.manual_seed(args.seed)
+    results = gate_gradient_bias(learner, x, names, args.draws, args.reference_draws)
     state = "untrained (initial weights)" if args.untrained else f"trained with {cfg.gate}"
     print(f"run {args.run_dir} ({state}), {x.shape[0]} rows, K = {cfg.proj_dim}, "
           f"lambda = {cfg.kl_weight}, kl clamp {cfg.kl_clamp}")

@@ -28,13 +28,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bayesncl_pyro import dimensions as dm  # noqa: E402
+from bayesncl_pyro.cli import one_line_errors  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
-from bayesncl_pyro.diagnostics import conflict_scores, read_conflict  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
-from bayesncl_pyro.estimators import GateEstimator, gate_class  # noqa: E402
+from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
+from bayesncl_pyro.evaluate.diagnostics import conflict_scores, read_conflict  # noqa: E402
+from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
+from bayesncl_pyro.infer.learner import load_learner  # noqa: E402
 from bayesncl_pyro.plugins import add_reader_flags  # noqa: E402
-from bayesncl_pyro.rundir import load_learner, read_log  # noqa: E402
+from bayesncl_pyro.rundir import read_log  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
@@ -271,7 +273,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
     if export:
         if not learner.gated:
             raise UserError(f"{run_dir} is a {cfg.method} run: it has no gates to export")
-        from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+        from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: arviz is slow to import
 
         print(f"wrote {export_gates(run_dir, learner, data)}")
     log = read_log(run_dir)
@@ -324,6 +326,7 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
     return summary
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
@@ -333,12 +336,8 @@ def main(argv=None) -> int:
                    "ArviZ data, from the checkpoint (after a run whose export failed)")
     add_reader_flags(p)
     args = p.parse_args(argv)
-    try:
-        summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export,
-                          trust_code=args.trust_run, data_dir=args.data_dir)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export,
+                      trust_code=args.trust_run, data_dir=args.data_dir)
     print("\n".join(summary))
     return 0
 

@@ -9,7 +9,7 @@ curves, the gate posterior, on the compositional benchmark which dimension track
 dimension in use (sortable and filterable: its top test images with the gates and with every gate open, images at
 activation quantiles, the classes it fires on, q(g | x) per class, its activation histogram, its most correlated
 dimensions), and a page per test image (its dimensions with q(g | x), its nearest neighbours with and without the
-gates). bayesncl_pyro/report.py builds it; README.md, "Looking at the gates", says what each part of a card means.
+gates). bayesncl_pyro/evaluate/report.py builds it; README.md, "Looking at the gates", says what each part of a card means.
 """
 
 import argparse
@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.plugins import add_reader_flags
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
@@ -29,14 +30,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="where the report goes (default: RUN_DIR/report)")
     add_reader_flags(p)
     args = p.parse_args(argv)
-    try:
-        from bayesncl_pyro.report import write_report  # after parsing: --help stays instant
+    from bayesncl_pyro.evaluate.report import write_report  # after parsing: --help stays instant
 
-        start = time.perf_counter()
-        page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    start = time.perf_counter()
+    page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
     size = page.stat().st_size / 2**20
     print(f"wrote {page} ({size:.1f} MB) and {page.with_name('report.json')} in {time.perf_counter() - start:.0f} s; "
           f"open it in a browser: file://{page.resolve()}")

@@ -37,10 +37,10 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, read_file,
                                       run_name)
     from bayesncl_pyro.data import DATASETS
-    from bayesncl_pyro.encoders import ENCODERS
+    from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped, UserError
-    from bayesncl_pyro.estimators import GATES
-    from bayesncl_pyro.losses import NONNEG
+    from bayesncl_pyro.infer.estimators import GATES
+    from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE, code_references
@@ -88,12 +88,12 @@ def parser() -> argparse.ArgumentParser:
                    "starting value (default: %(default)s)")
     g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
                    "(0, 1): lambda becomes a Lagrange multiplier, raised or lowered after every step until the share "
-                   "meets it (bayesncl_pyro/density.py; default: off, lambda fixed)")
+                   "meets it (bayesncl_pyro/infer/density.py; default: off, lambda fixed)")
     g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")
     g.add_argument("--gate", default=d.gate, choices=tuple(GATES),
-                   help="how training differentiates through the gates (bayesncl_pyro/estimators.py): ste (the "
+                   help="how training differentiates through the gates (bayesncl_pyro/infer/estimators.py): ste (the "
                    "paper's: InfoNCE at the posterior mode, identity backward: the reference's surrogate, not the "
                    "ELBO's gradient), relaxed (a draw, the binary Concrete's gradient: biased), st-sampled (a draw, "
                    "straight-through: biased), leg (a draw, each gate's exact effect on InfoNCE: unbiased for the "
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, overwrite = config(argv)
-        from bayesncl_pyro.training import Trainer  # after parsing: --help stays instant
+        from bayesncl_pyro.train.trainer import Trainer  # after parsing: --help stays instant
 
         trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
@@ -247,7 +247,7 @@ def announce(trainer) -> str:
 def export(trainer) -> int:
     """Write gates.nc; a failure (a missing package, a full disk) is one line, and eval.json stays."""
     try:
-        from bayesncl_pyro.arviz_export import export_gates  # late: arviz is slow to import
+        from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: arviz is slow to import
 
         export_gates(trainer.out, trainer.learner, trainer.data)
     except Stopped:  # a signal (run_svi's handler), not a failed export

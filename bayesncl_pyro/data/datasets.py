@@ -243,7 +243,7 @@ def _few(names: list[str], n: int = 5) -> str:
 
 def imagenet100_classes() -> list[str]:
     """The 100 WordNet ids of the standard ImageNet-100 subset (CMC's list), in file order."""
-    text = importlib.resources.files("bayesncl_pyro").joinpath("imagenet100_classes.txt").read_text()
+    text = importlib.resources.files("bayesncl_pyro.data").joinpath("imagenet100_classes.txt").read_text()
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 

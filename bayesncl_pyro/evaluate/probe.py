@@ -13,8 +13,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.optim import build_optimizer, warmup_cosine
-from bayesncl_pyro.progress import Progress
+from bayesncl_pyro.loggers import Progress
+from bayesncl_pyro.nn.optim import build_optimizer, warmup_cosine
 
 _CHUNK_ROWS = 1024
 """Test rows per similarity block in kNN: 1024 x 50,000 floats is 200 MB."""
@@ -24,7 +24,7 @@ _CHUNK_ROWS = 1024
 class ProbeRecipe:
     """How a linear probe Linear(D, C) is trained on frozen features (cross-entropy, ``epochs`` passes)."""
 
-    optimizer: str  # "sgd" or "lars" (bayesncl_pyro.optim.LARS: trust ratio on the weight, not the bias)
+    optimizer: str  # "sgd" or "lars" (bayesncl_pyro.nn.optim.LARS: trust ratio on the weight, not the bias)
     lr: float  # at batch 256; scaled by batch_size / 256, as the reference scales it
     momentum: float
     weight_decay: float

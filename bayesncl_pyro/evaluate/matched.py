@@ -17,8 +17,9 @@ import math
 
 import torch
 
-from bayesncl_pyro.losses import normalize
-from bayesncl_pyro.metrics import active_dims, active_entries, activation_rate, factor_tracking, semantic_consistency
+from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, active_entries, factor_tracking,
+                                            semantic_consistency)
+from bayesncl_pyro.nn.losses import normalize
 
 RANDOM_MASKS = 5
 """Seeded random masks the null's figures are averaged over."""

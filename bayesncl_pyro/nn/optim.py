@@ -68,7 +68,7 @@ def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay
         return torch.optim.SGD(groups, lr=groups[0]["lr"], momentum=momentum)
     if name == "adamw":
         # capturable on CUDA: the step count lives on the GPU with the moments, so that the divergence guard can undo
-        # a bad step there (divergence.py) without the host reading anything
+        # a bad step there (train/guard.py) without the host reading anything
         on_gpu = any(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=groups[0]["lr"], capturable=on_gpu)
     raise ValueError(f"unknown optimizer {name!r}")

@@ -13,11 +13,22 @@ row, ``-ELBO / 2N`` (``models/bayesncl.py``) estimated as the gate estimator est
 ``ste``, the reference's surrogate, InfoNCE at the posterior mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates),
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
+The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
+and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+
+The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
+and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+
+The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
+and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+
+The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
+and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
 on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
 not need.
 """
-
 
 import pyro
 import torch
@@ -25,18 +36,41 @@ from pyro import poutine
 from torch import nn
 
 from bayesncl_pyro import distributed
-from bayesncl_pyro.diagnostics import gate_pulls
-from bayesncl_pyro.elbo import MeanFieldELBO
-from bayesncl_pyro.density import DensityControl, check_gate_density
-from bayesncl_pyro.encoders import mlp
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import Draw, LocalExpectation, gate_class
 from bayesncl_pyro.guides.gates import GateGuide
-from bayesncl_pyro.head_arguments import check_arguments
-from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, info_nce_rows, normalize
-from bayesncl_pyro.metrics import ACTIVE_EPS
+from bayesncl_pyro.infer.density import DensityControl, check_gate_density
+from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
+from bayesncl_pyro.nn.encoders import mlp
+from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
+
+# the head's arguments that :func:`check_arguments` checks, with what to pass instead of a value that is not positive
+_POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature="0.2 (the reference's)",
+                 gate_temperature="1.0", logit_bound="5.0",
+                 kl_weight="3e-5 (the published lambda); for no gates at all, no prior (NCL)")
+HEAD_ARGUMENTS = (*_POSITIVE, "kl_clamp", "gate", "nonneg", "topk")
+
+
+def check_arguments(flags: bool = False, **args):
+    """The one check of the head's arguments (``HEAD_ARGUMENTS``, named as the Config's fields): the head calls it,
+    and ``train.resolve`` with ``flags=True``, which names them as run_svi.py's flags. A value that would give a
+    wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0; a logit bound of 0: every gate closed)
+    or fail deep inside Pyro is refused in one line that names the argument and the fix."""
+    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
+    for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
+        if args[arg] not in valid:
+            raise UserError(f"unknown {name(arg)} {args[arg]!r}; choose one of: {', '.join(valid)}")
+    for arg, example in _POSITIVE.items():
+        if not args[arg] > 0:
+            raise UserError(f"{name(arg)} must be positive, got {args[arg]}; pass e.g. {example}")
+    if not 0 <= args["kl_clamp"] < 0.5:
+        raise UserError(f"{name('kl_clamp')} must lie in [0, 0.5), got {args['kl_clamp']} (from 0.5 on the clamped "
+                        "KL is 0): 0.01 is the reference's clamp, 0 the exact KL")
+    if not 0 <= args["topk"] <= args["proj_dim"]:
+        raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
+                        "(0 keeps every feature)")
 
 
 def own_params():
@@ -65,9 +99,9 @@ class BayesNCLHead(nn.Module):
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
             exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
-            Lagrange multiplier updated after every training step, kl_weight its start (``bayesncl_pyro/density.py``;
+            Lagrange multiplier updated after every training step, kl_weight its start (``bayesncl_pyro/infer/density.py``;
             None: lambda fixed); gate: how training differentiates through the gates, a name in
-            ``bayesncl_pyro/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
+            ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
             ``gs-reference-kl``; it also picks q's family); gate_temperature, head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
             largest features per row (0: all).
@@ -281,7 +315,7 @@ class BayesNCLHead(nn.Module):
 
     def pulls(self, stats: dict) -> dict[str, float]:
         """After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of that step
-        (``gate_nce_pull``, ``gate_prior_pull``: ``diagnostics.gate_pulls``, the prior's at the probabilities and the
+        (``gate_nce_pull``, ``gate_prior_pull``: ``gate_pulls``, the prior's at the probabilities and the
         rates the step's KL used); empty before, or without gates."""
         gates = stats.get("gates")
         if gates is None or gates.grad is None:
@@ -360,3 +394,21 @@ class BayesNCLHead(nn.Module):
                                 "lambda there); build a new prior for this head")
             if not owners:
                 p.register_hook(self._unweight)
+
+
+def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
+               kl_clamp: float) -> tuple[float, float]:
+    """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
+    the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
+    unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
+
+    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
+    w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
+    ``GateEstimator.kl_probs``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
+    step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
+    the prior hardly shapes the posterior (the published lambda = 3e-5 gives a ratio near 1e-3,
+    docs/RESULTS.md).
+    """
+    kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)
+    return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
+            (kl_weight * kl_grad).abs().mean().item())

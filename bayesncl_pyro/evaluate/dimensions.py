@@ -1,26 +1,55 @@
 """What each dimension of a run's representation does on the test split: the one home of the per-dimension
-numbers that ``bayesncl_pyro/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures)
+numbers that ``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures)
 show, so that a number in a figure and in the report cannot differ.
 
     feats = test_features(learner, data)        # F and, for BayesNCL, the ungated features, q(g = 1 | x), the mask
     ranked = Ranking(feats.features)             # every dimension's test images by activation, largest first
     ranked.top(dims, 12)                         # len(dims) x 12 image indices, -1 past the dim's active images
 
-N test images, K dimensions, C classes throughout. An entry is *active* when it exceeds ``metrics.ACTIVE_EPS`` in
+N test images, K dimensions, C classes throughout. An entry is *active* when it exceeds ``nn.losses.ACTIVE_EPS`` in
 the L2-normalised row (``metrics.active_entries``, as the metrics count it); a dimension is *in use* when its
 column is not all zero (``metrics.alive``: eval.json's ``active_dims`` counts these). A dimension's *support* is
 the number of test images in which it is active.
+
+The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
+dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
+q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
+(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
+and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
+
+The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
+dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
+q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
+(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
+and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
+
+The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
+dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
+q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
+(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
+and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
+
+The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
+dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
+q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
+(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
+and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.evaluation import extract
-from bayesncl_pyro.losses import bernoulli_kl
-from bayesncl_pyro.metrics import (ACTIVE_EPS, active_entries, alive, closed_share, dim_consistency,
-                                   factor_information, factor_tracking, nearest_neighbours)
+from bayesncl_pyro.data import DataSpec, load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate.heldout import extract
+from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
+                                            factor_tracking, nearest_neighbours)
+from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
+from bayesncl_pyro.models.priors import BetaBernoulliPrior
+from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
 
 QUANTILES = tuple((j + 0.5) / 10 for j in range(10))
 """The activation quantiles (0.05, 0.15, ..., 0.95) at which a dimension's active images are shown."""
@@ -183,7 +212,7 @@ def neighbours(features: torch.Tensor, n: int) -> torch.Tensor:
 def mask_flip_share(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """N: how stable each image's mask is under draws from q(g | x): the expected share of its K gates that a draw
     sets otherwise than the evaluation mask, mean_k |mask_k - q(g_k = 1 | x)|. Exact, for q(g | x) a product of
-    Bernoullis (``bayesncl_pyro.posterior``); 0 for a mask that every draw reproduces, about 0.5 for undecided
+    Bernoullis (``bayesncl_pyro.evaluate.dimensions``); 0 for a mask that every draw reproduces, about 0.5 for undecided
     gates."""
     return (mask.to(probs) - probs).abs().mean(1)
 
@@ -250,3 +279,67 @@ def gates_closed(feats: TestFeatures) -> torch.Tensor:
 def in_use(features: torch.Tensor) -> torch.Tensor:
     """The dimensions in use (``metrics.alive``), as indices."""
     return alive(features).nonzero().flatten()
+
+
+@dataclass
+class GatePosterior:
+    """N test items, K dimensions, C classes, S draws."""
+
+    probs: torch.Tensor  # N x K, q(g_k = 1 | x_i), exact
+    features: torch.Tensor  # N x K, the representation F the metrics judge (at the gate's evaluation mask)
+    labels: torch.Tensor  # N, class index
+    classes: list[str]  # C names, index = label
+    draws: torch.Tensor | None = None  # S x N x K, 0/1 gates drawn from q(g | x) = Bernoulli(probs)
+    rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate from q(rate) (beta-bernoulli only)
+    rate_beta: tuple[torch.Tensor, torch.Tensor] | None = None  # (a, b), K each: q(rate_k) = Beta(a_k, b_k)
+    # a0 + b0 + 2N, the concentration of the conjugate posterior that q(rate) tends to (and is far from after a
+    # training run: models/priors.py, BetaBernoulliPrior)
+    rate_optimum_concentration: float | None = None
+
+    @property
+    def class_means(self) -> torch.Tensor:
+        """C x K mean inclusion probability of each dimension over the items of each class."""
+        one_hot = F.one_hot(self.labels, len(self.classes)).to(self.probs)
+        return (one_hot.T @ self.probs) / one_hot.sum(0).clamp_min(1)[:, None]
+
+
+@torch.no_grad()
+def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
+                   num_draws: int = 0, device: str | torch.device | None = None,
+                   trust_code: bool = False) -> GatePosterior:
+    """The gate posterior of a run folder (or a trained learner) on the test split.
+
+    Args:
+        source: a run folder holding ``checkpoint.pt``, or a :class:`ContrastiveLearner`.
+        data: the dataset; by default the run's own (``cfg.dataset``, ``cfg.data_dir``, ``cfg.seed``).
+        num_draws: gate draws per item from q(g | x), independent Bernoulli(probs) gates, whatever the
+            estimator (training's value is another matter: ``ste`` trains on the mode); 0 = only the
+            exact probabilities.
+        device: where to compute; by default the learner's own device (cpu for a run folder).
+        trust_code: import the code that a run folder's configuration names (``infer.learner.load_learner``).
+    """
+    if isinstance(source, ContrastiveLearner):
+        learner = source if device is None else source.to(device)
+    else:
+        learner, _ = load_learner(source, device or "cpu", trust_code=trust_code)
+    device = next(learner.parameters()).device
+    cfg = learner.cfg
+    if not learner.gated:
+        raise UserError(f"a {cfg.method} run has no gates; the gate posterior needs a bayesncl run")
+    if num_draws < 0:
+        raise UserError(f"the number of gate draws must not be negative, got {num_draws}")
+    data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    h, features, labels = extract(learner, data.test, cfg, data.channels, device)
+    h = h.to(device)
+    q = learner.guide.posterior(h)
+    post = GatePosterior(probs=q.probs.cpu(), features=features, labels=labels, classes=list(data.classes))
+    rate_guide = learner.guide.rate_guide
+    if isinstance(learner.model.prior, BetaBernoulliPrior):  # another hierarchical prior has its own q(rate)
+        post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
+        post.rate_optimum_concentration = learner.model.prior.optimum_concentration(learner.head.num_rows)
+    if num_draws:
+        # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
+        post.draws = q.sample((num_draws,)).cpu()
+        if rate_guide is not None:
+            post.rate_draws = rate_guide.posterior().sample((num_draws,)).cpu()
+    return post

@@ -42,7 +42,7 @@ import torch
 import xarray as xr
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.posterior import GatePosterior, gate_posterior
+from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.rundir import CONFIG, GATES_FILE, cannot_write, read_log
 
 ENGINE = "h5netcdf"

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.plugins import Registry, import_spec, is_spec
+from bayesncl_pyro.plugins import TIMM, Registry, import_spec, is_spec
 
-TIMM = "timm:"
 #: a backbone below this resolution is a CIFAR-sized one: torchvision ResNets get the CIFAR stem
 CIFAR_STEM_BELOW = 64
 

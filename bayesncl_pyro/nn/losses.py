@@ -130,7 +130,7 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -
 
 def bernoulli_kl_grad(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -> torch.Tensor:
     """d bernoulli_kl(alpha, rho, clamp) / d alpha, elementwise, at detached alpha and rho (zero past the clamp):
-    how hard the prior pulls each gate (``diagnostics.gate_pulls``, the KL part of ``gate_gradients``)."""
+    how hard the prior pulls each gate (``infer.head.gate_pulls``, the KL part of ``gate_gradients``)."""
     alpha = alpha.detach().requires_grad_()
     rho = rho.detach() if torch.is_tensor(rho) else rho
     with torch.enable_grad():
@@ -174,3 +174,7 @@ def topk_mask(z: torch.Tensor, k: int) -> torch.Tensor:
     """A constant 0/1 mask (R x K) keeping the k largest entries of each row (the NCL+TopK baseline)."""
     idx = z.detach().topk(k, dim=1).indices
     return torch.zeros_like(z).scatter_(1, idx, 1.0)
+
+
+ACTIVE_EPS = 1e-5
+"""|F| above this counts as an active entry (the reference's threshold)."""

@@ -9,7 +9,7 @@ The page has an overview (configuration, evaluation gated, with every gate open 
 curves, the gate posterior, the factor-tracking table on generated data), a card per dimension in use (sortable,
 filterable, rendered as the list is scrolled), a page per test image (the dimensions it uses, with q(g | x), and its
 nearest neighbours with the gates and with every gate open) and the baseline's dimensions in a list of their own.
-What each number is comes from ``bayesncl_pyro/dimensions.py``, which ``experiments/inspect_gates.py`` draws from too.
+What each number is comes from ``bayesncl_pyro/evaluate/dimensions.py``, which ``experiments/inspect_gates.py`` draws from too.
 The page's code is ``report_page.html`` beside this file; ``render`` fills in the data.
 """
 
@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bayesncl_pyro import __version__, dimensions as dm
+from bayesncl_pyro import __version__
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import gate_class
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.infer.estimators import gate_class
 from bayesncl_pyro.rundir import EVAL, atomic_save, read_eval, read_log
 
 REPORT_DIR = "report"
@@ -296,7 +297,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
           trust_code: bool = False, data_dir: str | os.PathLike | None = None) -> tuple[dict, list[str]]:
     """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run (``trust_code``,
     ``data_dir``: as ``load_run`` takes them, for both)."""
-    from bayesncl_pyro.run import load_run  # late: run imports the training stack
+    from bayesncl_pyro.evaluate.run import load_run  # late: run imports the training stack
 
     run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     cfg, learner = run.cfg, run.learner

@@ -9,11 +9,9 @@ since the last one. ``docs/RELIABILITY.md`` lists every fault handled and what t
 
 import contextlib
 import json
-import os
 import random
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,24 +23,22 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
 from bayesncl_pyro import __version__, distributed, rundir
-from bayesncl_pyro.data import pipeline
-from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
-from bayesncl_pyro.config import Config, resolve
-from bayesncl_pyro.data import image_files, load_dataset
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import image_files, load_dataset, pipeline
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, no_jpeg_decoder
 from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.device import pick_device
-from bayesncl_pyro.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
-from bayesncl_pyro.divergence import DivergenceGuard
 from bayesncl_pyro.errors import Stopped, UserError
-from bayesncl_pyro.evaluation import evaluate, format_table
-from bayesncl_pyro.learner import ContrastiveLearner
-from bayesncl_pyro.monitor import Monitor
-from bayesncl_pyro.optim import build_optimizer, build_scheduler, load_optimizer_state
-from bayesncl_pyro.progress import duration, reporter
+from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
+from bayesncl_pyro.evaluate.heldout import evaluate, format_table
+from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
+from bayesncl_pyro.loggers import TensorBoardLog, WandbLog, duration, reporter
+from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, LOG, append_line, atomic_save, write_json
-from bayesncl_pyro.tensorboard_log import TensorBoardLog
-from bayesncl_pyro.wandb_log import WandbLog
+from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
+from bayesncl_pyro.train.monitor import Monitor
+from bayesncl_pyro.train.resolve import resolve
 
 
 class EpochSampler(Sampler):
@@ -69,46 +65,6 @@ class EpochSampler(Sampler):
 
     def __len__(self):
         return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
-
-
-CHECK_EVERY = 100
-"""The most training steps between two reads of the divergence guard's verdicts (it also reads them at every log step,
-before every checkpoint and after the last step): the only host syncs of the training loop besides logging, and under
-DDP on GPUs, SyncBatchNorm's (one per BatchNorm layer and step: docs/PERFORMANCE.md)."""
-
-
-class _StopRequest:
-    """Within ``with``: SIGINT, SIGTERM and SIGUSR1 only note the signal, so training stops at a step boundary
-    (the same on every rank) with a checkpoint. A second Ctrl-C acts as usual (KeyboardInterrupt), except under
-    torchrun, which forwards the terminal's Ctrl-C to workers that got it already; a repeated SIGTERM or
-    SIGUSR1 is the same request (a cluster signals the launcher, which forwards it, and the workers). Nested
-    ``with`` blocks share one request: ``fit`` holds it over training and the final checkpoint."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.signum, self.previous, self.depth = None, {}, 0
-
-    def __enter__(self):
-        if not self.depth:
-            self.signum = None
-            if threading.current_thread() is threading.main_thread():  # only it may set handlers
-                self.previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
-        self.depth += 1
-        return self
-
-    def _note(self, signum, frame):
-        # no printing here: the handler may interrupt a write to the same stream. Pre-emption outranks Ctrl-C
-        # (the larger number, as in the ranks' vote), since it decides the exit status: requeue
-        self.signum = max(self.signum or 0, signum)
-        if signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
-            signal.signal(signal.SIGINT, self.previous[signal.SIGINT])
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-        if not self.depth:
-            for s, handler in self.previous.items():
-                signal.signal(s, handler)
 
 
 def _ignore_sigint(worker_id: int):
@@ -182,7 +138,7 @@ class Trainer:
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
-        self._stop = _StopRequest()
+        self._stop = StopRequest()
         self._degenerate = False
         self._load_checkpoint()
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
@@ -238,7 +194,7 @@ class Trainer:
         if state["num_train"] != len(self.data.train):
             raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
-        rundir.load_weights(self.learner, state, path)
+        load_weights(self.learner, state, path)
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
@@ -398,7 +354,7 @@ class Trainer:
 
     def _step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict]:
         """One optimizer step on the input rows ``x``; (its loss, the head's monitoring values). The loss and gradients
-        are judged on the device (``divergence.py``), so a step waits for the GPU only when the verdicts are read: every
+        are judged on the device (``train/guard.py``), so a step waits for the GPU only when the verdicts are read: every
         ``check_every`` steps, at log steps and at ``last_step``."""
         self.guard.begin()
         loss, stats = self.net(x)

@@ -21,6 +21,10 @@ holds it.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -131,3 +135,42 @@ class DivergenceGuard:
 
 def _finite(x: float) -> bool:
     return x - x == 0  # False for nan and +-inf
+
+
+CHECK_EVERY = 100
+"""The most training steps between two reads of the divergence guard's verdicts (it also reads them at every log step,
+before every checkpoint and after the last step): the only host syncs of the training loop besides logging, and under
+DDP on GPUs, SyncBatchNorm's (one per BatchNorm layer and step: docs/PERFORMANCE.md)."""
+
+class StopRequest:
+    """Within ``with``: SIGINT, SIGTERM and SIGUSR1 only note the signal, so training stops at a step boundary
+    (the same on every rank) with a checkpoint. A second Ctrl-C acts as usual (KeyboardInterrupt), except under
+    torchrun, which forwards the terminal's Ctrl-C to workers that got it already; a repeated SIGTERM or
+    SIGUSR1 is the same request (a cluster signals the launcher, which forwards it, and the workers). Nested
+    ``with`` blocks share one request: ``fit`` holds it over training and the final checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum, self.previous, self.depth = None, {}, 0
+
+    def __enter__(self):
+        if not self.depth:
+            self.signum = None
+            if threading.current_thread() is threading.main_thread():  # only it may set handlers
+                self.previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        self.depth += 1
+        return self
+
+    def _note(self, signum, frame):
+        # no printing here: the handler may interrupt a write to the same stream. Pre-emption outranks Ctrl-C
+        # (the larger number, as in the ranks' vote), since it decides the exit status: requeue
+        self.signum = max(self.signum or 0, signum)
+        if signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
+            signal.signal(signal.SIGINT, self.previous[signal.SIGINT])
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if not self.depth:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)

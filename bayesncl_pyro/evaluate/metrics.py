@@ -14,8 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-ACTIVE_EPS = 1e-5
-"""|F| above this counts as an active entry (the reference's threshold)."""
+from bayesncl_pyro.nn.losses import ACTIVE_EPS
 
 _CHUNK_ROWS = 1024
 """Query rows per similarity block: 1024 x 10,000 floats is 40 MB."""

@@ -12,9 +12,9 @@ import torch
 from torch.utils.data import Subset
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.evaluation import extract
-from bayesncl_pyro.metrics import rankme
-from bayesncl_pyro.probe import knn_top1
+from bayesncl_pyro.evaluate.heldout import extract
+from bayesncl_pyro.evaluate.metrics import rankme
+from bayesncl_pyro.evaluate.probe import knn_top1
 
 BANK = 1024
 QUERIES = 256

@@ -36,7 +36,7 @@ product of Bernoullis and L(g) the batch's summed InfoNCE:
 * the head gradient of E_q[L] is sum_ik dp_ik/dphi * E_q[D_ik], D_ik = L(g, g_ik = 1) - L(g, g_ik = 0), which
   does not depend on g_ik itself (the KL's gradient is exact for every estimator and comes on top). ``leg``
   (local expectation gradients, Titsias & Lazaro-Gredilla 2015) computes D_ik exactly at one draw of the
-  other gates (:func:`bayesncl_pyro.losses.info_nce_flip_differences`, all R K of them in O(R^2 K)), so its
+  other gates (:func:`bayesncl_pyro.nn.losses.info_nce_flip_differences`, all R K of them in O(R^2 K)), so its
   head gradient is unbiased; the projector's is pathwise at the same draw, also unbiased (q does not depend on
   it). The backbone's is the pathwise gradient with q held fixed, as for every estimator: the gating head
   reads h.detach(), as the reference's does.
@@ -68,7 +68,7 @@ from pyro.infer.reparam.reparam import Reparam
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
-from bayesncl_pyro.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
+from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
 GATES: Registry = Registry()  # the one home of the estimator names (``--gate``): config, run_svi and compare read it

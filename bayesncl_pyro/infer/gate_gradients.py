@@ -6,7 +6,7 @@ The gating head's objective, per row as the trainer minimises it, is
 
 with q(g | x) the estimator's family (``guides/gates.py``: its ``probs`` is the true inclusion
 probability) and l_i the InfoNCE of row i on the gated features. The estimators differ only in the
-gradient of the first term (``bayesncl_pyro/estimators.py``): ``ste`` takes it at the mode, ``relaxed`` and
+gradient of the first term (``bayesncl_pyro/infer/estimators.py``): ``ste`` takes it at the mode, ``relaxed`` and
 ``gs`` through a relaxed draw, ``st-sampled`` through the local derivative at a draw, and ``leg`` as below.
 ``gs-reference-kl`` differs in the second term too: it trains
 with the reference's KL at sigmoid(l), while its reference here is ``gs``'s objective (the KL at q's own
@@ -28,8 +28,8 @@ against exact enumeration of every gate configuration of a small batch.
 import torch
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.estimators import GATES, Draw, gate_class
-from bayesncl_pyro.losses import bernoulli_kl_grad, info_nce_flip_differences
+from bayesncl_pyro.infer.estimators import GATES, Draw, gate_class
+from bayesncl_pyro.nn.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
 def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, family, rate: torch.Tensor, kl_weight: float,

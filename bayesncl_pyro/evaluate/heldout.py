@@ -8,12 +8,12 @@ runs, and ``reference``, the paper's, which its published numbers were measured 
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.matched import REPRESENTATIONS, posterior_representations, random_mask_null
-from bayesncl_pyro.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
-from bayesncl_pyro.progress import Progress
-from bayesncl_pyro.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
+from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
+from bayesncl_pyro.evaluate.matched import REPRESENTATIONS, posterior_representations, random_mask_null
+from bayesncl_pyro.evaluate.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
+from bayesncl_pyro.evaluate.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
+from bayesncl_pyro.loggers import Progress
 
 REFERENCE_RETRIEVAL_DIMS = 512
 """The reference retrieves on the strongest dims, in a sweep of 32, 64, ..., 512 of them; we report its last

@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bayesncl_pyro.losses import bernoulli_kl_grad, partner_rows
-from bayesncl_pyro.metrics import ACTIVE_EPS
+from bayesncl_pyro.nn.losses import ACTIVE_EPS, partner_rows
 
 CONFLICT_FILE = "conflict.jsonl"
 
@@ -77,24 +76,6 @@ def conflict_scores(pos: np.ndarray, neg: np.ndarray) -> dict[str, np.ndarray]:
             flips[k] = np.mean(signs[1:] != signs[:-1])
     out["sign_flips"] = flips
     return out
-
-
-def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
-               kl_clamp: float) -> tuple[float, float]:
-    """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
-    the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
-    unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
-
-    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
-    w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
-    ``GateEstimator.kl_probs``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
-    step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
-    the prior hardly shapes the posterior (the published lambda = 3e-5 gives a ratio near 1e-3,
-    docs/RESULTS.md).
-    """
-    kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)
-    return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
-            (kl_weight * kl_grad).abs().mean().item())
 
 
 def to_json(rec: dict) -> str:

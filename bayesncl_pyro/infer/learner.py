@@ -1,0 +1,161 @@
+"""The trainable object of a run: a backbone and a :class:`BayesNCLHead` built from a Config, for CL, NCL and
+BayesNCL alike."""
+
+import dataclasses
+import inspect
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bayesncl_pyro import __version__
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.datasets import FOLDER_DATASETS
+from bayesncl_pyro.device import pick_device
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.infer.head import BayesNCLHead
+from bayesncl_pyro.nn.encoders import build_backbone
+from bayesncl_pyro.rundir import CHECKPOINT, code_references, load_checkpoint, run_folder
+
+# the head's arguments are named as the Config's fields (and the command-line flags): each is passed along
+_HEAD_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name in inspect.signature(BayesNCLHead).parameters]
+
+
+def head_arguments(cfg: Config) -> dict:
+    """The :class:`BayesNCLHead` arguments of a run's config, but D and num_train: its fields of the same names, and
+    for NCL and CL no prior."""
+    args = {name: getattr(cfg, name) for name in _HEAD_FIELDS}
+    if cfg.method != "bayesncl":
+        args.update(prior=None, prior_args=None)
+    return args
+
+
+class ContrastiveLearner(nn.Module):
+    """Owns the backbone (``cfg.encoder``, see ``encoders.py``) and the head (projector, Pyro model and guide,
+    ELBO).
+
+    ``forward(x)`` takes the 2B view-rows ``[view 1; view 2]`` and returns the head's ``(-ELBO / num_rows,
+    monitoring values)``: InfoNCE + lambda * KL per row (see ``models/bayesncl.py``). Being an ``nn.Module``
+    whose forward returns the loss, it can be wrapped by DDP as it is.
+    """
+
+    def __init__(self, cfg: Config, in_channels: int, num_train: int):
+        super().__init__()
+        self.cfg, self.in_channels = cfg, in_channels
+        self.backbone, feat_dim = build_backbone(cfg.encoder, in_channels, cfg.image_size)
+        self.head = BayesNCLHead(feat_dim, num_train=num_train, gather_distributed=True, **head_arguments(cfg))
+
+    @property
+    def gated(self) -> bool:
+        return self.head.gated
+
+    @property
+    def model(self):
+        """The head's Pyro model."""
+        return self.head.model
+
+    @property
+    def guide(self):
+        """The head's Pyro guide (None without gates)."""
+        return self.head.guide
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # autocast covers the backbone and the projector; the head runs its Pyro program at full precision
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda):
+            return self.head(self.backbone(x))
+
+    @torch.no_grad()
+    def representation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, F): backbone features and the representation the method uses (``BayesNCLHead.representation``)."""
+        h = self.backbone(x).float()
+        return h, self.head.representation(h)
+
+    @torch.no_grad()
+    def ungated_features(self, h: torch.Tensor) -> torch.Tensor:
+        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
+        return self.head.ungated_features(h)
+
+    def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """Exact posterior inclusion probabilities q(g_k = 1 | x) under the run's gate estimator, R x K."""
+        return self.head.gate_probs(h)
+
+    def param_groups(self) -> list[dict]:
+        """Optimizer groups (``BayesNCLHead.param_groups``): backbone and projector at the batch-scaled base lr."""
+        cfg = self.cfg
+        return self.head.param_groups(cfg.lr * cfg.batch_size / 256, cfg.gate_lr, self.backbone)
+
+
+# bayesncl-pyro 0.1 named the learner's parts encoder.{backbone,projector}, model and guide; the head holds the
+# projector, model and guide since 0.2
+_RENAMED = (("encoder.backbone.", "backbone."), ("encoder.projector.", "head.projector."), ("model.", "head.model."),
+            ("guide.", "head.guide."))
+
+def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
+    """Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
+    version's model) in one line instead of torch's state_dict error."""
+    mine, theirs = learner.state_dict(), state["learner"]
+    if any(k.startswith("encoder.") for k in theirs):
+        theirs = {next((new + k[len(old):] for old, new in _RENAMED if k.startswith(old)), k): v
+                  for k, v in theirs.items()}
+    problems = [f"{k} is {tuple(theirs[k].shape)} there but {tuple(v.shape)} here"
+                for k, v in mine.items() if k in theirs and theirs[k].shape != v.shape]
+    problems += [f"{k} missing" for k in mine if k not in theirs]
+    problems += [f"{k} unexpected" for k in theirs if k not in mine]
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise UserError(f"{path} (bayesncl-pyro {state['version']}) does not fit the model of bayesncl-pyro "
+                        f"{__version__}: {'; '.join(problems[:3])}{more}; load it with the version that wrote it")
+    learner.load_state_dict(theirs)
+
+def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
+                 data_dir: str | os.PathLike | None = None) -> tuple[ContrastiveLearner, Config]:
+    """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
+    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), and its config.
+
+    A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
+    (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
+    given, else the run's own if it is absolute and outside the run folder (else None: loading the run's data then
+    asks for ``--data-dir``)."""
+    folder = run_folder(run_dir)
+    path = folder / CHECKPOINT
+    if not path.exists():
+        raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
+    device = pick_device(str(device), flag="device")
+    state = load_checkpoint(path)
+    cfg = Config.from_dict(state["config"])
+    _check_code(cfg, path, trust_code)
+    cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))
+    learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
+    load_weights(learner, state, path)
+    return learner.to(device).eval(), cfg
+
+def _check_code(cfg: Config, path: Path, trust: bool):
+    """Refuse (or, trusted, announce) the modules that the run's encoder and prior would import."""
+    code = code_references(cfg)
+    if not code:
+        return
+    named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())
+    if not trust:
+        raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
+                        "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
+    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
+
+def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
+    """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
+    shared file system); a relative one depends on where the command runs, and one in the run folder is the
+    sender's: None, said in a note."""
+    if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
+        return cfg.data_dir
+    saved = Path(cfg.data_dir)
+    real, run = saved.resolve(), folder.resolve()
+    why = "is relative" if not saved.is_absolute() else \
+        "is the run folder or lies in it" if real == run or run in real.parents else \
+        "holds the run folder" if real in run.parents else None
+    if why:
+        print(f"note: {path} names the data folder {cfg.data_dir!r}, which {why}; a run's data folder is read only "
+              "from an absolute path outside the run: name it with --data-dir (data_dir= in Python)", file=sys.stderr)
+        return None
+    return cfg.data_dir

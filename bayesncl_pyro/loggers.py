@@ -1,0 +1,125 @@
+"""Where a run's progress and records go, rank 0 only: the terminal (a bar, else one line with an estimate),
+TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``, ``pip install -e '.[wandb]'``),
+both written beside ``log.jsonl``."""
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from bayesncl_pyro.errors import UserError
+
+LONG = 30.0
+"""Seconds: work estimated to take longer is announced by a line (without a bar); shorter work is not."""
+
+Progress = Callable[[Iterable, int, str, str], Iterator]
+
+
+def reporter(bar: bool) -> Progress:
+    """``progress(items, total, what, unit)``: ``items`` as they come, shown by a tqdm bar on stderr (``bar``), or by
+    one line once the first item is done if all ``total`` would take longer than ``LONG``: what, and about how long
+    the rest takes."""
+    def progress(items: Iterable, total: int, what: str, unit: str) -> Iterator:
+        if bar:
+            from tqdm.auto import tqdm
+
+            yield from tqdm(items, total=total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
+            return
+        start = time.perf_counter()
+        for i, item in enumerate(items):
+            yield item
+            if i == 0 and (took := time.perf_counter() - start) * total > LONG:
+                print(f"{what}: about {duration(took * (total - 1))} to go ({total} {unit}s, {took:.2g} s each)",
+                      file=sys.stderr, flush=True)
+
+    return progress
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in words: "40 s", "4.5 minutes", "3.2 hours", "9.1 days"."""
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 1.5 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+INCLUSION = "gates/inclusion_per_dim"
+
+
+class TensorBoardLog:
+    def __init__(self, run_dir: str | os.PathLike):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's writer needs the tensorboard package, an optional extra
+            raise UserError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
+                            "(or pip install tensorboard), or leave --tensorboard out") from None
+        self.writer = SummaryWriter(str(run_dir))
+
+    def record(self, rec: dict, inclusion: torch.Tensor | None = None):
+        """One log.jsonl record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""
+        self._scalars("train", rec, rec["step"])
+        if inclusion is not None:
+            self.writer.add_histogram(INCLUSION, inclusion.float().cpu(), rec["step"])
+        self.writer.flush()  # a record at a time, as log.jsonl: TensorBoard shows a run while it trains
+
+    def evaluation(self, results: dict, step: int):
+        self._scalars("eval", results, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+    def _scalars(self, prefix: str, values: dict, step: int):
+        for key, value in scalars(prefix, values).items():
+            self.writer.add_scalar(key, value, step)
+
+
+def scalars(prefix: str, values: dict) -> dict:
+    """The numeric fields of a log record or an eval dict (not bool, str or lists; not ``step``), as
+    ``{"<prefix>/<field>": value}``: the tags that every logger of a run gives them."""
+    return {f"{prefix}/{k}": v for k, v in values.items() if k != "step" and type(v) in (int, float)}
+
+
+PROJECT = "bayesncl-pyro"
+
+
+class WandbLog:
+    def __init__(self, run_dir: str | os.PathLike, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
+                            "leave --wandb out") from None
+        self.wandb = wandb
+        folder = Path(run_dir) / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=Path(run_dir).name,
+                                  id=run_id, resume="allow", dir=str(run_dir), config=config)
+        except Exception as e:  # no login in online mode, a server that refuses: say it in one line
+            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"--wandb: W&B did not start a run ({cause}); log in with `wandb login`, or export "
+                            "WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`") from None
+        id_file.write_text(run_id + "\n")
+
+    def record(self, rec: dict, inclusion: torch.Tensor | None = None):
+        """One log.jsonl record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""
+        values = scalars("train", rec)
+        if inclusion is not None:
+            values[INCLUSION] = self.wandb.Histogram(inclusion.float().cpu().numpy())
+        self.run.log(values, step=rec["step"])
+
+    def evaluation(self, results: dict, step: int):
+        values = scalars("eval", results)
+        self.run.log(values, step=step)
+        self.run.summary.update(values)
+
+    def close(self):
+        self.run.finish()
+        self.wandb.teardown()  # its service writes the last records when it stops: the folder is complete now

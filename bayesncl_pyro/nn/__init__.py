@@ -1,0 +1,3 @@
+"""Plain PyTorch, no Pyro: the backbones and MLPs, the contrastive maths, the optimizers.
+
+Modules: encoders, losses, optim."""
