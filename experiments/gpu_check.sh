@@ -278,7 +278,7 @@ import sys
 import time
 from unittest import mock
 
-from bayesncl_pyro import training
+from bayesncl_pyro.train import trainer as training
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import Stopped
 from bayesncl_pyro.train.trainer import Trainer
