@@ -30,18 +30,6 @@ class Registry(dict):
 TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
 
 
-TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
-
-
-TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
-
-
-TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
-
-
-TIMM = "timm:"  # an encoder spec naming a timm model, "timm:<model name>": code, but not the run's own
-
-
 def is_spec(name: str) -> bool:
     """Whether ``name`` is a ``package.module:name`` reference rather than a registry name."""
     return ":" in name

@@ -16,24 +16,6 @@ dimensions does each test image use, and how sure is the model?" with the exact 
 q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
 (a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
 and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
-
-The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
-dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
-q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
-(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
-and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
-
-The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
-dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
-q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
-(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
-and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
-
-The gate posterior on the same split lives here too: ``gate_posterior(run_dir_or_learner)`` answers "which
-dimensions does each test image use, and how sure is the model?" with the exact inclusion probabilities
-q(g_k = 1 | x) of the run's gate estimator, read from the guide's logits, optionally draws of the gates from q(g | x)
-(a Bernoulli with those probabilities, for every estimator: also for ``ste``, which trains on the mode), the labels,
-and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it into ArviZ data.
 """
 
 import os

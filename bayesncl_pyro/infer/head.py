@@ -16,15 +16,6 @@ and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through
 The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
 and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
 
-The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
-and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
-
-The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
-and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
-
-The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
-and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
-
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
 on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
 not need.
