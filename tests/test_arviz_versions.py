@@ -25,9 +25,10 @@ import json, sys
 from pathlib import Path
 import torch
 from bayesncl_pyro.evaluate.arviz_export import export_gates
-from bayesncl_pyro.config import Config, resolve
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.train.resolve import resolve
 out = Path(sys.argv[1])
 data = load_dataset("digits", None, seed=0)
 torch.manual_seed(0)
