@@ -28,7 +28,7 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import extract
 from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
-                                            factor_tracking, nearest_neighbours)
+                                            factor_tracking, nearest_neighbours, top_class_share)
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
@@ -97,9 +97,9 @@ def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int)
 
 def consistency(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(share, dominant class), K each, from :func:`class_counts`: the share of a dimension's active images that
-    belong to its most frequent class (0 where it is active in none), as ``metrics.semantic_consistency`` averages
-    it, and that class."""
-    return counts.max(0).values / counts.sum(0).clamp_min(1), counts.argmax(0)
+    belong to its most frequent class (``metrics.top_class_share``, as ``metrics.semantic_consistency`` averages
+    it), and that class."""
+    return top_class_share(counts), counts.argmax(0)
 
 
 def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: int, n: int,

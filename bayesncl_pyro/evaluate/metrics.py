@@ -55,10 +55,15 @@ def semantic_consistency(features, labels):
 
 def dim_consistency(features, labels):
     """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
-    (0 where none is), and the C x K counts of active samples per class. features: N x K, labels: N."""
-    active = active_entries(features)
-    counts = _class_mass(active, labels)
-    return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1), counts
+    (:func:`top_class_share`), and the C x K counts of active samples per class. features: N x K, labels: N."""
+    counts = _class_mass(active_entries(features), labels)
+    return top_class_share(counts), counts
+
+
+def top_class_share(counts):
+    """K: per dim, the share of its C x K ``counts`` (active samples per class) that its most frequent class holds;
+    0 where it has none. In the dtype of ``counts`` (a float one for an integer one)."""
+    return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
 
 
 def semantic_entropy(features, labels, weighting="magnitude"):
