@@ -280,9 +280,9 @@ class GatePosterior:
 
     @property
     def class_means(self) -> torch.Tensor:
-        """C x K mean inclusion probability of each dimension over the items of each class."""
-        one_hot = F.one_hot(self.labels, len(self.classes)).to(self.probs)
-        return (one_hot.T @ self.probs) / one_hot.sum(0).clamp_min(1)[:, None]
+        """C x K mean inclusion probability of each dimension over the items of each class
+        (:func:`inclusion_by_class`)."""
+        return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
 
 @torch.no_grad()
