@@ -28,7 +28,7 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import extract
 from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
-                                            factor_tracking, nearest_neighbours, top_class_share)
+                                            nearest_neighbours, top_class_share, tracked_factors)
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
@@ -241,14 +241,11 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
     """For generated data, per ground-truth factor: ``information`` (K, ``metrics.factor_information`` of F) and
     ``tracks`` (K bool, ``metrics.factor_tracking``), and for a gated run the same of the ungated features
     (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``."""
-    out = {name: dict(information=factor_information(feats.features, v)) for name, v in feats.factors.items()}
-    for name, mask in factor_tracking(feats.features, feats.factors).items():
-        out[name]["tracks"] = mask
-    if feats.gated:
-        for name, v in feats.factors.items():
-            out[name]["information_ungated"] = factor_information(feats.ungated, v)
-        for name, mask in factor_tracking(feats.ungated, feats.factors).items():
-            out[name]["tracks_ungated"] = mask
+    out = {name: {} for name in feats.factors}
+    for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
+        information = {name: factor_information(features, v) for name, v in feats.factors.items()}
+        for name, mask in tracked_factors(information).items():
+            out[name].update({"information" + suffix: information[name], "tracks" + suffix: mask})
     return out
 
 
