@@ -13,8 +13,9 @@ Nothing here deletes a user's file: an earlier run is moved into a ``previous-<t
 holds anything else is refused, and every file is replaced by a rename, so a crash mid-write leaves the previous
 version intact (its temporary file, named by the writing process, is removed by the next run in the folder).
 
-A run folder is data: reading one (:func:`load_learner`) imports no code that its configuration names unless
-asked to (``trust_code``), and reads its data folder only from an absolute path outside the run folder.
+A run folder is data: reading one (``infer.learner.load_learner``) imports no code that its configuration names
+unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an absolute path outside the
+run folder.
 """
 
 import contextlib
@@ -337,3 +338,13 @@ def code_references(cfg: Config) -> dict[str, str]:
             if is_spec(spec) and not spec.startswith(TIMM)}
 
 
+def check_code(cfg: Config, path: Path, trust: bool):
+    """Refuse (or, trusted, announce) the modules that the encoder and prior of the run at ``path`` would import."""
+    code = code_references(cfg)
+    if not code:
+        return
+    named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())
+    if not trust:
+        raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
+                        "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
+    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)

@@ -12,6 +12,7 @@ from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.arviz_export import ARVIZ_1, export_gates, read_gates
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
+from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.infer.estimators import GATES
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.train.resolve import resolve
@@ -56,6 +57,24 @@ def test_draws_are_draws_from_q_for_every_estimator(digits, gate):
     uncertain = (post.probs > 0.1) & (post.probs < 0.9)
     assert uncertain.any() and (post.draws.std(0)[uncertain] > 0.2).all()  # spread, not copies of the mode
     assert post.rate_draws is None and post.rate_beta is None
+
+
+def test_the_evaluations_test_features_serve_the_posterior_without_another_pass(digits):
+    """A run's evaluation and its gates.nc read one pass of the backbone over the test split: given that pass's
+    test features, the gate posterior is the one it computes on its own, and the backbone does not run again."""
+    learner = learner_for(digits)
+    own = gate_posterior(learner, digits)
+    test = heldout.test_features(learner, digits)
+    ran = []
+    hook = learner.backbone.register_forward_pre_hook(lambda module, args: ran.append(len(args[0])))
+    try:
+        shared = gate_posterior(learner, digits, num_draws=2, test=test)
+    finally:
+        hook.remove()
+    assert ran == []
+    for name in ("probs", "features", "labels", "class_means"):
+        assert torch.equal(getattr(shared, name), getattr(own, name)), name
+    assert shared.draws.shape == (2, len(digits.test), 16)
 
 
 def test_beta_bernoulli_exposes_the_rate_posterior(digits):

@@ -13,7 +13,7 @@ import torch
 from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import dimensions as dm, report
+from bayesncl_pyro.evaluate import dimensions as dm, heldout, report
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.infer.learner import load_learner
 from bayesncl_pyro.rundir import read_eval
@@ -108,7 +108,7 @@ def test_the_report_and_the_posterior_agree(runs):
     learner, cfg = load_learner(bayes)
     spec = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     post = gate_posterior(learner, spec, num_draws=400)
-    feats = dm.test_features(learner, spec)
+    feats = heldout.test_features(learner, spec)
     torch.testing.assert_close(dm.inclusion_by_class(feats.probs, feats.labels, 8)[0], post.class_means)
     for c in data["dims"][:4]:
         got = [m for m, _ in c["class_inclusion"]]

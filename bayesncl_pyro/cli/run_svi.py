@@ -249,7 +249,7 @@ def export(trainer) -> int:
     try:
         from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: arviz is slow to import
 
-        export_gates(trainer.out, trainer.learner, trainer.data)
+        export_gates(trainer.out, trainer.learner, trainer.data, test=trainer.test_features)
     except Stopped:  # a signal (run_svi's handler), not a failed export
         raise
     except Exception as e:  # training and evaluation are done and saved: explain, never lose them

@@ -43,6 +43,7 @@ import xarray as xr
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
+from bayesncl_pyro.evaluate.heldout import TestFeatures
 from bayesncl_pyro.rundir import CONFIG, GATES_FILE, cannot_write, read_log
 
 ENGINE = "h5netcdf"
@@ -106,14 +107,16 @@ def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
             dt[group][name].attrs.update(converged="yes" if converged else "no", note=note)
 
 
-def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS) -> Path:
+def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS,
+                 test: TestFeatures | None = None) -> Path:
     """Compute the gate posterior of a run, write ``RUN_DIR/gates.nc`` and return its path.
 
-    ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading).
+    ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading), ``test`` to
+    the learner's test features computed here (pass the evaluation's to skip running the backbone again).
     A failed write raises ``UserError`` and leaves any previous ``gates.nc`` unchanged and no temporary file.
     """
     run_dir = Path(run_dir)
-    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1))
+    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test)
     config = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE

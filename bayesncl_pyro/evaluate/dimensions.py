@@ -1,6 +1,7 @@
 """What each dimension of a run's representation does on the test split: the one home of the per-dimension
 numbers that ``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures)
-show, so that a number in a figure and in the report cannot differ.
+show, so that a number in a figure and in the report cannot differ. They read the test split's features, which
+``evaluate/heldout.py`` computes in one pass of the backbone for the evaluation too:
 
     feats = test_features(learner, data)        # F and, for BayesNCL, the ungated features, q(g = 1 | x), the mask
     ranked = Ranking(feats.features)             # every dimension's test images by activation, largest first
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.heldout import extract
+from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
-                                            factor_tracking, nearest_neighbours)
+                                            nearest_neighbours, top_class_share, tracked_factors)
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
@@ -39,42 +40,6 @@ QUANTILES = tuple((j + 0.5) / 10 for j in range(10))
 UNDECIDED = 0.1
 """An inclusion probability within this of 0.5 is undecided: the mask 1[q > 0.5] is then the sign of a near-zero
 logit, and a draw from q flips it nearly half of the time."""
-
-
-@dataclass
-class TestFeatures:
-    """A trained run's view of its test split."""
-
-    features: torch.Tensor  # N x K, F: the representation the method uses (at the evaluation mask, for BayesNCL)
-    labels: torch.Tensor  # N, class index
-    classes: list[str]  # C names, index = label
-    ungated: torch.Tensor | None = None  # N x K, BayesNCL: the same model's features with every gate open
-    probs: torch.Tensor | None = None  # N x K, BayesNCL: q(g_k = 1 | x_i), exact
-    mask: torch.Tensor | None = None  # N x K 0/1, BayesNCL: the evaluation gates F uses
-    factors: dict[str, torch.Tensor] | None = None  # generated data: ground-truth factor -> N values
-
-    @property
-    def gated(self) -> bool:
-        return self.probs is not None
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-
-@torch.no_grad()
-def test_features(learner, data, device: str | torch.device | None = None) -> TestFeatures:
-    """The test split of ``data`` through a trained ``learner``: F and, for a gated learner, its ungated features,
-    inclusion probabilities and evaluation mask (through the learner's API: ``ungated_features``, ``gate_probs``,
-    ``head.gate_mask``), all on the CPU; ``device``: where to compute (default: the learner's)."""
-    device = device or next(learner.parameters()).device
-    h, f, labels = extract(learner, data.test, learner.cfg, data.channels, device)
-    out = TestFeatures(f, labels, list(data.classes), factors=getattr(data.test, "factors", None))
-    if learner.gated:
-        parts = [(learner.ungated_features(c), learner.gate_probs(c), learner.head.gate_mask(c))
-                 for c in h.to(device).split(1024)]
-        out.ungated, out.probs, out.mask = (torch.cat([p[i] for p in parts]).float().cpu() for i in range(3))
-    return out
 
 
 def min_support(num_images: int, num_classes: int) -> int:
@@ -97,9 +62,9 @@ def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int)
 
 def consistency(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(share, dominant class), K each, from :func:`class_counts`: the share of a dimension's active images that
-    belong to its most frequent class (0 where it is active in none), as ``metrics.semantic_consistency`` averages
-    it, and that class."""
-    return counts.max(0).values / counts.sum(0).clamp_min(1), counts.argmax(0)
+    belong to its most frequent class (``metrics.top_class_share``, as ``metrics.semantic_consistency`` averages
+    it), and that class."""
+    return top_class_share(counts), counts.argmax(0)
 
 
 def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: int, n: int,
@@ -241,14 +206,11 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
     """For generated data, per ground-truth factor: ``information`` (K, ``metrics.factor_information`` of F) and
     ``tracks`` (K bool, ``metrics.factor_tracking``), and for a gated run the same of the ungated features
     (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``."""
-    out = {name: dict(information=factor_information(feats.features, v)) for name, v in feats.factors.items()}
-    for name, mask in factor_tracking(feats.features, feats.factors).items():
-        out[name]["tracks"] = mask
-    if feats.gated:
-        for name, v in feats.factors.items():
-            out[name]["information_ungated"] = factor_information(feats.ungated, v)
-        for name, mask in factor_tracking(feats.ungated, feats.factors).items():
-            out[name]["tracks_ungated"] = mask
+    out = {name: {} for name in feats.factors}
+    for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
+        information = {name: factor_information(features, v) for name, v in feats.factors.items()}
+        for name, mask in tracked_factors(information).items():
+            out[name].update({"information" + suffix: information[name], "tracks" + suffix: mask})
     return out
 
 
@@ -280,15 +242,15 @@ class GatePosterior:
 
     @property
     def class_means(self) -> torch.Tensor:
-        """C x K mean inclusion probability of each dimension over the items of each class."""
-        one_hot = F.one_hot(self.labels, len(self.classes)).to(self.probs)
-        return (one_hot.T @ self.probs) / one_hot.sum(0).clamp_min(1)[:, None]
+        """C x K mean inclusion probability of each dimension over the items of each class
+        (:func:`inclusion_by_class`)."""
+        return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
 
 @torch.no_grad()
 def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
                    num_draws: int = 0, device: str | torch.device | None = None,
-                   trust_code: bool = False) -> GatePosterior:
+                   trust_code: bool = False, test: TestFeatures | None = None) -> GatePosterior:
     """The gate posterior of a run folder (or a trained learner) on the test split.
 
     Args:
@@ -299,6 +261,8 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
             exact probabilities.
         device: where to compute; by default the learner's own device (cpu for a run folder).
         trust_code: import the code that a run folder's configuration names (``infer.learner.load_learner``).
+        test: this learner's :func:`test_features` of ``data``, when the caller has them (the evaluation's):
+            the backbone is not run again.
     """
     if isinstance(source, ContrastiveLearner):
         learner = source if device is None else source.to(device)
@@ -310,18 +274,16 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         raise UserError(f"a {cfg.method} run has no gates; the gate posterior needs a bayesncl run")
     if num_draws < 0:
         raise UserError(f"the number of gate draws must not be negative, got {num_draws}")
-    data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
-    h, features, labels = extract(learner, data.test, cfg, data.channels, device)
-    h = h.to(device)
-    q = learner.guide.posterior(h)
-    post = GatePosterior(probs=q.probs.cpu(), features=features, labels=labels, classes=list(data.classes))
+    if test is None:
+        test = test_features(learner, data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed), device)
+    post = GatePosterior(probs=test.probs, features=test.features, labels=test.labels, classes=test.classes)
     rate_guide = learner.guide.rate_guide
     if isinstance(learner.model.prior, BetaBernoulliPrior):  # another hierarchical prior has its own q(rate)
         post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
         post.rate_optimum_concentration = learner.model.prior.optimum_concentration(learner.head.num_rows)
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
-        post.draws = q.sample((num_draws,)).cpu()
+        post.draws = learner.guide.posterior(test.backbone.to(device)).sample((num_draws,)).cpu()
         if rate_guide is not None:
             post.rate_draws = rate_guide.posterior().sample((num_draws,)).cpu()
     return post

@@ -1,9 +1,13 @@
-"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics.
+"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics; and the test
+split's features, from one pass of the backbone (``test_features``), which the evaluation, the gate posterior
+(``dimensions.gate_posterior``) and the report read.
 
 Two protocols (``Config.eval_protocol``) differ in the linear probe and retrieval only: ``fast``, for small
 runs, and ``reference``, the paper's, which its published numbers were measured with (docs/METHOD.md,
 "Evaluation protocols"). Every eval dict names its protocol.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -69,6 +73,45 @@ def extract(learner, dataset, cfg: Config, channels: int, device,
     return torch.cat(hs), torch.cat(fs), torch.cat(ys)
 
 
+@dataclass
+class TestFeatures:
+    """A trained run's view of its test split, from one pass of its backbone (:func:`test_features`)."""
+
+    features: torch.Tensor  # N x K, F: the representation the method uses (at the evaluation mask, for BayesNCL)
+    labels: torch.Tensor  # N, class index
+    classes: list[str]  # C names, index = label
+    ungated: torch.Tensor | None = None  # N x K, BayesNCL: the same model's features with every gate open
+    probs: torch.Tensor | None = None  # N x K, BayesNCL: q(g_k = 1 | x_i), exact
+    mask: torch.Tensor | None = None  # N x K 0/1, BayesNCL: the evaluation gates F uses
+    factors: dict[str, torch.Tensor] | None = None  # generated data: ground-truth factor -> N values
+    backbone: torch.Tensor | None = None  # N x D, h: the backbone features all of the above come from
+
+    @property
+    def gated(self) -> bool:
+        return self.probs is not None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+@torch.no_grad()
+def test_features(learner, data, device: str | torch.device | None = None,
+                  progress: Progress | None = None) -> TestFeatures:
+    """The test split of ``data`` through a trained ``learner``, its backbone run once (:func:`extract`): h, F and,
+    for a gated learner, its ungated features, inclusion probabilities and evaluation mask (through the learner's
+    API: ``ungated_features``, ``gate_probs``, ``head.gate_mask``), all on the CPU; ``device``: where to compute
+    (default: the learner's). The evaluation, the gate posterior and the report all read this one pass."""
+    device = device or next(learner.parameters()).device
+    h, f, labels = extract(learner, data.test, learner.cfg, data.channels, device, progress)
+    out = TestFeatures(f, labels, list(data.classes), factors=getattr(data.test, "factors", None), backbone=h)
+    if learner.gated:
+        on_device = h.to(device)
+        out.ungated, out.probs, out.mask = (x.float().cpu() for x in (
+            learner.ungated_features(on_device), learner.gate_probs(on_device), learner.head.gate_mask(on_device)))
+    return out
+
+
 UNGATED = "_ungated"  # suffix of the metrics of a gated learner's features with its gates left open
 OBJECTIVE_DRAWS = 8  # draws of q(g | x) per test batch for the test-split ELBO
 
@@ -102,7 +145,8 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
     return {f"test_{k}": total[k] / batches for k in terms}
 
 
-def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None) -> dict:
+def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None,
+             test: TestFeatures | None = None) -> dict:
     """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
     and retrieval precision on the test split's representation F; on generated data whose test split
     records its factors, which factor each dimension tracks; the training objective on the test split
@@ -113,16 +157,17 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity
     and as a posterior (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``),
     the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``). ``representations``
-    says what each suffix is a figure of. ``progress`` (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs."""
+    says what each suffix is a figure of. ``progress`` (``progress.reporter``) shows the long parts go by: the
+    features of each split, the linear probe's epochs. ``test``: the test split's :func:`test_features`, when the
+    caller has them (else they are computed here)."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
-    h_te, f_te, y_te = extract(learner, data.test, cfg, data.channels, device, progress)
+    test = test if test is not None else test_features(learner, data, device, progress)
+    h_te, f_te, y_te = test.backbone, test.features, test.labels
+    ungated, gates, probs = test.ungated, test.mask, test.probs
     recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed, progress=progress)
     results = interpretability_metrics(f_te, y_te)
-    ungated = gates = None
     if learner.gated:
-        ungated = learner.ungated_features(h_te.to(device)).cpu()
-        gates = learner.head.gate_mask(h_te.to(device)).cpu()
         results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
@@ -131,12 +176,10 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     if learner.gated:
         results["gates_open"] = gates.float().mean().item()  # at the evaluation mask (F's), not the mean P(on)
     results.update(test_objective(learner, data.test, cfg, data.channels, device))
-    factors = getattr(data.test, "factors", None)
+    factors = test.factors
     if factors is not None:
         results.update(factor_report(f_te, factors, ungated, gates))
     if learner.gated:
-        with torch.no_grad():
-            probs = learner.gate_probs(h_te.to(device)).cpu()
         results.update(random_mask_null(ungated, f_te, y_te, factors, cfg.seed))
         results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
     suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]

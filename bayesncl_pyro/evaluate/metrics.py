@@ -55,10 +55,15 @@ def semantic_consistency(features, labels):
 
 def dim_consistency(features, labels):
     """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
-    (0 where none is), and the C x K counts of active samples per class. features: N x K, labels: N."""
-    active = active_entries(features)
-    counts = _class_mass(active, labels)
-    return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1), counts
+    (:func:`top_class_share`), and the C x K counts of active samples per class. features: N x K, labels: N."""
+    counts = _class_mass(active_entries(features), labels)
+    return top_class_share(counts), counts
+
+
+def top_class_share(counts):
+    """K: per dim, the share of its C x K ``counts`` (active samples per class) that its most frequent class holds;
+    0 where it has none. In the dtype of ``counts`` (a float one for an integer one)."""
+    return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
 
 
 def semantic_entropy(features, labels, weighting="magnitude"):
@@ -207,12 +212,20 @@ def closed_share(ungated, gates):
 def factor_tracking(features, factors, min_score=0.1):
     """Which ground-truth factor each dim tracks: ``{name: K bool mask}``.
 
-    features: N x K, factors: ``{name: N long}``. A dim tracks the factor with the largest
-    :func:`factor_information` if that score is at least ``min_score``; each dim is in at most one
+    features: N x K, factors: ``{name: N long}``. :func:`tracked_factors` of each factor's
+    :func:`factor_information`.
+    """
+    return tracked_factors({n: factor_information(features, v) for n, v in factors.items()}, min_score)
+
+
+def tracked_factors(information, min_score=0.1):
+    """Which factor each dim tracks, from ``{name: K scores}`` (:func:`factor_information`): ``{name: K bool mask}``.
+
+    A dim tracks the factor of largest score if that score is at least ``min_score``; each dim is in at most one
     mask (ties go to the factor listed first).
     """
-    names = list(factors)
-    scores = torch.stack([factor_information(features, factors[n]) for n in names])  # factors x K
+    names = list(information)
+    scores = torch.stack([information[n] for n in names])  # factors x K
     best, which = scores.max(dim=0)
     return {n: (which == i) & (best >= min_score) for i, n in enumerate(names)}
 

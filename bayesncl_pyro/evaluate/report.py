@@ -31,6 +31,7 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.infer.estimators import gate_class
 from bayesncl_pyro.rundir import EVAL, atomic_save, read_eval, read_log
 
@@ -68,7 +69,7 @@ def _nums(t: torch.Tensor) -> list:
 # -- the numbers ---------------------------------------------------------------------------------------------------
 
 
-def dimension_cards(feats: dm.TestFeatures, kl: torch.Tensor | None = None) -> list[dict]:
+def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None) -> list[dict]:
     """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions. Image entries are
     ``[image, activation, q(g_k = 1 | x)]`` (the last only for a gated run), largest activation first; quantile
     entries ``[quantile, image, activation, q]``. :func:`report_data` adds ``baseline_closest``, ``[dim, r]``: the
@@ -129,14 +130,14 @@ def dimension_cards(feats: dm.TestFeatures, kl: torch.Tensor | None = None) -> l
     return cards
 
 
-def _tracked(feats: dm.TestFeatures) -> dict[int, str]:
+def _tracked(feats: TestFeatures) -> dict[int, str]:
     """The ground-truth factor each dimension of F tracks (generated data), by dimension."""
     if not feats.factors:
         return {}
     return {k: name for name, s in dm.factor_scores(feats).items() for k in s["tracks"].nonzero().flatten().tolist()}
 
 
-def image_table(feats: dm.TestFeatures) -> dict:
+def image_table(feats: TestFeatures) -> dict:
     """Per test image: its class (and factors), its ``IMAGE_DIMS`` dimensions of largest activation in F as ``[dim,
     activation, q]`` with the number it uses, its nearest neighbours in F and with every gate open, and how stable its
     mask is under draws from q (``dimensions.mask_flip_share``)."""
@@ -155,7 +156,7 @@ def image_table(feats: dm.TestFeatures) -> dict:
     return out
 
 
-def gate_summary(feats: dm.TestFeatures, kl: torch.Tensor, kl_label: str, prior_rate: float) -> dict:
+def gate_summary(feats: TestFeatures, kl: torch.Tensor, kl_label: str, prior_rate: float) -> dict:
     """The gate posterior on the test split in a few numbers and histograms, with the warning when the gates never
     left 0.5."""
     p, mask = feats.probs, feats.mask
@@ -172,7 +173,7 @@ def gate_summary(feats: dm.TestFeatures, kl: torch.Tensor, kl_label: str, prior_
                 warning=dm.undecided_warning(p))
 
 
-def factor_table(feats: dm.TestFeatures) -> dict:
+def factor_table(feats: TestFeatures) -> dict:
     """Generated data: per dimension in use (in F or with every gate open) how much each factor explains its on/off
     pattern with the gates and without, which factor it tracks in each, and the share of its active entries the
     gates close; plus each factor's value names."""
@@ -220,7 +221,7 @@ def _run_info(run) -> dict:
     return dict(dir=str(run.dir), method=cfg.method, dataset=cfg.dataset, config=cfg.to_dict())
 
 
-def report_data(feats: dm.TestFeatures, run: dict, log: list[dict] | None = None, evaluation: dict | None = None,
+def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, evaluation: dict | None = None,
                 gates: dict | None = None, kl: torch.Tensor | None = None, baseline: dict | None = None) -> dict:
     """Everything the page shows (report.json). ``run``: the run's ``dir``, ``method``, ``dataset`` and ``config``;
     ``gates``: :func:`gate_summary`'s, ``kl``: :func:`dimensions.kl_per_dim`'s (gated runs); ``baseline``: another
@@ -306,7 +307,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
         raise UserError(f"the baseline {baseline} was trained on {other.cfg.dataset}, {run_dir} on {cfg.dataset}: "
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
-    feats = dm.test_features(learner, data)
+    feats = test_features(learner, data)
     gates = kl = None
     if learner.gated:
         rate = dm.prior_rate(learner)
@@ -317,7 +318,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
         other_data = data if (other.cfg.dataset, other.cfg.data_dir, other.cfg.seed) == (
             cfg.dataset, cfg.data_dir, cfg.seed) else load_dataset(other.cfg.dataset, other.cfg.data_dir,
                                                                    seed=other.cfg.seed)
-        base_feats = dm.test_features(other.learner, other_data)
+        base_feats = test_features(other.learner, other_data)
         if not torch.equal(base_feats.labels, feats.labels):
             raise UserError(f"the baseline {baseline} was evaluated on another test split ({other.cfg.dataset}, seed "
                             f"{other.cfg.seed}) than {run_dir} ({cfg.dataset}, seed {cfg.seed}); train the baseline "

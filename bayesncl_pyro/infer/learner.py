@@ -18,7 +18,7 @@ from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.head import BayesNCLHead
 from bayesncl_pyro.nn.encoders import build_backbone
-from bayesncl_pyro.rundir import CHECKPOINT, code_references, load_checkpoint, run_folder
+from bayesncl_pyro.rundir import CHECKPOINT, check_code, load_checkpoint, run_folder
 
 # the head's arguments are named as the Config's fields (and the command-line flags): each is passed along
 _HEAD_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name in inspect.signature(BayesNCLHead).parameters]
@@ -126,22 +126,11 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     device = pick_device(str(device), flag="device")
     state = load_checkpoint(path)
     cfg = Config.from_dict(state["config"])
-    _check_code(cfg, path, trust_code)
+    check_code(cfg, path, trust_code)
     cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))
     learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
     load_weights(learner, state, path)
     return learner.to(device).eval(), cfg
-
-def _check_code(cfg: Config, path: Path, trust: bool):
-    """Refuse (or, trusted, announce) the modules that the run's encoder and prior would import."""
-    code = code_references(cfg)
-    if not code:
-        return
-    named = ", ".join(f"{flag} {spec} (module {spec.partition(':')[0]})" for flag, spec in code.items())
-    if not trust:
-        raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
-                        "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
-    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
 
 def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
     """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a

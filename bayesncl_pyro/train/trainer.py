@@ -31,7 +31,7 @@ from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
-from bayesncl_pyro.evaluate.heldout import evaluate, format_table
+from bayesncl_pyro.evaluate.heldout import evaluate, format_table, test_features
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import TensorBoardLog, WandbLog, duration, reporter
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
@@ -128,6 +128,7 @@ class Trainer:
             self.device, memory_format=self.memory_format)
         if self.world > 1 and self.device.type == "cuda":  # a host sync per layer and step (docs/PERFORMANCE.md)
             self.learner = nn.SyncBatchNorm.convert_sync_batchnorm(self.learner)
+        self.test_features = None  # the evaluation's pass over the test split, which the gate export reads too
         if self.rank:  # same initial weights everywhere, then each rank its own gate noise
             pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
@@ -279,7 +280,9 @@ class Trainer:
                           f"{self.step} in {self.out}; rerun the same command to evaluate it", stop.signum)
         if self.rank:
             return {}
-        results = evaluate(self.learner, self.data, self.cfg, self.device, reporter(bar=self.progress))
+        progress = reporter(bar=self.progress)
+        self.test_features = test_features(self.learner, self.data, self.device, progress)
+        results = evaluate(self.learner, self.data, self.cfg, self.device, progress, self.test_features)
         write_json(results, self.out / EVAL)
         for log in self.loggers:
             log.evaluation(results, self.step)
