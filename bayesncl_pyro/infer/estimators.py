@@ -83,18 +83,27 @@ def gate_class(name: str) -> type["GateEstimator"]:
 
 
 class TrainedGates(dist.Bernoulli):
-    """The gate site as an estimator trains it: q's Bernoulli, pathwise (no score-function term: the gradient, where
-    the value carries one, is the estimator's; leg's comes from its surrogate), with the KL the estimator trains
-    with (:func:`_kl_trained`)."""
+    """The gate site as an estimator trains it: q's Bernoulli (``sample``, ``log_prob``: q's), with the KL the
+    estimator trains with (:func:`_kl_trained`) and ``rsample`` the estimator's training value: a draw from q that
+    carries the estimator's gradient (``relaxed``, ``st-sampled``, ``gs``), a draw with no gradient path (``leg``,
+    whose head gradient comes from its surrogate), or for ``ste`` the mode of q with the identity backward, the
+    reference's surrogate and no draw at all. So the site is pathwise (``has_rsample``): an ELBO takes no
+    score-function term for it, and the gradient through the gates is the estimator's."""
 
     has_rsample = True
 
-    def __init__(self, q: BernoulliGates, kl_probs: torch.Tensor, kl_clamp: float, validate_args=None):
-        self.kl_probs, self.kl_clamp = kl_probs, kl_clamp
+    def __init__(self, q: BernoulliGates, estimator: "GateEstimator", validate_args=None):
+        self.q, self.estimator = q, estimator
+        self.kl_probs, self.kl_clamp = estimator.kl_probs(q), estimator.kl_clamp
         super().__init__(probs=q.probs, validate_args=validate_args)
+
+    def rsample(self, sample_shape=torch.Size()) -> torch.Tensor:
+        q = self.q.expand(self._extended_shape(sample_shape)) if sample_shape else self.q
+        return self.estimator.value(q)
 
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(type(self), _instance)
+        new.q, new.estimator = self.q.expand(batch_shape), self.estimator
         new.kl_probs, new.kl_clamp = self.kl_probs.expand(batch_shape), self.kl_clamp
         return super().expand(batch_shape, _instance=new)
 
@@ -155,8 +164,8 @@ class GateEstimator(Reparam):
             raise UserError(f"the {self.name} estimator trains a {self.family.__name__} gate site, but site "
                             f"{msg['name']!r} draws from a {type(fn).__name__}; build the guide with "
                             f"family={self.family.__name__}")
-        trained = TrainedGates(fn, self.kl_probs(fn), self.kl_clamp)
-        return {"fn": self._wrap(trained, event_dim), "value": self.value(fn), "is_observed": False}
+        trained = TrainedGates(fn, self)
+        return {"fn": self._wrap(trained, event_dim), "value": trained.rsample(), "is_observed": False}
 
 
 @register("ste")
