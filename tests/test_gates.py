@@ -51,7 +51,7 @@ def test_predictive_on_the_program_as_written_draws_from_q(name):
     q's P(on) for every estimator's family, ste's included: the program's gate site is a real distribution."""
     head = _head(name, rows=8, dims=3)
     z, h = torch.randn(8, 3), torch.randn(8, 3) * 3
-    model, guide, _ = head.program()
+    model, guide = head.program()
     with own_params(), pyro.validation_enabled(False):
         draws = Predictive(model, guide=guide, num_samples=300, return_sites=["g"])(z, h)["g"]
     probs = head.gate_probs(h).detach()
@@ -225,7 +225,7 @@ def test_tracegraph_on_the_program_as_written_is_unbiased():
     params = list(head.guide.head.parameters())
     exact = _grad(_exact_objective(head, h), params)
     z = head.projector(h).detach()
-    model, guide, _ = head.program()
+    model, guide = head.program()
     elbo, total = TraceGraph_ELBO(max_plate_nesting=1), 0.0
     with own_params(), pyro.validation_enabled(False):
         template = poutine.trace(guide).get_trace(z, h)

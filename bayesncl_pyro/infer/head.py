@@ -21,6 +21,8 @@ on, every step also computes each site's log-density and runs Pyro's checks of t
 not need.
 """
 
+import functools
+
 import pyro
 import torch
 from pyro import poutine
@@ -30,7 +32,7 @@ from bayesncl_pyro import distributed
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
-from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
@@ -137,9 +139,7 @@ class BayesNCLHead(nn.Module):
             temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
             rate_guide=checked_guide(prior),
         ) if prior is not None else None
-        if gather_distributed:
-            self.model.gather = distributed.gather_rows
-        self.elbo = MeanFieldELBO()
+        self.gather_distributed = gather_distributed
         self.density = None
         if gate_density is not None:
             if prior is None:
@@ -179,17 +179,27 @@ class BayesNCLHead(nn.Module):
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
         with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss in full precision
-            loss, kl, seen = self.elbo_terms(z.to(dtype), h.to(dtype))
-            nce, u = seen["nce"].detach().mean(), seen["features"]
-            stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
+            gather = distributed.gather_rows if self.gather_distributed else None
+            loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
+            nodes = model_trace.nodes
+            u = nodes["features"]["value"]
+            stats = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(),
+                         features=u)
             if self.gated:
-                q = seen["q"]
+                site = guide_trace.nodes["g"]
+                trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
+                q = trained.q
                 probs = q.probs.detach()
                 per_dim = probs.mean(0)
                 gates_open = self.estimator.mask(q).float().mean()
+                # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
+                gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
+                if gates.requires_grad:
+                    gates.retain_grad()  # read by pulls() after backward
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             kl_probs=self.estimator.kl_probs(q).detach(), gates=seen.get("pulled", seen["gates"]),
-                             prior_rate=seen["rate"], gates_open=gates_open, kl_weight=self.model.kl_weight)
+                             kl_probs=trained.kl_probs.detach(), gates=gates,
+                             prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
+                             gates_open=gates_open, kl_weight=self.model.kl_weight)
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
                     self.density.update(gates_open)
                     stats["density_target"] = self.density.target.clone()
@@ -200,58 +210,37 @@ class BayesNCLHead(nn.Module):
         """What the loss computes, in words: the gate estimator's objective, or for NCL and CL the InfoNCE alone."""
         return self.estimator.objective if self.gated else "InfoNCE per row (no latent variables: -ELBO = InfoNCE)"
 
-    def program(self):
-        """The head's Pyro program for one batch, as written: ``(model, guide, seen)``, the model and guide as Pyro
-        callables of (z, h) (projector outputs and backbone features) and the dict they fill with what they saw
-        (the model's ``nce``, ``features``, ``ungated``, ``gates``, ``rate``; the guide's q(g | x) as ``q``). Its
-        gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws from q, and Pyro's
-        ELBOs take the score function through it. Run them inside :func:`own_params`, as :meth:`elbo_terms` does."""
-        seen = {}
+    def program(self, gather=None):
+        """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
+        outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
+        against every rank's. Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws
+        from q, and Pyro's ELBOs take the score function through it. The model records what it computed as
+        deterministic sites (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside
+        :func:`own_params`, as :meth:`elbo_terms` does."""
+        model = self.model if gather is None else functools.partial(self.model, gather=gather)
+        return model, self.guide if self.gated else _no_guide
 
-        def model(z, h):
-            seen.update(self.model(z, h))
-
-        def guide(z, h):
-            seen["q"] = self.guide(z, h)
-
-        return model, guide if self.gated else _no_guide, seen
-
-    def training_program(self, estimator=None):
+    def training_program(self, estimator=None, gather=None):
         """:meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
-        (``poutine.reparam``): what training differentiates. For ``leg`` the ELBO of this program lacks the head's
-        gradient, which :meth:`estimator_term` adds (``GateEstimator.surrogate``)."""
-        model, guide, seen = self.program()
+        (``poutine.reparam``): what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``:
+        ``leg``'s adds its head gradient, which this program's traces alone lack)."""
+        model, guide = self.program(gather)
         if self.gated:
             guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
-        return model, guide, seen
+        return model, guide
 
-    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training (and in the diagnostics that swap the gate
-        estimator): the loss (:meth:`forward`), its KL term per row (detached) and what the program saw
-        (:meth:`program`), for projector outputs z and backbone features h. It runs inside :func:`own_params`, so
+        estimator), for projector outputs z and backbone features h: the loss (:meth:`forward`), its KL term per row
+        (detached) and the traces, where what the program computed is read. It runs inside :func:`own_params`, so
         no parameter reaches Pyro's global param store."""
         self._unweight_prior_gradients()
         self._sync_kl_weight()
-        model, guide, seen = self.training_program()
+        model, guide = self.training_program(gather=gather)
+        elbo = self.estimator.elbo(self.model.temperature) if self.gated else MeanFieldELBO()
         with own_params():
-            loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
-        return (loss + self.estimator_term(seen, z.shape[0])) / self.num_rows, \
-            kl / (self.num_rows * self.model.kl_weight), seen
-
-    def estimator_term(self, seen: dict, rows: int) -> torch.Tensor | float:
-        """What the gate estimator adds to the ELBO of :meth:`training_program` (``seen``: what that program saw,
-        on a batch of ``rows`` rows), on the ELBO's scale: leg's surrogate (``GateEstimator.surrogate``), scaled up
-        to the data set as the InfoNCE factor is; 0 for every other estimator and without gates."""
-        if not self.gated:
-            return 0.0
-        pulled = seen["q"].probs * 1.0  # a node of its own: the log's gate pull reads InfoNCE's gradient alone
-        extra = self.estimator.surrogate(pulled, seen["ungated"], seen["gates"], self.model.temperature)
-        if extra is None:
-            return 0.0
-        if pulled.requires_grad:
-            pulled.retain_grad()
-            seen["pulled"] = pulled
-        return extra * (self.num_rows / rows)
+            loss, kl, model_trace, guide_trace = elbo.terms(model, guide, z, h)
+        return ELBOTerms(loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), model_trace, guide_trace)
 
     @torch.no_grad()
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -263,16 +252,13 @@ class BayesNCLHead(nn.Module):
         contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
         self._sync_kl_weight()
-        model, guide, seen = self.training_program(Draw(kl_clamp=0.0))
-        gather, self.model.gather = self.model.gather, None
-        try:
-            with own_params():
-                loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
-        finally:
-            self.model.gather = gather
+        model, guide = self.training_program(Draw(kl_clamp=0.0))
+        with own_params():
+            loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
         nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
-        return dict(neg_elbo=loss / self.num_rows, nce=seen["nce"].mean(), kl=kl, nce_mode=nce_mode)
+        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl,
+                    nce_mode=nce_mode)
 
     def _sync_kl_weight(self):
         """With a density target, lambda is the multiplier's current value (``density.py``): set where the model and
@@ -288,10 +274,11 @@ class BayesNCLHead(nn.Module):
         if rows % 2:
             raise UserError(f"got {rows} rows, an odd number: the head takes the rows of both views of B images, "
                             "[view 1 of the B images; view 2 of the same B] (torch.cat([view1, view2]))")
-        if rows < 4 and not (self.model.gather is not None and distributed.world_size() > 1):  # negatives from others
+        gathered = self.gather_distributed and distributed.world_size() > 1  # negatives from the other ranks
+        if rows < 4 and not gathered:
             raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
                             "negative; pass a batch of at least 2 images (4 rows)")
-        if isinstance(self.estimator, LocalExpectation) and self.model.gather is not None and distributed.world_size() > 1:
+        if isinstance(self.estimator, LocalExpectation) and gathered:
             raise UserError("--gate leg trains on one process only: its per-gate differences would need every rank's "
                             "rows and log-partitions, which are not gathered; run leg without torchrun, or train "
                             "with --gate st-sampled under DDP")
