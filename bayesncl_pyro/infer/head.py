@@ -247,18 +247,22 @@ class BayesNCLHead(nn.Module):
         """The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
         g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
         ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
-        row) and ``kl``, its KL term per row; ``nce_mode``, the InfoNCE of the evaluation's representation
-        (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE. The rows are
-        contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
+        row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
+        other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
         self._sync_kl_weight()
         model, guide = self.training_program(Draw(kl_clamp=0.0))
         with own_params():
             loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
-        nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
-        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl,
-                    nce_mode=nce_mode)
+        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl)
+
+    @torch.no_grad()
+    def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
+        """The InfoNCE of the evaluation's representation (:meth:`representation`: for gates, at the evaluation
+        mask) of backbone features h, mean per row: deterministic, so once per batch beside the draws of
+        :meth:`objective_draw`."""
+        return info_nce_rows(self.representation(h), self.model.temperature).mean()
 
     def _sync_kl_weight(self):
         """With a density target, lambda is the multiplier's current value (``density.py``): set where the model and
