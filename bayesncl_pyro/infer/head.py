@@ -13,8 +13,9 @@ row, ``-ELBO / 2N`` (``models/bayesncl.py``) estimated as the gate estimator est
 ``ste``, the reference's surrogate, InfoNCE at the posterior mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates),
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
-The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
-and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+The head's arguments are named in one place, its signature (a Config's fields of the same names are its arguments:
+``infer.learner.head_arguments``), and checked in one, :func:`check_arguments`: the head calls it, and
+``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
 
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
 on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
@@ -39,18 +40,18 @@ from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
 
-# the head's arguments that :func:`check_arguments` checks, with what to pass instead of a value that is not positive
+# the head's arguments that must be positive, with what to pass instead
 _POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature="0.2 (the reference's)",
                  gate_temperature="1.0", logit_bound="5.0",
                  kl_weight="3e-5 (the published lambda); for no gates at all, no prior (NCL)")
-HEAD_ARGUMENTS = (*_POSITIVE, "kl_clamp", "gate", "nonneg", "topk")
 
 
 def check_arguments(flags: bool = False, **args):
-    """The one check of the head's arguments (``HEAD_ARGUMENTS``, named as the Config's fields): the head calls it,
-    and ``train.resolve`` with ``flags=True``, which names them as run_svi.py's flags. A value that would give a
-    wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0; a logit bound of 0: every gate closed)
-    or fail deep inside Pyro is refused in one line that names the argument and the fix."""
+    """The one check of the head's arguments, given by their names in :class:`BayesNCLHead`'s signature (every one
+    of them; those no rule here concerns pass through): the head calls it, and ``train.resolve`` with ``flags=True``,
+    which names them as run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or
+    more: a KL of exactly 0; a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line
+    that names the argument and the fix."""
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
     for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
         if args[arg] not in valid:
@@ -112,10 +113,8 @@ class BayesNCLHead(nn.Module):
                  gate_temperature: float = 1.0, head_depth: int = 2,
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
                  gather_distributed: bool = False, gate_density: float | None = None):
+        check_arguments(**locals())  # every argument, by its name in this signature
         super().__init__()
-        check_arguments(proj_dim=proj_dim, proj_hidden=proj_hidden, head_depth=head_depth, temperature=temperature,
-                        gate_temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
-                        kl_clamp=kl_clamp, gate=gate, nonneg=nonneg, topk=topk)
         if not num_train >= 2:
             raise UserError(f"num_train must be the number of images in the training set (at least 2), got {num_train}")
         if prior_args and not isinstance(prior, str):
