@@ -71,7 +71,14 @@ def own_params():
     """An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
     prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
     heads of one process (two runs of compare.py, a user's two models) would share, the second head then
-    training a parameter its optimizer does not hold."""
+    training a parameter its optimizer does not hold.
+
+    Not Pyro's ``module_local_params`` setting, which would do the same for every PyroModule but only when it is on
+    both when the module is built and at each call (a module built without it fails at its call with
+    ``AttributeError: '_Context' object has no attribute 'param_state'``; one built with it and called without it
+    writes its parameters to the global store): set for the process, it would break the user's PyroModules built
+    before the head and take them out of the global store their own code reads; set around the head's calls, it
+    is this scope again."""
     return pyro.get_param_store().scope()
 
 
