@@ -347,17 +347,26 @@ def test_the_learned_priors_step_does_not_depend_on_lambda_under_any_optimiser()
 
 
 def test_a_copy_of_the_head_divides_the_priors_gradient_as_the_original():
-    """Tensor hooks do not travel with deepcopy: the copy registers its own at its first step."""
+    """Tensor hooks do not travel with a deep copy or a pickle: the copy registers its own at its first step."""
+    import io
+
     torch.manual_seed(0)
     head = BayesNCLHead(D, K, H, num_train=500, prior="beta-bernoulli", kl_weight=1e-3, gate="ste")
-    copy_ = copy.deepcopy(head)
     h = torch.randn(R, D)
-    for module in (head, copy_):
+    head(h)  # hooked, and its record of them kept
+    copy_ = copy.deepcopy(head)
+    saved = io.BytesIO()
+    torch.save(head, saved)
+    saved.seek(0)
+    pickled = torch.load(saved, weights_only=False)
+    for module in (head, copy_, pickled):
+        module.zero_grad()
         with pyro.validation_enabled(False):
             pyro.set_rng_seed(1)
             module(h)[0].backward()
-    for (name, a), b in zip(head.named_parameters(), copy_.parameters()):
+    for (name, a), b, c in zip(head.named_parameters(), copy_.parameters(), pickled.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+        torch.testing.assert_close(a.grad, c.grad, msg=name)
     assert head.guide.rate_guide.a_unconstrained.grad.abs().max() > 1e-3  # divided by lambda, not lambda-sized
 
 

@@ -23,6 +23,7 @@ not need.
 """
 
 import functools
+import weakref
 
 import pyro
 import torch
@@ -153,6 +154,7 @@ class BayesNCLHead(nn.Module):
                                 "no gates: drop gate_density or give a prior")
             check_gate_density(gate_density, "bayesncl", prior.prior_prob)
             self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
+        self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook)
         self._unweight_prior_gradients()
 
     @property
@@ -369,19 +371,35 @@ class BayesNCLHead(nn.Module):
         return grad / self.model.kl_weight
 
     def _unweight_prior_gradients(self):
-        """Hook :meth:`_unweight` onto every prior parameter that lacks it. Called at construction and at every step: a
-        tensor hook does not travel with a deep copy, a pickle, or a module conversion that replaces the
-        parameter. A prior hooked by another head is refused: its gradients would be divided twice."""
+        """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at
+        construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
+        conversion that replaces the parameter, and neither does the record of the handles (:meth:`__getstate__`),
+        so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
+        gradients would be divided twice."""
+        hooked = {}
         for p in self.prior_parameters():
             if not p.requires_grad:
                 continue
-            owners = [hook.__self__ for hook in (p._backward_hooks or {}).values()
-                      if getattr(hook, "__func__", None) is BayesNCLHead._unweight]
-            if any(owner is not self for owner in owners):
-                raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
-                                "lambda there); build a new prior for this head")
-            if not owners:
-                p.register_hook(self._unweight)
+            old = self._unweighted.get(id(p))  # (parameter, handle): the parameter held, so its id stays its own
+            if old is None or old[0] is not p:
+                if any(head._hooks(p) for head in _HEADS):
+                    raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
+                                    "lambda there); build a new prior for this head")
+                old = (p, p.register_hook(self._unweight))
+                _HEADS.add(self)
+            hooked[id(p)] = old
+        self._unweighted = hooked
+
+    def _hooks(self, p: nn.Parameter) -> bool:
+        """Whether this head divides p's gradient."""
+        return self._unweighted.get(id(p), (None,))[0] is p
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_unweighted": {}}
+
+
+# the heads that hook prior parameters, for the refusal of a prior that another head's hook divides already
+_HEADS: "weakref.WeakSet[BayesNCLHead]" = weakref.WeakSet()
 
 
 def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
