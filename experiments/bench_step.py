@@ -62,7 +62,7 @@ def stock_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
         z = learner.head.projector(h)
-    model, guide, _ = learner.head.training_program()
+    model, guide = learner.head.training_program()
     with own_params():
         return TraceMeanField_ELBO().differentiable_loss(model, guide, z.float(), h.float()) / learner.head.num_rows
 

@@ -138,7 +138,7 @@ class GateGuide(PyroModule):
         return self.family(self.logits(h), self.temperature)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor) -> BernoulliGates:
-        """Samples the gates (and the prior's global latents) from q; returns q(g | x), for monitoring."""
+        """Samples the gates (and the prior's global latents) from q; returns q(g | x)."""
         with poutine.scale(scale=self.kl_weight):
             if self.rate_guide is not None:
                 self.rate_guide()

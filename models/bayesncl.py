@@ -78,8 +78,6 @@ class ContrastiveModel(PyroModule):
         self.num_rows, self.temperature = num_rows, temperature
         self.nonneg, self.topk = nonneg, topk
         self.prior, self.kl_weight = prior, kl_weight
-        # BayesNCLHead(gather_distributed=True) sets it: gathers rows from all ranks -> (all rows, offset of ours)
-        self.gather = None
 
     def features(self, z: torch.Tensor) -> torch.Tensor:
         """Projector output (R x K) -> the L2-normalised (non-negative, top-k) features, before gating."""
@@ -88,31 +86,30 @@ class ContrastiveModel(PyroModule):
             z = z * topk_mask(z, self.topk)
         return normalize(z)
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """z: R x K projector output, h: R x D backbone features (used by the guide only).
-        Rows are ``[view 1 of B images; view 2 of the same B images]``. Returns, for monitoring (the ELBO
-        ignores it), ``nce``: the per-row InfoNCE (R), ``features``: the rows it saw (R x K, detached), and with
-        gates ``ungated``: the same rows before gating (R x K, detached), ``gates``: their values (R x K), which keep
-        their gradient after backward, and ``rate``: the K rates they were drawn with (for a hierarchical prior,
-        this step's draw from q(rate)), detached."""
+    def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None):
+        """z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
+        this rank's rows -> (every rank's rows, the offset of ours), for global negatives
+        (``bayesncl_pyro.distributed.gather_rows``). Rows are ``[view 1 of B images; view 2 of the same B images]``.
+
+        Besides the gate site ``g`` and the factor ``nce``, it records what it computed, detached, as deterministic
+        sites (no term of the ELBO) for whoever reads the trace: ``row_nce``, the per-row InfoNCE (R);
+        ``features``, the rows it saw (R x K); and with gates ``ungated``, the same rows before gating (R x K)."""
         u = ungated = self.features(z)
         rows = u.shape[0]
-        g = rate = None
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight):
                 rate = self.prior.rate()
                 with rows_plate(self.num_rows, rows, u.device):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
-            if g.requires_grad:
-                g.retain_grad()  # the log reports how hard InfoNCE pulls on the gates (infer.head.gate_pulls)
+            pyro.deterministic("ungated", ungated.detach())
             u = normalize(u * g)
-        if self.gather is None:
+        if gather is None:
             nce = info_nce_rows(u, self.temperature)
         else:
-            columns, offset = self.gather(u)
+            columns, offset = gather(u)
             nce = info_nce_rows(u, self.temperature, columns, offset)
+        pyro.deterministic("row_nce", nce.detach())
+        pyro.deterministic("features", u.detach())
         # one factor for the batch: InfoNCE couples the rows (module docstring), scaled as the plate scales
         with poutine.scale(scale=self.num_rows / rows):
             pyro.factor("nce", -nce.sum())
-        out = dict(nce=nce, features=u.detach())
-        return out if g is None else dict(out, ungated=ungated.detach(), gates=g, rate=rate.detach())

@@ -51,7 +51,7 @@ def test_predictive_on_the_program_as_written_draws_from_q(name):
     q's P(on) for every estimator's family, ste's included: the program's gate site is a real distribution."""
     head = _head(name, rows=8, dims=3)
     z, h = torch.randn(8, 3), torch.randn(8, 3) * 3
-    model, guide, _ = head.program()
+    model, guide = head.program()
     with own_params(), pyro.validation_enabled(False):
         draws = Predictive(model, guide=guide, num_samples=300, return_sites=["g"])(z, h)["g"]
     probs = head.gate_probs(h).detach()
@@ -64,7 +64,7 @@ def test_predictive_on_the_program_as_written_draws_from_q(name):
 def test_each_estimators_training_value(name):
     """What InfoNCE sees in training (the gate site's value under the estimator's reparam): exact 0/1 values, draws
     from q for the sampled estimators, the mode of q for ste; the site's distribution in the trace is q's
-    Bernoulli with the estimator's KL."""
+    Bernoulli with the estimator's KL, whose ``rsample`` is that value (a pathwise site: no score term)."""
     estimator = gate_class(name)(0.01)
     q = estimator.family(LOGITS.expand(DRAWS, -1), temperature=0.5)
 
@@ -79,10 +79,13 @@ def test_each_estimators_training_value(name):
     torch.testing.assert_close(trained.probs, q.probs)
     torch.testing.assert_close(trained.kl_probs, LOGITS.sigmoid().expand_as(q.probs) if name == "gs-reference-kl"
                                else q.probs)
+    again = site["fn"].rsample()
     if name == "ste":
-        assert torch.equal(value, (q.probs > 0.5).float())
+        assert torch.equal(value, (q.probs > 0.5).float()) and torch.equal(again, value)
     else:
         _frequencies_match(value, q.probs[0])
+        _frequencies_match(again, q.probs[0])
+        assert not torch.equal(again, value)
 
 
 def test_the_estimator_refuses_a_guide_of_another_family():
@@ -133,7 +136,7 @@ def test_kl_clamp_zero_is_torchs_exact_bernoulli_kl(name):
     rho = torch.tensor([0.05, 0.5, 0.999])[:, None].expand(3, 41)
     estimator = gate_class(name)(kl_clamp=0.0)
     q = estimator.family(logits)
-    ours = torch.distributions.kl_divergence(TrainedGates(q, estimator.kl_probs(q), 0.0), dist.Bernoulli(rho))
+    ours = torch.distributions.kl_divergence(TrainedGates(q, estimator), dist.Bernoulli(rho))
     # gs-reference-kl takes the reference's KL, at sigmoid(logits): by name not KL(q || p)
     at = logits.sigmoid() if name == "gs-reference-kl" else q.probs
     exact = torch.distributions.kl_divergence(torch.distributions.Bernoulli(probs=at),
@@ -222,7 +225,7 @@ def test_tracegraph_on_the_program_as_written_is_unbiased():
     params = list(head.guide.head.parameters())
     exact = _grad(_exact_objective(head, h), params)
     z = head.projector(h).detach()
-    model, guide, _ = head.program()
+    model, guide = head.program()
     elbo, total = TraceGraph_ELBO(max_plate_nesting=1), 0.0
     with own_params(), pyro.validation_enabled(False):
         template = poutine.trace(guide).get_trace(z, h)

@@ -155,11 +155,11 @@ def test_the_prior_gradient_is_the_loss_gradient_over_lambda_once_and_a_shared_p
 
 def test_under_ddp_a_rank_may_hold_one_image(monkeypatch):
     """With the other ranks' rows gathered, one image per rank (2 rows) has negatives; alone it has none."""
-    head = BayesNCLHead(D, K, H, num_train=500)
+    head = BayesNCLHead(D, K, H, num_train=500, gather_distributed=True)
     with pytest.raises(UserError, match="got 2 rows, the views of 1 image"):
         head(torch.randn(2, D))
     others = torch.randn(2, K).relu()
-    head.model.gather = lambda u: (torch.cat([u, others]), 0)  # rank 0's rows, then rank 1's
+    monkeypatch.setattr("bayesncl_pyro.distributed.gather_rows", lambda u: (torch.cat([u, others]), 0))  # rank 1's rows
     monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
     loss, _ = head(torch.randn(2, D))
     assert torch.isfinite(loss)
@@ -168,9 +168,8 @@ def test_under_ddp_a_rank_may_hold_one_image(monkeypatch):
 def test_leg_is_refused_under_ddp_in_one_line(monkeypatch):
     """leg's per-gate differences see the local rows only: under DDP, where the negatives come from every rank, they
     would be wrong without a word; one process is fine."""
-    head = BayesNCLHead(D, K, H, num_train=500, gate="leg")
+    head = BayesNCLHead(D, K, H, num_train=500, gate="leg", gather_distributed=True)
     assert torch.isfinite(head(torch.randn(8, D))[0])
-    head.model.gather = lambda u: (u, 0)
     monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
     with pytest.raises(UserError, match="--gate leg trains on one process only"):
         head(torch.randn(8, D))
@@ -179,14 +178,16 @@ def test_leg_is_refused_under_ddp_in_one_line(monkeypatch):
 def test_the_test_objective_contrasts_the_local_rows_under_ddp(monkeypatch):
     """Evaluation runs on rank 0 alone: the objective's draws must not call the gather (a collective the other
     ranks have left), and contrast the batch's own rows."""
-    head = BayesNCLHead(D, K, H, num_train=500)
+    head = BayesNCLHead(D, K, H, num_train=500, gather_distributed=True)
     calls = []
-    head.model.gather = lambda u: calls.append(1) or (u, 0)
+    monkeypatch.setattr("bayesncl_pyro.distributed.gather_rows", lambda u: calls.append(1) or (u, 0))
     monkeypatch.setattr("bayesncl_pyro.distributed.world_size", lambda: 2)
     h = torch.randn(8, D)
-    terms = head.objective_draw(h)
-    assert not calls and head.model.gather is not None  # put back for training
-    torch.testing.assert_close(terms["nce_mode"], info_nce_rows(head.representation(h), 0.2).mean())
+    head.objective_draw(h)
+    assert not calls
+    head(h)
+    assert calls  # training gathers
+    torch.testing.assert_close(head.mode_nce(h), info_nce_rows(head.representation(h), 0.2).mean())
 
 
 def test_importing_the_package_stays_light():
@@ -346,17 +347,26 @@ def test_the_learned_priors_step_does_not_depend_on_lambda_under_any_optimiser()
 
 
 def test_a_copy_of_the_head_divides_the_priors_gradient_as_the_original():
-    """Tensor hooks do not travel with deepcopy: the copy registers its own at its first step."""
+    """Tensor hooks do not travel with a deep copy or a pickle: the copy registers its own at its first step."""
+    import io
+
     torch.manual_seed(0)
     head = BayesNCLHead(D, K, H, num_train=500, prior="beta-bernoulli", kl_weight=1e-3, gate="ste")
-    copy_ = copy.deepcopy(head)
     h = torch.randn(R, D)
-    for module in (head, copy_):
+    head(h)  # hooked, and its record of them kept
+    copy_ = copy.deepcopy(head)
+    saved = io.BytesIO()
+    torch.save(head, saved)
+    saved.seek(0)
+    pickled = torch.load(saved, weights_only=False)
+    for module in (head, copy_, pickled):
+        module.zero_grad()
         with pyro.validation_enabled(False):
             pyro.set_rng_seed(1)
             module(h)[0].backward()
-    for (name, a), b in zip(head.named_parameters(), copy_.parameters()):
+    for (name, a), b, c in zip(head.named_parameters(), copy_.parameters(), pickled.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+        torch.testing.assert_close(a.grad, c.grad, msg=name)
     assert head.guide.rate_guide.a_unconstrained.grad.abs().max() > 1e-3  # divided by lambda, not lambda-sized
 
 

@@ -138,8 +138,10 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
         torch.manual_seed(cfg.seed)  # the same draws for every run of the command; the run's own RNG state restored
         for x in loader:
             h = learner.backbone(x.to(device)).float()
+            # deterministic: computed once a batch, then summed with each draw's terms (the mean's arithmetic unchanged)
+            nce_mode = learner.head.mode_nce(h)
             for _ in range(draws if learner.gated else 1):
-                for k, v in learner.head.objective_draw(h).items():
+                for k, v in dict(learner.head.objective_draw(h), nce_mode=nce_mode).items():
                     total[k] += v.item() / (draws if learner.gated else 1)
             batches += 1
     return {f"test_{k}": total[k] / batches for k in terms}

@@ -1,15 +1,30 @@
 """The mean-field ELBO without Pyro's per-step tax: the same program, the same loss and gradients."""
 
+from typing import NamedTuple
+
 import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.inspect import site_is_deterministic
 from pyro.infer.util import is_validation_enabled
+from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 from pyro.util import warn_if_nan
 from torch.distributions import kl_divergence
 
 from bayesncl_pyro.errors import UserError
+
+
+class ELBOTerms(NamedTuple):
+    """One evaluation of the ELBO: ``loss`` (-ELBO, differentiable), ``kl`` (the part of it the latent sites
+    contribute, detached) and the traces it was computed from (with several particles, the last particle's), where
+    whoever monitors training reads what the program computed."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    model_trace: Trace
+    guide_trace: Trace
 
 
 class MeanFieldELBO(TraceMeanField_ELBO):
@@ -19,39 +34,44 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     unused (for R x K gates: two R x K log-probs per step), checks for NaNs, and calls ``.item()``
     twice per call, each a host sync on a GPU. This runs the same guide trace and model replay and
     sums only what the ELBO needs: each observed site's scaled log-density (the InfoNCE factor)
-    minus each latent site's scaled analytic KL. With Pyro validation on (or several particles) the
-    traces come from the parent, which runs its model/guide checks, and are summed the same way.
+    minus each latent site's scaled analytic KL (deterministic sites, which add nothing, are skipped). With Pyro
+    validation on (or several particles) the traces come from the parent, which runs its model/guide checks, and
+    are summed the same way. A subclass that estimates a gradient the traces alone do not give overrides
+    :meth:`particle_terms`.
     """
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
-        return self.loss_and_kl(model, guide, *args, **kwargs)[0]
+        return self.terms(model, guide, *args, **kwargs).loss
 
-    def loss_and_kl(self, model, guide, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(-ELBO, KL): the differentiable loss, and the part of it the latent sites contribute (the sum of their
-        scaled KLs), detached. The KL is summed as the loss is, not recovered from it: a difference of two large
-        float32 numbers would lose it."""
+    def terms(self, model, guide, *args, **kwargs) -> ELBOTerms:
+        """The differentiable loss, its KL part and the traces (:class:`ELBOTerms`). The KL is summed as the loss
+        is, not recovered from it: a difference of two large float32 numbers would lose it."""
         if is_validation_enabled() or self.num_particles != 1:
             traces = list(self._get_traces(model, guide, args, kwargs))
         else:
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
             model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
             traces = [(model_trace, guide_trace)]
-        loss, kl = _particle(*traces[0])
+        loss, kl = self.particle_terms(*traces[0])
         for more in traces[1:]:
-            more_loss, more_kl = _particle(*more)
+            more_loss, more_kl = self.particle_terms(*more)
             loss, kl = loss + more_loss, kl + more_kl
         if len(traces) > 1:
             loss, kl = loss / len(traces), kl / len(traces)
         if is_validation_enabled():
             warn_if_nan(loss, "loss")
-        return loss, kl
+        return ELBOTerms(loss, kl, *traces[-1])
+
+    def particle_terms(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-ELBO, detached KL part) of one pair of traces."""
+        return _particle(model_trace, guide_trace)
 
 
 def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
     """(-ELBO, detached KL part) of one pair of traces."""
     elbo, kl = 0.0, 0.0
     for name, site in model_trace.nodes.items():
-        if site["type"] != "sample" or site_is_subsample(site):
+        if site["type"] != "sample" or site_is_subsample(site) or site_is_deterministic(site):
             continue
         if site["is_observed"]:
             term = site["fn"].log_prob(site["value"])

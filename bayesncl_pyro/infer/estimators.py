@@ -52,10 +52,11 @@ product of Bernoullis and L(g) the batch's summed InfoNCE:
 
 ``docs/RESULTS.md`` measures each against the unbiased gradient (``experiments/gate_gradient_bias.py``).
 
-``leg`` alone needs one more term than its value: its head gradient comes from the likelihood's per-gate
-differences, which only the model's features give. :meth:`GateEstimator.surrogate` is that term (0 in value,
-its gradient the local expectation gradient); the head adds it to the loss (``BayesNCLHead.estimator_term``),
-so any ELBO of ``training_program()`` alone trains leg's gating head on the KL only.
+``leg`` alone needs more than its value: its head gradient comes from the likelihood's per-gate differences,
+which need the downstream cost, so it belongs to inference's other half, the ELBO: each estimator names the ELBO
+it trains with (:meth:`GateEstimator.elbo`), the mean-field ELBO for all but ``leg``, whose
+:class:`LocalExpectationELBO` adds that gradient as a term of value 0. Pyro's own ELBOs on the reparameterised
+program train leg's gating head on the KL only.
 
 Every estimator trains with the KL clamped as the reference clamps it (``kl_clamp``: both rates in
 [c, 1 - c]; 0 gives the exact KL): the site's distribution in the trace becomes :class:`TrainedGates`, q's
@@ -68,6 +69,7 @@ from pyro.infer.reparam.reparam import Reparam
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
+from bayesncl_pyro.infer.elbo import MeanFieldELBO
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
@@ -83,18 +85,27 @@ def gate_class(name: str) -> type["GateEstimator"]:
 
 
 class TrainedGates(dist.Bernoulli):
-    """The gate site as an estimator trains it: q's Bernoulli, pathwise (no score-function term: the gradient, where
-    the value carries one, is the estimator's; leg's comes from its surrogate), with the KL the estimator trains
-    with (:func:`_kl_trained`)."""
+    """The gate site as an estimator trains it: q's Bernoulli (``sample``, ``log_prob``: q's), with the KL the
+    estimator trains with (:func:`_kl_trained`) and ``rsample`` the estimator's training value: a draw from q that
+    carries the estimator's gradient (``relaxed``, ``st-sampled``, ``gs``), a draw with no gradient path (``leg``,
+    whose head gradient its ELBO adds: :class:`LocalExpectationELBO`), or for ``ste`` the mode of q with the
+    identity backward, the reference's surrogate and no draw at all. So the site is pathwise (``has_rsample``): an
+    ELBO takes no score-function term for it, and the gradient through the gates is the estimator's."""
 
     has_rsample = True
 
-    def __init__(self, q: BernoulliGates, kl_probs: torch.Tensor, kl_clamp: float, validate_args=None):
-        self.kl_probs, self.kl_clamp = kl_probs, kl_clamp
+    def __init__(self, q: BernoulliGates, estimator: "GateEstimator", validate_args=None):
+        self.q, self.estimator = q, estimator
+        self.kl_probs, self.kl_clamp = estimator.kl_probs(q), estimator.kl_clamp
         super().__init__(probs=q.probs, validate_args=validate_args)
+
+    def rsample(self, sample_shape=torch.Size()) -> torch.Tensor:
+        q = self.q.expand(self._extended_shape(sample_shape)) if sample_shape else self.q
+        return self.estimator.value(q)
 
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(type(self), _instance)
+        new.q, new.estimator = self.q.expand(batch_shape), self.estimator
         new.kl_probs, new.kl_clamp = self.kl_probs.expand(batch_shape), self.kl_clamp
         return super().expand(batch_shape, _instance=new)
 
@@ -105,8 +116,8 @@ def _kl_trained(q, p):
 
 
 class GateEstimator(Reparam):
-    """One way of differentiating through the gate site: its training value and KL (``apply``), and for ``leg``
-    the extra loss term (``surrogate``).
+    """One way of differentiating through the gate site: its training value and KL (``apply``), and the ELBO it
+    trains with (``elbo``).
 
     Args:
         kl_clamp: the KL's rates are clamped to [kl_clamp, 1 - kl_clamp]; 0.01 as the reference, 0 = exact.
@@ -135,11 +146,10 @@ class GateEstimator(Reparam):
         """The 0/1 gates of the evaluation (the representation F, eval.json's ``gates_open``): q's mode."""
         return q.mode
 
-    def surrogate(self, probs: torch.Tensor, features: torch.Tensor, gates: torch.Tensor, temperature: float):
-        """A loss term of value 0 to add to the batch's summed InfoNCE, or None (only ``leg`` has one). probs: R x K
-        q's inclusion probabilities (with their graph); features: R x K before gating; gates: the R x K draw the
-        model saw."""
-        return None
+    def elbo(self, temperature: float) -> MeanFieldELBO:
+        """The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO,
+        the estimator's gradient carried by the gates' value; ``leg`` adds its head gradient there."""
+        return MeanFieldELBO()
 
     @classmethod
     def kl_label(cls, kl_clamp: float) -> str:
@@ -155,8 +165,8 @@ class GateEstimator(Reparam):
             raise UserError(f"the {self.name} estimator trains a {self.family.__name__} gate site, but site "
                             f"{msg['name']!r} draws from a {type(fn).__name__}; build the guide with "
                             f"family={self.family.__name__}")
-        trained = TrainedGates(fn, self.kl_probs(fn), self.kl_clamp)
-        return {"fn": self._wrap(trained, event_dim), "value": self.value(fn), "is_observed": False}
+        trained = TrainedGates(fn, self)
+        return {"fn": self._wrap(trained, event_dim), "value": trained.rsample(), "is_observed": False}
 
 
 @register("ste")
@@ -203,17 +213,47 @@ class Draw(GateEstimator):
 class LocalExpectation(Draw):
     """Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
     head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
-    draw (:meth:`surrogate`). Unbiased for the training objective's gradient (module docstring)."""
+    draw (its ELBO, :class:`LocalExpectationELBO`). Unbiased for the training objective's gradient (module
+    docstring)."""
 
     unbiased = True
 
-    def surrogate(self, probs, features, gates, temperature):
-        """sum_ik (p_ik - sg(p_ik)) * sg(D_ik), D = ``info_nce_flip_differences(features, gates)``: 0 in value, and
-        its gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
-        summed InfoNCE."""
-        dtype = torch.promote_types(features.dtype, torch.float32)
-        d = info_nce_flip_differences(features.to(dtype), gates, temperature).to(probs.dtype)
-        return ((probs - probs.detach()) * d).sum()
+    def elbo(self, temperature):
+        return LocalExpectationELBO(temperature)
+
+
+class LocalExpectationELBO(MeanFieldELBO):
+    """The mean-field ELBO with ``leg``'s head gradient: the gates' value is a draw with no gradient path, so the
+    traces alone train the gating head on the KL only; this adds, per particle, the InfoNCE factor's local
+    expectation gradient as a term of value 0, scaled as the factor is:
+
+        sum_ik (p_ik - sg(p_ik)) * sg(D_ik),   D = ``info_nce_flip_differences(ungated, g)``,
+
+    whose gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
+    batch's summed InfoNCE (module docstring). It reads from the traces the gate site ``g`` (q's probabilities from
+    the guide's :class:`TrainedGates`, the draw from the model), the model's ``ungated`` features and the scale of
+    its ``nce`` factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which
+    the guide trace's ``g`` site keeps as ``infer["local_expectation_probs"]``: its gradient after backward is
+    InfoNCE's alone (the KL's reaches q through another path)."""
+
+    def __init__(self, temperature: float):
+        super().__init__()
+        self.temperature = temperature
+
+    def particle_terms(self, model_trace, guide_trace):
+        loss, kl = super().particle_terms(model_trace, guide_trace)
+        return loss + local_expectation_term(model_trace, guide_trace, self.temperature), kl
+
+
+def local_expectation_term(model_trace, guide_trace, temperature: float) -> torch.Tensor:
+    """:class:`LocalExpectationELBO`'s term for one pair of traces (value 0, on the loss's scale)."""
+    site = guide_trace.nodes["g"]
+    probs = site["fn"].base_dist.q.probs * 1.0  # a node of its own (LocalExpectationELBO)
+    site["infer"]["local_expectation_probs"] = probs
+    features = model_trace.nodes["ungated"]["value"]
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    d = info_nce_flip_differences(features.to(dtype), model_trace.nodes["g"]["value"], temperature).to(probs.dtype)
+    return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"]
 
 
 @register("gs")

@@ -134,7 +134,8 @@ def _score_loss(head, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is InfoNCE's REINFORCE term and the KL's."""
     trained, head.estimator = head.estimator, Draw(head.estimator.kl_clamp)
     try:
-        loss, _, seen = head.elbo_terms(z, h)
+        loss, _, model_trace, guide_trace = head.elbo_terms(z, h)
     finally:
         head.estimator = trained
-    return loss + seen["nce"].detach().mean() * seen["q"].log_prob(seen["gates"]).sum()
+    q, gates = guide_trace.nodes["g"]["fn"].base_dist.q, model_trace.nodes["g"]["value"]
+    return loss + model_trace.nodes["row_nce"]["value"].mean() * q.log_prob(gates).sum()

@@ -13,13 +13,17 @@ row, ``-ELBO / 2N`` (``models/bayesncl.py``) estimated as the gate estimator est
 ``ste``, the reference's surrogate, InfoNCE at the posterior mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates),
 and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
-The head's arguments are checked in one place, :func:`check_arguments` (``HEAD_ARGUMENTS``): the head calls it,
-and ``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+The head's arguments are named in one place, its signature (a Config's fields of the same names are its arguments:
+``infer.learner.head_arguments``), and checked in one, :func:`check_arguments`: the head calls it, and
+``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
 
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
 on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
 not need.
 """
+
+import functools
+import weakref
 
 import pyro
 import torch
@@ -30,25 +34,25 @@ from bayesncl_pyro import distributed
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
-from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
 from bayesncl_pyro.models.bayesncl import ContrastiveModel
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
 
-# the head's arguments that :func:`check_arguments` checks, with what to pass instead of a value that is not positive
+# the head's arguments that must be positive, with what to pass instead
 _POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature="0.2 (the reference's)",
                  gate_temperature="1.0", logit_bound="5.0",
                  kl_weight="3e-5 (the published lambda); for no gates at all, no prior (NCL)")
-HEAD_ARGUMENTS = (*_POSITIVE, "kl_clamp", "gate", "nonneg", "topk")
 
 
 def check_arguments(flags: bool = False, **args):
-    """The one check of the head's arguments (``HEAD_ARGUMENTS``, named as the Config's fields): the head calls it,
-    and ``train.resolve`` with ``flags=True``, which names them as run_svi.py's flags. A value that would give a
-    wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0; a logit bound of 0: every gate closed)
-    or fail deep inside Pyro is refused in one line that names the argument and the fix."""
+    """The one check of the head's arguments, given by their names in :class:`BayesNCLHead`'s signature (every one
+    of them; those no rule here concerns pass through): the head calls it, and ``train.resolve`` with ``flags=True``,
+    which names them as run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or
+    more: a KL of exactly 0; a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line
+    that names the argument and the fix."""
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
     for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
         if args[arg] not in valid:
@@ -68,7 +72,14 @@ def own_params():
     """An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
     prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
     heads of one process (two runs of compare.py, a user's two models) would share, the second head then
-    training a parameter its optimizer does not hold."""
+    training a parameter its optimizer does not hold.
+
+    Not Pyro's ``module_local_params`` setting, which would do the same for every PyroModule but only when it is on
+    both when the module is built and at each call (a module built without it fails at its call with
+    ``AttributeError: '_Context' object has no attribute 'param_state'``; one built with it and called without it
+    writes its parameters to the global store): set for the process, it would break the user's PyroModules built
+    before the head and take them out of the global store their own code reads; set around the head's calls, it
+    is this scope again."""
     return pyro.get_param_store().scope()
 
 
@@ -110,10 +121,8 @@ class BayesNCLHead(nn.Module):
                  gate_temperature: float = 1.0, head_depth: int = 2,
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
                  gather_distributed: bool = False, gate_density: float | None = None):
+        check_arguments(**locals())  # every argument, by its name in this signature
         super().__init__()
-        check_arguments(proj_dim=proj_dim, proj_hidden=proj_hidden, head_depth=head_depth, temperature=temperature,
-                        gate_temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
-                        kl_clamp=kl_clamp, gate=gate, nonneg=nonneg, topk=topk)
         if not num_train >= 2:
             raise UserError(f"num_train must be the number of images in the training set (at least 2), got {num_train}")
         if prior_args and not isinstance(prior, str):
@@ -137,9 +146,7 @@ class BayesNCLHead(nn.Module):
             temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
             rate_guide=checked_guide(prior),
         ) if prior is not None else None
-        if gather_distributed:
-            self.model.gather = distributed.gather_rows
-        self.elbo = MeanFieldELBO()
+        self.gather_distributed = gather_distributed
         self.density = None
         if gate_density is not None:
             if prior is None:
@@ -147,6 +154,7 @@ class BayesNCLHead(nn.Module):
                                 "no gates: drop gate_density or give a prior")
             check_gate_density(gate_density, "bayesncl", prior.prior_prob)
             self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
+        self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook)
         self._unweight_prior_gradients()
 
     @property
@@ -179,17 +187,27 @@ class BayesNCLHead(nn.Module):
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
         with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss in full precision
-            loss, kl, seen = self.elbo_terms(z.to(dtype), h.to(dtype))
-            nce, u = seen["nce"].detach().mean(), seen["features"]
-            stats = dict(nce=nce, kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(), features=u)
+            gather = distributed.gather_rows if self.gather_distributed else None
+            loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
+            nodes = model_trace.nodes
+            u = nodes["features"]["value"]
+            stats = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(),
+                         features=u)
             if self.gated:
-                q = seen["q"]
+                site = guide_trace.nodes["g"]
+                trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
+                q = trained.q
                 probs = q.probs.detach()
                 per_dim = probs.mean(0)
                 gates_open = self.estimator.mask(q).float().mean()
+                # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
+                gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
+                if gates.requires_grad:
+                    gates.retain_grad()  # read by pulls() after backward
                 stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             kl_probs=self.estimator.kl_probs(q).detach(), gates=seen.get("pulled", seen["gates"]),
-                             prior_rate=seen["rate"], gates_open=gates_open, kl_weight=self.model.kl_weight)
+                             kl_probs=trained.kl_probs.detach(), gates=gates,
+                             prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
+                             gates_open=gates_open, kl_weight=self.model.kl_weight)
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
                     self.density.update(gates_open)
                     stats["density_target"] = self.density.target.clone()
@@ -200,79 +218,59 @@ class BayesNCLHead(nn.Module):
         """What the loss computes, in words: the gate estimator's objective, or for NCL and CL the InfoNCE alone."""
         return self.estimator.objective if self.gated else "InfoNCE per row (no latent variables: -ELBO = InfoNCE)"
 
-    def program(self):
-        """The head's Pyro program for one batch, as written: ``(model, guide, seen)``, the model and guide as Pyro
-        callables of (z, h) (projector outputs and backbone features) and the dict they fill with what they saw
-        (the model's ``nce``, ``features``, ``ungated``, ``gates``, ``rate``; the guide's q(g | x) as ``q``). Its
-        gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws from q, and Pyro's
-        ELBOs take the score function through it. Run them inside :func:`own_params`, as :meth:`elbo_terms` does."""
-        seen = {}
+    def program(self, gather=None):
+        """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
+        outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
+        against every rank's. Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws
+        from q, and Pyro's ELBOs take the score function through it. The model records what it computed as
+        deterministic sites (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside
+        :func:`own_params`, as :meth:`elbo_terms` does."""
+        model = self.model if gather is None else functools.partial(self.model, gather=gather)
+        return model, self.guide if self.gated else _no_guide
 
-        def model(z, h):
-            seen.update(self.model(z, h))
-
-        def guide(z, h):
-            seen["q"] = self.guide(z, h)
-
-        return model, guide if self.gated else _no_guide, seen
-
-    def training_program(self, estimator=None):
+    def training_program(self, estimator=None, gather=None):
         """:meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
-        (``poutine.reparam``): what training differentiates. For ``leg`` the ELBO of this program lacks the head's
-        gradient, which :meth:`estimator_term` adds (``GateEstimator.surrogate``)."""
-        model, guide, seen = self.program()
+        (``poutine.reparam``): what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``:
+        ``leg``'s adds its head gradient, which this program's traces alone lack)."""
+        model, guide = self.program(gather)
         if self.gated:
             guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
-        return model, guide, seen
+        return model, guide
 
-    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training (and in the diagnostics that swap the gate
-        estimator): the loss (:meth:`forward`), its KL term per row (detached) and what the program saw
-        (:meth:`program`), for projector outputs z and backbone features h. It runs inside :func:`own_params`, so
+        estimator), for projector outputs z and backbone features h: the loss (:meth:`forward`), its KL term per row
+        (detached) and the traces, where what the program computed is read. It runs inside :func:`own_params`, so
         no parameter reaches Pyro's global param store."""
         self._unweight_prior_gradients()
         self._sync_kl_weight()
-        model, guide, seen = self.training_program()
+        model, guide = self.training_program(gather=gather)
+        elbo = self.estimator.elbo(self.model.temperature) if self.gated else MeanFieldELBO()
         with own_params():
-            loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
-        return (loss + self.estimator_term(seen, z.shape[0])) / self.num_rows, \
-            kl / (self.num_rows * self.model.kl_weight), seen
-
-    def estimator_term(self, seen: dict, rows: int) -> torch.Tensor | float:
-        """What the gate estimator adds to the ELBO of :meth:`training_program` (``seen``: what that program saw,
-        on a batch of ``rows`` rows), on the ELBO's scale: leg's surrogate (``GateEstimator.surrogate``), scaled up
-        to the data set as the InfoNCE factor is; 0 for every other estimator and without gates."""
-        if not self.gated:
-            return 0.0
-        pulled = seen["q"].probs * 1.0  # a node of its own: the log's gate pull reads InfoNCE's gradient alone
-        extra = self.estimator.surrogate(pulled, seen["ungated"], seen["gates"], self.model.temperature)
-        if extra is None:
-            return 0.0
-        if pulled.requires_grad:
-            pulled.retain_grad()
-            seen["pulled"] = pulled
-        return extra * (self.num_rows / rows)
+            loss, kl, model_trace, guide_trace = elbo.terms(model, guide, z, h)
+        return ELBOTerms(loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), model_trace, guide_trace)
 
     @torch.no_grad()
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
         """The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
         g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
         ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
-        row) and ``kl``, its KL term per row; ``nce_mode``, the InfoNCE of the evaluation's representation
-        (:meth:`representation`: for gates, at the evaluation mask). For NCL and CL, -ELBO = InfoNCE. The rows are
-        contrasted with each other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
+        row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
+        other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
         self._sync_kl_weight()
-        model, guide, seen = self.training_program(Draw(kl_clamp=0.0))
-        gather, self.model.gather = self.model.gather, None
-        try:
-            with own_params():
-                loss, kl = self.elbo.loss_and_kl(model, guide, z, h)
-        finally:
-            self.model.gather = gather
+        model, guide = self.training_program(Draw(kl_clamp=0.0))
+        with own_params():
+            loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
-        nce_mode = info_nce_rows(self.representation(h), self.model.temperature).mean()
-        return dict(neg_elbo=loss / self.num_rows, nce=seen["nce"].mean(), kl=kl, nce_mode=nce_mode)
+        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl)
+
+    @torch.no_grad()
+    def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
+        """The InfoNCE of the evaluation's representation (:meth:`representation`: for gates, at the evaluation
+        mask) of backbone features h, mean per row: deterministic, so once per batch beside the draws of
+        :meth:`objective_draw`."""
+        return info_nce_rows(self.representation(h), self.model.temperature).mean()
 
     def _sync_kl_weight(self):
         """With a density target, lambda is the multiplier's current value (``density.py``): set where the model and
@@ -288,10 +286,11 @@ class BayesNCLHead(nn.Module):
         if rows % 2:
             raise UserError(f"got {rows} rows, an odd number: the head takes the rows of both views of B images, "
                             "[view 1 of the B images; view 2 of the same B] (torch.cat([view1, view2]))")
-        if rows < 4 and not (self.model.gather is not None and distributed.world_size() > 1):  # negatives from others
+        gathered = self.gather_distributed and distributed.world_size() > 1  # negatives from the other ranks
+        if rows < 4 and not gathered:
             raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
                             "negative; pass a batch of at least 2 images (4 rows)")
-        if isinstance(self.estimator, LocalExpectation) and self.model.gather is not None and distributed.world_size() > 1:
+        if isinstance(self.estimator, LocalExpectation) and gathered:
             raise UserError("--gate leg trains on one process only: its per-gate differences would need every rank's "
                             "rows and log-partitions, which are not gathered; run leg without torchrun, or train "
                             "with --gate st-sampled under DDP")
@@ -372,19 +371,35 @@ class BayesNCLHead(nn.Module):
         return grad / self.model.kl_weight
 
     def _unweight_prior_gradients(self):
-        """Hook :meth:`_unweight` onto every prior parameter that lacks it. Called at construction and at every step: a
-        tensor hook does not travel with a deep copy, a pickle, or a module conversion that replaces the
-        parameter. A prior hooked by another head is refused: its gradients would be divided twice."""
+        """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at
+        construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
+        conversion that replaces the parameter, and neither does the record of the handles (:meth:`__getstate__`),
+        so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
+        gradients would be divided twice."""
+        hooked = {}
         for p in self.prior_parameters():
             if not p.requires_grad:
                 continue
-            owners = [hook.__self__ for hook in (p._backward_hooks or {}).values()
-                      if getattr(hook, "__func__", None) is BayesNCLHead._unweight]
-            if any(owner is not self for owner in owners):
-                raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
-                                "lambda there); build a new prior for this head")
-            if not owners:
-                p.register_hook(self._unweight)
+            old = self._unweighted.get(id(p))  # (parameter, handle): the parameter held, so its id stays its own
+            if old is None or old[0] is not p:
+                if any(head._hooks(p) for head in _HEADS):
+                    raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
+                                    "lambda there); build a new prior for this head")
+                old = (p, p.register_hook(self._unweight))
+                _HEADS.add(self)
+            hooked[id(p)] = old
+        self._unweighted = hooked
+
+    def _hooks(self, p: nn.Parameter) -> bool:
+        """Whether this head divides p's gradient."""
+        return self._unweighted.get(id(p), (None,))[0] is p
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_unweighted": {}}
+
+
+# the heads that hook prior parameters, for the refusal of a prior that another head's hook divides already
+_HEADS: "weakref.WeakSet[BayesNCLHead]" = weakref.WeakSet()
 
 
 def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,

@@ -18,7 +18,8 @@ def resolve(cfg: Config) -> Config:
     from bayesncl_pyro.infer.density import check_gate_density
     from bayesncl_pyro.device import check_device
     from bayesncl_pyro.nn.encoders import backbone_builder
-    from bayesncl_pyro.infer.head import HEAD_ARGUMENTS, check_arguments  # late, as the priors: they import pyro
+    from bayesncl_pyro.infer.head import check_arguments  # late, as the priors: they import pyro
+    from bayesncl_pyro.infer.learner import head_arguments
     from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
     from bayesncl_pyro.evaluate.probe import REFERENCE_PROBES
 
@@ -29,7 +30,7 @@ def resolve(cfg: Config) -> Config:
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     _choice("method", cfg.method, METHODS)
-    check_arguments(flags=True, **{name: getattr(cfg, name) for name in HEAD_ARGUMENTS})
+    check_arguments(flags=True, **head_arguments(cfg))
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
     backbone_builder(cfg.encoder)  # imports what it names: a missing module fails here, before any training
     check_device(cfg.device)
