@@ -1,3 +1,4 @@
-"""What a trained run says: metrics, probes, the test split's features, diagnostics, report, ArviZ, load_run.
+"""What a trained run says: metrics, probes, the test split's features, diagnostics, report, ArviZ, load_run, and
+several runs compared.
 
-Modules: arviz_export, diagnostics, dimensions, heldout, matched, metrics, probe, report, run."""
+Modules: arviz_export, comparison, diagnostics, dimensions, heldout, matched, metrics, probe, report, run."""
