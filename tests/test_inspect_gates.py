@@ -13,6 +13,7 @@ from PIL import Image
 
 from bayesncl_pyro.cli import inspect_gates
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate.diagnostics import conflict_lines
 from bayesncl_pyro.infer.estimators import gate_class
 
 
@@ -95,5 +96,5 @@ def test_the_summarys_mostly_gated_counts_come_from_one_split():
     table = dict(cancellation=np.full(k, 0.5), oscillation=np.ones(k), sign_flips=np.zeros(k),
                  freq=np.linspace(0.1, 0.9, k), incl=np.full(k, 0.9))  # every dim open on the training batches
     probs = torch.tensor([[0.2, 0.3, 0.4, 0.6, 0.7, 0.8]]).repeat(10, 1)  # 3 of 6 gated on the test split
-    lines = inspect_gates.conflict_lines("bayesncl", table, dm.mostly_gated(probs).numpy())
+    lines = conflict_lines("bayesncl", table, dm.mostly_gated(probs).numpy())
     assert "  mostly gated on the test split: 3 dims" in [line.split(",")[0] for line in lines]

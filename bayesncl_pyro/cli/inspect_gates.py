@@ -32,7 +32,7 @@ from bayesncl_pyro.cli import one_line_errors  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
-from bayesncl_pyro.evaluate.diagnostics import conflict_scores, read_conflict  # noqa: E402
+from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.infer.learner import load_learner  # noqa: E402
 from bayesncl_pyro.plugins import add_reader_flags  # noqa: E402
@@ -195,19 +195,6 @@ def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
         f"{k} ({share[k]:.0%} '{classes[dominant[k]]}', {int(active[k])} on)" for k in dims)
 
 
-def conflict_table(run_dir: Path) -> dict | None:
-    """Per-dimension conflict scores of a run with its mean activation frequency and, for BayesNCL,
-    mean inclusion over the logged steps; None if the run logged no conflict records."""
-    recs = read_conflict(run_dir)
-    if recs is None or len(recs["step"]) < 2:
-        return None
-    out = conflict_scores(recs["pos"], recs["neg"])
-    out["freq"] = recs["freq"].mean(0)
-    if "incl" in recs:
-        out["incl"] = recs["incl"].mean(0)
-    return out
-
-
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     panels = [("cancellation", "pull of positives vs push of negatives", "cancellation (1 = they cancel)",
@@ -237,31 +224,6 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def _median(x, mask=None) -> float:
-    x = x if mask is None else x[mask]
-    x = x[np.isfinite(x)]
-    return float(np.median(x)) if len(x) else float("nan")
-
-
-def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> list[str]:
-    """The summary's lines on a conflict table; ``gated_off``: K bool, the dimensions mostly gated on the test split
-    (``dimensions.mostly_gated``, as the gate line of the summary counts them)."""
-    freq = t["freq"]
-    lines = [f"conflict ({name}), medians over dimensions: cancellation {_median(t['cancellation']):.3f}, "
-             f"oscillation {_median(t['oscillation']):.3g}, sign flips {_median(t['sign_flips']):.2f}"]
-    ok = np.isfinite(t["cancellation"]) & np.isfinite(freq)
-    if ok.sum() > 2:
-        rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
-        rho = np.corrcoef(rank(freq[ok]), rank(t["cancellation"][ok]))[0, 1]
-        lines.append(f"  Spearman(activation frequency, cancellation) = {rho:.2f}")
-    if gated_off is not None:
-        for label, mask in (("mostly open on the test split", ~gated_off), ("mostly gated on the test split",
-                                                                            gated_off)):
-            lines.append(f"  {label}: {int(mask.sum())} dims, cancellation {_median(t['cancellation'], mask):.3f}, "
-                         f"oscillation {_median(t['oscillation'], mask):.3g}, activation {_median(freq, mask):.3f}")
-    return lines
 
 
 def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool = False, **load) -> list[str]:
