@@ -62,9 +62,10 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
+    saved = out / CONFIG
     theirs = [p.name for p in sorted(out.iterdir())
               if p.name != LOCK and not p.name.startswith(PREVIOUS) and not _temporary(p.name)]
-    if theirs and not _holds_a_run(out / CONFIG):  # checked before the lock file is made: a user's folder stays as it is
+    if theirs and not _holds_a_run(saved):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
                         "(--overwrite moves only an earlier run's files aside)")

@@ -2,7 +2,6 @@
 images and labels each row by its images, elbo.png's titles fit and name no gates for NCL, kl_per_dim.png stays
 readable at K = 256, and the summary's "mostly gated" counts come from one split."""
 
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +14,6 @@ from bayesncl_pyro.cli import inspect_gates
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.diagnostics import conflict_lines
 from bayesncl_pyro.infer.estimators import gate_class
-
 
 
 @pytest.fixture

@@ -125,7 +125,8 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     (lambda too where there are ``several_lambdas``)."""
     runs = topk_at_rate(runs)
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
-    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | ({"kl_weight"} if several_lambdas else set())
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+        {"kl_weight"} if several_lambdas else set())
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes,
                 settings={k: v for k, v in settings.identity().items() if k not in per_run},
