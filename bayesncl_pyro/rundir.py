@@ -74,13 +74,8 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
     _remove_temporaries(out)
     if overwrite:
         move_aside(out)
-    elif saved.exists():
-        try:
-            old = Config.from_dict(json.loads(saved.read_text()))
-        except (ValueError, TypeError):
-            raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
-                            "folder's files aside and start afresh, or pass another --out") from None
-        what = old.differences(cfg)
+    else:
+        what = differences(out, cfg)
         if what and not (out / CHECKPOINT).exists():
             print(f"note: {out} holds a run with a different configuration ({what}) that wrote no checkpoint",
                   file=sys.stderr)
@@ -90,6 +85,20 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
                             "rerun with the same flags to resume it, pass --overwrite to move it aside "
                             "and start afresh, or pass another --out")
     return held
+
+
+def differences(folder: Path, cfg: Config) -> str | None:
+    """How the run whose configuration ``folder`` holds differs from ``cfg`` (``Config.differences``: "" for this very
+    run), None if it holds none; one that cannot be read is a UserError, never taken for another run."""
+    saved = folder / CONFIG
+    if not saved.exists():
+        return None
+    try:
+        old = Config.from_dict(json.loads(saved.read_text()))
+    except (ValueError, TypeError):
+        raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
+                        "folder's files aside and start afresh, or pass another --out") from None
+    return old.differences(cfg)
 
 
 def _check_place(out: Path, data_dir: str | None):

@@ -5,7 +5,7 @@ neither is installed) on the CPU; their ratios, taken within each interleaved re
     python experiments/bench_decode.py                      # CPU, photo-like JPEGs of about 450 x 340
     python experiments/bench_decode.py --device cuda --size 32
 
-The JPEGs are generated like gpu_check.sh's (a smooth random image with noise, quality 90, 4:2:0 chroma).
+The JPEGs are gpu_check.sh's (``data/photos.py``: a smooth random image with noise, quality 90, 4:2:0 chroma).
 """
 
 import argparse
@@ -14,23 +14,18 @@ import statistics
 import time
 import warnings
 
-import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.decode import JPEG_DECODERS
+from bayesncl_pyro.data.photos import photo
 from bayesncl_pyro.device import pick_device
 
 
 def jpeg(i: int, large: bool) -> bytes:
-    rng = np.random.default_rng(i)
-    size = (int(rng.integers(400, 501)), int(rng.integers(300, 376))) if large else (32, 32)
-    low = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
-    img = np.asarray(Image.fromarray(low).resize(size, Image.BICUBIC), dtype=np.float32)
     buffer = io.BytesIO()
-    Image.fromarray(np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)).save(buffer, "JPEG",
-                                                                                                   quality=90)
+    photo(i, None if large else (32, 32)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
 
 

@@ -156,43 +156,24 @@ limited $T1 "$PY" experiments/bench_step.py --device $DEV --dataset in100 "${BIG
 
 section "2. generated JPEG folders; the decoder race; GPU vs CPU decoding"
 limited $T2 "$PY" - "$WORK" "$N224" "$N32" "$DEV" "$DECODES" "$CHURN" <<'EOF' || status=1
-import multiprocessing
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
+
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, jpeg_decoders
+from bayesncl_pyro.data.photos import write_photo_folder
+from bayesncl_pyro.device import pick_device
 
 out, n224, n32, device = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 repeats, churn_size = int(sys.argv[5]), int(sys.argv[6])
 
-
-def write(job):
-    """A smooth random photo with noise (the size of an ImageNet file when large), q90, 4:2:0 chroma."""
-    root, i, large = job
-    rng = np.random.default_rng(i)
-    split = "test" if (i // 10) % 50 == 0 else "train"  # every class in both splits, 2 % held out
-    size = (int(rng.integers(400, 501)), int(rng.integers(300, 376))) if large else (32, 32)
-    low = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
-    img = np.asarray(Image.fromarray(low).resize(size, Image.BICUBIC), dtype=np.float32)
-    img = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
-    path = root / split / f"c{i % 10}" / f"{i}.jpg"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(img).save(path, quality=90)
-
-
-for name, n, large in (("jpeg224", n224, True), ("jpeg32", n32, False)):
+for name, n, size in (("jpeg224", n224, None), ("jpeg32", n32, (32, 32))):
     root = out / name
     if not (root / "test").exists():
-        with ProcessPoolExecutor(mp_context=multiprocessing.get_context("fork")) as pool:
-            list(pool.map(write, [(root, i, large) for i in range(n)], chunksize=100))
-    print(f"{root}: {sum(1 for _ in root.rglob('*.jpg'))} JPEGs, {'400-500 x 300-375' if large else '32x32'} px")
-
-from bayesncl_pyro.data import load_dataset  # noqa: E402
-from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, jpeg_decoders  # noqa: E402
-from bayesncl_pyro.train.trainer import pick_device  # noqa: E402
+        write_photo_folder(root, n, size)
+    print(f"{root}: {sum(1 for _ in root.rglob('*.jpg'))} JPEGs, {'32x32' if size else '400-500 x 300-375'} px")
 
 device = pick_device(device)
 cuda = device.type == "cuda"

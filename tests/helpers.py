@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.photos import photo
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
@@ -57,12 +57,9 @@ def make_tree(root: Path, splits: dict[str, list[str]], ext: str = ".png") -> Pa
 
 
 def write_photo(path, size=(50, 40), seed=0, mode="RGB", fmt=None):
-    """A smooth random image with noise (like a photo, unlike write_image's flat colour), ``size`` = (w, h)."""
-    rng = np.random.default_rng(seed)
-    low = Image.fromarray(rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
-    pixels = np.clip(np.asarray(low, dtype=np.float32) + rng.normal(0, 12, (size[1], size[0], 3)), 0, 255)
+    """``data.photos.photo`` (like a photo, unlike write_image's flat colour), ``size`` = (w, h), in ``mode``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels.astype(np.uint8)).convert(mode).save(path, format=fmt, quality=90)
+    photo(seed, size).convert(mode).save(path, format=fmt, quality=90)
     return path
 
 

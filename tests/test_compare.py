@@ -11,6 +11,8 @@ from PIL import Image
 
 from bayesncl_pyro.cli import compare
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate import comparison
+from bayesncl_pyro.train import budget
 
 # the paper's command (compare.py's docstring), made small enough for a CPU: the encoder and sizes
 PAPER_COMMAND = ["--dataset", "cifar100", "--recipe", "reference", "--methods", "ncl,bayesncl-ste"]
@@ -34,28 +36,28 @@ def cifar100_tree(tmp_path_factory) -> Path:
 
 def test_budget_epochs_fit_the_time_left_and_stop_at_the_cap():
     # 90 % of 100 s, less 10 s of building and evaluation, at 8 s an epoch: 10 epochs
-    assert compare.budget_epochs(100, 10, 8, 200, 2) == 10
-    assert compare.budget_epochs(10_000, 10, 8, 200, 2) == 200
+    assert budget.budget_epochs(100, 10, 8, 200, 2) == 10
+    assert budget.budget_epochs(10_000, 10, 8, 200, 2) == 200
     with pytest.raises(UserError, match="--budget-minutes 0.5 is too short.*--train-subset"):
-        compare.budget_epochs(30, 25, 8, 200, 0.5)
+        budget.budget_epochs(30, 25, 8, 200, 0.5)
 
 
 def test_paper_table_puts_the_papers_numbers_beside_ours_each_column_naming_its_protocol():
     summary = {"ncl": {"semantic_consistency": [0.12, 0.0], "linear_probe_top1": [0.5, 0.0]},
                "bayesncl-relaxed": {"semantic_consistency": [0.2, 0.0]}}
-    lines = compare.paper_table("cifar100", summary, "reference").splitlines()
+    lines = comparison.paper_table("cifar100", summary, "reference").splitlines()
     assert lines[0] == ("| Method | Cons. (ours, reference) | Cons. (paper, reference) | LP@1 (ours, reference) "
                         "| LP@1 (paper, reference) |")
     assert lines[2] == "| ncl | 12.00 | 9.91 | 50.00 | 60.67 |"
     assert lines[3] == "| bayesncl-relaxed | 20.00 |  |  |  |"  # no published numbers for this gate
-    assert "| LP@1 (ours, fast) | LP@1 (paper, reference) |" in compare.paper_table("cifar100", summary, "fast")
-    assert "H_s (paper, reference)" in compare.paper_table("in100", summary, "reference")
-    assert compare.paper_table("digits", summary, "fast") == ""
+    assert "| LP@1 (ours, fast) | LP@1 (paper, reference) |" in comparison.paper_table("cifar100", summary, "fast")
+    assert "H_s (paper, reference)" in comparison.paper_table("in100", summary, "reference")
+    assert comparison.paper_table("digits", summary, "fast") == ""
     # the paper's GS row trained the reference's loss: gs-reference-kl here, not gs
     gs = {m: {"semantic_consistency": [0.2, 0.0]} for m in ("bayesncl-gs", "bayesncl-gs-reference-kl")}
-    assert compare.paper_table("cifar100", gs, "reference").splitlines()[2:] == [
+    assert comparison.paper_table("cifar100", gs, "reference").splitlines()[2:] == [
         "| bayesncl-gs | 20.00 |  |  |  |", "| bayesncl-gs-reference-kl | 20.00 | 20.75 |  |  |"]
-    assert set(compare.PAPER) == {"cifar10", "cifar100", "in100"}
+    assert set(comparison.PAPER) == {"cifar10", "cifar100", "in100"}
 
 
 @pytest.mark.parametrize("recipe, protocol", [("reference", "reference"), ("cpu", "fast")])
@@ -71,7 +73,7 @@ def test_the_recipe_chooses_the_evaluation_protocol(recipe, protocol):
 
 
 def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(compare, "TIMING_STEPS", compare.TIMING_SKIP + 3)  # three timed steps: seconds, not a minute
+    monkeypatch.setattr(budget, "TIMING_STEPS", budget.TIMING_SKIP + 3)  # three timed steps: seconds, not a minute
     out = tmp_path / "cmp"
     args = [*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "5", "--epochs", "2",
             "--out", str(out)]
@@ -105,7 +107,7 @@ def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_t
 
 
 def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(compare, "TIMING_STEPS", compare.TIMING_SKIP + 1)
+    monkeypatch.setattr(budget, "TIMING_STEPS", budget.TIMING_SKIP + 1)
     assert compare.main([*PAPER_COMMAND, "--data-dir", str(cifar100_tree), *SMALL, "--budget-minutes", "0.01",
                          "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err

@@ -9,6 +9,7 @@ import torch
 
 from bayesncl_pyro import load_run
 from bayesncl_pyro.cli import export, run_svi
+from bayesncl_pyro.evaluate.weights import export_weights
 from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN
 
@@ -19,7 +20,7 @@ def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features
     trainer = Trainer(cfg, progress=False)  # a checkpoint is what export reads: no evaluation
     trainer.train(2)
     trainer.save()
-    lines = export.export(run_dir, tmp_path / "weights" / "backbone.pt")
+    lines = export_weights(run_dir, tmp_path / "weights" / "backbone.pt")
     code = "\n".join(line.removeprefix("    ") for line in lines[lines.index("load them with:") + 1:])
     assert "torchvision.models.get_model('resnet18')" in code and "backbone.fc = torch.nn.Identity()" in code
     # in a fresh interpreter: nothing of the run's is in memory

@@ -2,7 +2,6 @@
 images and labels each row by its images, elbo.png's titles fit and name no gates for NCL, kl_per_dim.png stays
 readable at K = 256, and the summary's "mostly gated" counts come from one split."""
 
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -11,14 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro.cli import inspect_gates
-from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import dimensions as dm, figures
+from bayesncl_pyro.evaluate.diagnostics import conflict_lines
 from bayesncl_pyro.infer.estimators import gate_class
 
 
-
 @pytest.fixture
-def figures(monkeypatch):
+def drawn(monkeypatch):
     """The figures the plot functions draw, drawn and kept open (instead of saved)."""
     kept = []
 
@@ -29,7 +27,7 @@ def figures(monkeypatch):
         kept.append(fig)
         return path
 
-    monkeypatch.setattr(inspect_gates, "_save", keep)
+    monkeypatch.setattr(figures, "_save", keep)
     yield kept
     matplotlib.pyplot.close("all")
 
@@ -42,7 +40,7 @@ def _features(columns: list[tuple[list[int], list[float]]], n: int) -> torch.Ten
     return f
 
 
-def test_top_images_ranks_only_dims_with_enough_support_and_labels_rows_by_their_images(figures):
+def test_top_images_ranks_only_dims_with_enough_support_and_labels_rows_by_their_images(drawn):
     n, labels = 400, torch.arange(400) % 4  # 4 classes of 100: a dimension needs 25 active images
     lucky = ([0, 4, 8, 12, 16, 20], [1.0] * 6)  # 6 images, all class 0: consistent by chance
     # 40 images: 24 of class 1 at low values, and its 10 strongest all of class 2
@@ -53,8 +51,8 @@ def test_top_images_ranks_only_dims_with_enough_support_and_labels_rows_by_their
     assert dm.min_support(n, 4) == 25
     assert dm.consistent_dims(f, labels, 4, 8) == [1]  # the 6-image dimension is not ranked at all
     dataset = [(torch.zeros(3, 4, 4, dtype=torch.uint8), int(y)) for y in labels]
-    inspect_gates.plot_top_images(f, labels, dataset, ["a", "b", "c", "d"], Path("unused.png"), per_dim=10)
-    label = figures[0].axes[0].get_ylabel()
+    figures.plot_top_images(f, labels, dataset, ["a", "b", "c", "d"], Path("unused.png"), per_dim=10)
+    label = drawn[0].axes[0].get_ylabel()
     assert label.startswith("dim 1: 10 of 10 'c'")  # what the row shows
     assert "of its 40 active" in label and "60% 'b'" in label  # and, said as such, its consistency
 
@@ -68,14 +66,14 @@ def _inside_and_apart(fig) -> None:
         assert a.x1 <= b.x0, "two titles overlap"
 
 
-def test_elbo_titles_fit_and_name_no_gates_for_ncl(figures):
+def test_elbo_titles_fit_and_name_no_gates_for_ncl(drawn):
     log = [dict(step=s, loss=5.0 - s / 100, nce=5.0 - s / 100, kl=13.0) for s in range(1, 30)]
-    inspect_gates.plot_elbo(log, gate_class("ste"), 3e-5, Path("unused.png"))
-    inspect_gates.plot_elbo(log, None, 3e-5, Path("unused.png"))
-    gated, ncl = figures
+    figures.plot_elbo(log, gate_class("ste"), 3e-5, Path("unused.png"))
+    figures.plot_elbo(log, None, 3e-5, Path("unused.png"))
+    gated, ncl = drawn
     assert len(gated.axes) == 3 and len(ncl.axes) == 1
     assert "surrogate" in gated.axes[0].get_title() and "not -ELBO" in gated.axes[0].get_title()  # what ste trained
-    for fig in figures:
+    for fig in drawn:
         _inside_and_apart(fig)
     title = ncl.axes[0].get_title()
     assert "InfoNCE" in title and not any(w in title.lower() for w in ("lambda", "kl", "gate", "elbo"))
@@ -83,7 +81,7 @@ def test_elbo_titles_fit_and_name_no_gates_for_ncl(figures):
 
 def test_kl_per_dim_stays_readable_at_k_256(tmp_path):
     kl = np.random.default_rng(0).gamma(2.0, 0.05, size=256)
-    path = inspect_gates.plot_kl_per_dim(kl, dm.kl_label(0.01), tmp_path / "kl.png")
+    path = figures.plot_kl_per_dim(kl, dm.kl_label(0.01), tmp_path / "kl.png")
     width, height = Image.open(path).size
     assert width <= 1000 and height <= 500  # was 3379 x 374 px
 
@@ -95,5 +93,5 @@ def test_the_summarys_mostly_gated_counts_come_from_one_split():
     table = dict(cancellation=np.full(k, 0.5), oscillation=np.ones(k), sign_flips=np.zeros(k),
                  freq=np.linspace(0.1, 0.9, k), incl=np.full(k, 0.9))  # every dim open on the training batches
     probs = torch.tensor([[0.2, 0.3, 0.4, 0.6, 0.7, 0.8]]).repeat(10, 1)  # 3 of 6 gated on the test split
-    lines = inspect_gates.conflict_lines("bayesncl", table, dm.mostly_gated(probs).numpy())
+    lines = conflict_lines("bayesncl", table, dm.mostly_gated(probs).numpy())
     assert "  mostly gated on the test split: 3 dims" in [line.split(",")[0] for line in lines]

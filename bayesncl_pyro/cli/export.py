@@ -16,44 +16,8 @@ from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import one_line_errors
-from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import head_arguments, load_learner
-from bayesncl_pyro.nn.encoders import torchvision_code
+from bayesncl_pyro.evaluate.weights import export_weights
 from bayesncl_pyro.plugins import add_reader_flags
-
-
-def export(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: bool = False) -> list[str]:
-    """Write the backbone's and the head's state_dicts; return what was written and the lines that load them."""
-    head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
-    folder = rundir.run_folder(run_dir)
-    for path in (out, head_out):
-        if path.resolve().parent == folder.resolve() and path.name in (rundir.CHECKPOINT, rundir.CONFIG, rundir.EVAL):
-            raise UserError(f"{path} is the run's own {path.name}; pass another --out")
-    if out.resolve() == head_out.resolve():
-        raise UserError(f"--out and --head-out are both {out}; give them two names")
-    learner, cfg = load_learner(run_dir, trust_code=trust_code)
-    for path in (out, head_out):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
-    rundir.atomic_save(backbone, out)
-    rundir.atomic_save(head, head_out)
-    channels, size = learner.in_channels, cfg.image_size
-    feature_dim = learner.head.projector[0].in_features
-    build = torchvision_code(cfg.encoder, channels, size) or [
-        "from bayesncl_pyro.nn.encoders import build_backbone",
-        f"backbone, _ = build_backbone({cfg.encoder!r}, {channels}, {size})"]
-    arguments = "".join(f", {k}={v!r}" for k, v in head_arguments(cfg).items())
-    return [f"wrote {out}: the {cfg.encoder} backbone's state_dict ({len(backbone)} tensors; {channels} x {size} x "
-            f"{size} images -> {feature_dim} features)",
-            f"wrote {head_out}: the {cfg.method} head's state_dict (BayesNCLHead: projector"
-            + (", gating head, prior)" if learner.gated else ")"),
-            "load them with:",
-            "    import torch, torchvision" if build[0].startswith("backbone = torchvision") else "    import torch",
-            *("    " + line for line in build),
-            f"    backbone.load_state_dict(torch.load({str(out)!r}))",
-            "    from bayesncl_pyro import BayesNCLHead",
-            f"    head = BayesNCLHead({feature_dim}, num_train={learner.head.num_rows // 2}{arguments})",
-            f"    head.load_state_dict(torch.load({str(head_out)!r}))"]
 
 
 @one_line_errors
@@ -65,7 +29,7 @@ def main(argv=None) -> int:
     add_reader_flags(p, data_dir=False)
     args = p.parse_args(argv)
     out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
-    print("\n".join(export(args.run_dir, out, args.head_out, args.trust_run)))
+    print("\n".join(export_weights(args.run_dir, out, args.head_out, args.trust_run)))
     return 0
 
 

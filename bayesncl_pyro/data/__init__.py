@@ -4,6 +4,7 @@ One job a file, imported in this order (no file imports one below it):
 
 - ``images``: what a split holds (``TensorImages`` in memory, ``ImageFiles`` on disk) and ``DataSpec``.
 - ``compositional``: the generated benchmark with known factors (the default dataset).
+- ``photos``: generated photo-like images and JPEG folders, for the benchmarks, the GPU check and the tests.
 - ``datasets``: ``load_dataset`` for digits, CIFAR-10/100, image folders and ImageNet-100, from local files.
 - ``decode``: image files decoded in batches on the training device (nvJPEG on CUDA).
 - ``resident``: a training set of small equal-size images held on the training device.

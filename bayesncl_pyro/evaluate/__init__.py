@@ -1,3 +1,5 @@
-"""What a trained run says: metrics, probes, the test split's features, diagnostics, report, ArviZ, load_run.
+"""What a trained run says: metrics, probes, the test split's features, diagnostics, figures, report, ArviZ,
+load_run, the weights as plain state_dicts, and several runs compared.
 
-Modules: arviz_export, diagnostics, dimensions, heldout, matched, metrics, probe, report, run."""
+Modules: arviz_export, comparison, diagnostics, dimensions, figures, heldout, matched, metrics, probe, report, run,
+weights."""

@@ -13,7 +13,8 @@ A dimension is measured on the entries where it takes part in the loss (|u_ik| >
 for BayesNCL, gate open), so a gated-off entry never counts: over *all* rows the two parts of any
 dimension nearly cancel (the softmax columns sum to about one), which says nothing about conflict.
 ``conflict_record`` summarises one batch (per dimension: the mean of each part over its active
-entries, and its activation frequency); ``conflict_scores`` turns a series of records into scores.
+entries, and its activation frequency); ``conflict_scores`` turns a series of records into scores,
+``conflict_table`` a run's conflict.jsonl, and ``conflict_lines`` says what a table shows in a few lines.
 """
 
 import json
@@ -94,6 +95,45 @@ def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
         return None
     recs = [json.loads(line) for line in path.read_text().splitlines() if line]
     return {k: np.array([r[k] for r in recs], dtype=float) for k in recs[0]}
+
+
+def conflict_table(run_dir: str | os.PathLike) -> dict | None:
+    """Per-dimension conflict scores of a run with its mean activation frequency and, for BayesNCL,
+    mean inclusion over the logged steps; None if the run logged no conflict records."""
+    recs = read_conflict(run_dir)
+    if recs is None or len(recs["step"]) < 2:
+        return None
+    out = conflict_scores(recs["pos"], recs["neg"])
+    out["freq"] = recs["freq"].mean(0)
+    if "incl" in recs:
+        out["incl"] = recs["incl"].mean(0)
+    return out
+
+
+def _median(x, mask=None) -> float:
+    x = x if mask is None else x[mask]
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if len(x) else float("nan")
+
+
+def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> list[str]:
+    """A conflict table (``conflict_table``) of the ``name`` run in a few lines: medians over dimensions, the rank
+    correlation of activation frequency and cancellation, and with ``gated_off`` (K bool, the dimensions mostly gated
+    on the test split: ``dimensions.mostly_gated``) the medians of the dimensions mostly open and mostly gated."""
+    freq = t["freq"]
+    lines = [f"conflict ({name}), medians over dimensions: cancellation {_median(t['cancellation']):.3f}, "
+             f"oscillation {_median(t['oscillation']):.3g}, sign flips {_median(t['sign_flips']):.2f}"]
+    ok = np.isfinite(t["cancellation"]) & np.isfinite(freq)
+    if ok.sum() > 2:
+        rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
+        rho = np.corrcoef(rank(freq[ok]), rank(t["cancellation"][ok]))[0, 1]
+        lines.append(f"  Spearman(activation frequency, cancellation) = {rho:.2f}")
+    if gated_off is not None:
+        for label, mask in (("mostly open on the test split", ~gated_off), ("mostly gated on the test split",
+                                                                            gated_off)):
+            lines.append(f"  {label}: {int(mask.sum())} dims, cancellation {_median(t['cancellation'], mask):.3f}, "
+                         f"oscillation {_median(t['oscillation'], mask):.3g}, activation {_median(freq, mask):.3f}")
+    return lines
 
 
 def degeneracy_warnings(rec: dict, num_features: int) -> list[str]:

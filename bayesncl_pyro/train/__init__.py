@@ -1,3 +1,4 @@
-"""The training loop: a Config made whole, the trainer, its guard and its monitor.
+"""The training loop: a Config made whole, the trainer, its guard and its monitor, and the epochs that fit a time
+budget.
 
-Modules: guard, monitor, resolve, trainer."""
+Modules: budget, guard, monitor, resolve, trainer."""

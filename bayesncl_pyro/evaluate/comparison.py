@@ -1,0 +1,238 @@
+"""Several methods' runs side by side (experiments/compare.py): the methods' Config fields, the runs' records, their
+means over seeds in tables, the paper's published numbers beside ours, and comparison.md and comparison.json."""
+
+import itertools
+import json
+import math
+import shutil
+from pathlib import Path
+
+from bayesncl_pyro import rundir
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.evaluate.heldout import describe_protocol
+from bayesncl_pyro.evaluate.matched import MATCHED_COLUMNS, plot_matched, topk_at_rate
+from bayesncl_pyro.infer.estimators import GATES
+
+METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
+
+# (column, eval key, scale, format): fractions are shown in percent as in the paper's tables
+COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("H_s", "semantic_entropy", 1, ".3f"),
+           ("Act.", "activation_rate", 100, ".2f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
+           ("LP@5", "linear_probe_top5", 100, ".2f"), ("kNN", "knn_top1", 100, ".2f"),
+           ("P@1", "retrieval_p@1", 100, ".2f"), ("P@3", "retrieval_p@3", 100, ".2f"),
+           ("P@5", "retrieval_p@5", 100, ".2f"), ("P@10", "retrieval_p@10", 100, ".2f"),
+           ("Sparsity", "sparsity", 100, ".2f"), ("Eff. rank", "effective_rank", 1, ".3f"),
+           ("Dims", "active_dims", 1, ".0f"), ("Gates on", "gates_open", 100, ".1f"),
+           ("Train s", "train_time_s", 1, ".0f")]
+_COLUMN = {c[1]: c for c in COLUMNS}
+# the gate estimators' experiment: what the gates add, and the objective itself on the test split (eval.json's
+# test_* keys: -ELBO from draws of q, whatever the estimator trained with)
+OBJECTIVE_COLUMNS = [_COLUMN["semantic_consistency"], ("Cons. ungated", "semantic_consistency_ungated", 100, ".2f"),
+                     _COLUMN["gates_open"], _COLUMN["linear_probe_top1"],
+                     ("test -ELBO", "test_neg_elbo", 1, ".4f"), ("E_q InfoNCE", "test_nce", 1, ".4f"),
+                     ("InfoNCE at F", "test_nce_mode", 1, ".4f"), ("KL per row", "test_kl", 1, ".3f")]
+FACTOR_COLUMNS = [("bg dims (F)", "dims_tracking_background", 1, ".1f"),
+                  ("class dims (F)", "dims_tracking_class", 1, ".1f"),
+                  ("bg dims (ungated)", "ungated_dims_tracking_background", 1, ".1f"),
+                  ("bg dims gated off %", "gated_off_share_background", 100, ".1f"),
+                  ("class dims gated off %", "gated_off_share_class", 100, ".1f")]
+
+# The paper's numbers (docs/METHOD.md, "Published numbers": ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100,
+# the reference's evaluation protocol), in the units of COLUMNS: dataset -> method -> eval key -> value. The paper's
+# "BayesNCL (GS)" trained the reference's loss, which is gs-reference-kl here (gs takes the KL at q's own probability)
+_CONS, _HS, _LP, _GS = "semantic_consistency", "semantic_entropy", "linear_probe_top1", "bayesncl-gs-reference-kl"
+PAPER = {
+    "cifar10": {"cl": {_CONS: 10.00, _LP: 87.88}, "ncl": {_CONS: 53.82, _LP: 87.80}, "ncl+topk": {_CONS: 51.81},
+                _GS: {_CONS: 53.68}, "bayesncl-ste": {_CONS: 56.50, _LP: 88.02}},
+    "cifar100": {"cl": {_CONS: 1.00, _LP: 59.72}, "ncl": {_CONS: 9.91, _LP: 60.67}, "ncl+topk": {_CONS: 12.32},
+                 _GS: {_CONS: 20.75}, "bayesncl-ste": {_CONS: 22.02, _LP: 60.69}},
+    "in100": {"cl": {_CONS: 1.00, _HS: 4.59, _LP: 68.31}, "ncl": {_CONS: 14.93, _HS: 3.28, _LP: 69.63},
+              "ncl+topk": {_CONS: 14.27, _HS: 3.35}, _GS: {_CONS: 11.66, _HS: 3.36},
+              "bayesncl-ste": {_CONS: 36.14, _HS: 2.10, _LP: 70.44}},
+}
+METHOD_DOC = 'docs/METHOD.md, section "Published numbers"'  # in the repository; comparison.md points there
+
+RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
+
+
+def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
+                   kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
+    """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
+    ``kl_weights``, once per lambda (one lambda is a shared setting), and once per density in ``densities`` (named
+    <method>-d<D> even for one: a density target makes another method than a fixed lambda); NCL+TopK once per k
+    given several."""
+    made = {}
+    several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
+    topks = topk if isinstance(topk, list) else [topk]
+    for m in methods:
+        if m.startswith("bayesncl-"):
+            for prior, lam, d in itertools.product(priors, several(kl_weights), densities or [None]):
+                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
+                    + ("" if d is None else f"-d{d:g}")
+                made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
+                                  **({} if lam is None else {"kl_weight": lam}),
+                                  **({} if d is None else {"gate_density": d}))
+        elif m == "ncl+topk" and len(topks) > 1:
+            made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
+        else:
+            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topks[0] if m == "ncl+topk" else 0)
+    return made
+
+
+def recorded_run(folder: Path, cfg: Config) -> bool:
+    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``)."""
+    return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
+
+
+def record(run_dir: Path, folder: Path):
+    """Copy a finished run's record into ``folder`` (``--record``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in RECORD:
+        shutil.copyfile(run_dir / name, folder / name)
+
+
+def train_time(run_dir: Path, batch_size: int) -> float:
+    """Seconds spent in training steps, summed from log.jsonl (each line's images / images_per_s); steps
+    replayed after a resume are counted once."""
+    by_step = {rec["step"]: rec["images_per_s"] for rec in rundir.read_log(run_dir)}
+    total, last = 0.0, 0
+    for step in sorted(by_step):
+        total += (step - last) * batch_size / by_step[step]
+        last = step
+    return total
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+
+
+def summarise(runs: list[dict], keys: list[str]) -> dict:
+    """Method -> {key: [mean, std]} over its seeds, for the keys its runs have."""
+    out = {}
+    for run in runs:
+        out.setdefault(run["name"], [])
+        out[run["name"]].append(run)
+    return {name: {k: list(mean_std([r[k] for r in rs])) for k in keys if all(k in r for r in rs)}
+            for name, rs in out.items()}
+
+
+def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: Config,
+               several_lambdas: bool, budget: dict | None, wall_s: float) -> dict:
+    """What comparison.json holds: each run (``runs``: its name, family, seed, folder and eval.json's figures, each
+    given NCL+TopK's at its sparsity), each method's means over ``seeds``, and the settings every run shares, taken
+    from ``settings`` (one run's Config, a gated one's where there are gates) less what differs between runs
+    (lambda too where there are ``several_lambdas``)."""
+    runs = topk_at_rate(runs)
+    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+        {"kl_weight"} if several_lambdas else set())
+    protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
+    return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes,
+                settings={k: v for k, v in settings.identity().items() if k not in per_run},
+                summary=summarise(runs, keys), runs=runs, paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
+
+
+def table(summary: dict, columns: list, seeds: int) -> str:
+    head = ["Method"] + [c[0] for c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, stats in summary.items():
+        cells = [name]
+        for _, key, scale, fmt in columns:
+            if key not in stats:
+                cells.append("")
+                continue
+            m, s = stats[key]
+            cells.append(f"{m * scale:{fmt}}" + (f" ± {s * scale:{fmt}}" if seeds > 1 else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paper_table(dataset: str, summary: dict, protocol: str) -> str:
+    """Our means, evaluated by ``protocol``, beside the paper's numbers (evaluated by the reference's protocol)
+    for the metrics it publishes on ``dataset``; "" if none. Each column header names its protocol."""
+    paper = PAPER.get(dataset, {})
+    keys = [c for c in COLUMNS if any(c[1] in numbers for numbers in paper.values())]
+    if not keys:
+        return ""
+    head = ["Method"] + [f"{name} {who}" for name, *_ in keys for who in (f"(ours, {protocol})", "(paper, reference)")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, stats in summary.items():
+        cells = [method]
+        for _, key, scale, fmt in keys:
+            cells.append(f"{stats[key][0] * scale:{fmt}}" if key in stats else "")
+            theirs = paper.get(method, {}).get(key)
+            cells.append("" if theirs is None else f"{theirs:{fmt}}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    """comparison.md: the notes, the protocol, then a table of each kind the runs have figures for."""
+    dataset, seeds, protocol, summary, runs = (report[k] for k in ("dataset", "seeds", "protocol", "summary", "runs"))
+    md = [f"# {dataset}: " + " vs ".join(summary), "",
+          *(f"- {n}" for n in report["notes"]),
+          "- evaluation protocol " + describe_protocol(protocol, dataset),
+          f"- seeds {seeds}" + (" (mean ± std)" if len(seeds) > 1 else "") + "; metrics on the test split, "
+          "in percent except H_s (nats), effective rank (nats), Dims and train seconds", "",
+          table(summary, COLUMNS, len(seeds))]
+    if any("test_neg_elbo" in r for r in runs):
+        md += ["", "What the gates add (Cons. of the same model with every gate open) and the objective on the test "
+               "split, per row, whatever each run trained: -ELBO = E_q[InfoNCE] + lambda * KL, from 8 draws of "
+               "q(g | x) per batch of the training batch size and the exact KL (at each run's own lambda); E_q "
+               "InfoNCE, its likelihood term (comparable across runs and lambdas); InfoNCE at F, at the evaluation "
+               "mask (the mode).", "", table(summary, OBJECTIVE_COLUMNS, len(seeds))]
+    if any(FACTOR_COLUMNS[0][1] in r for r in runs):
+        md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
+               "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
+               "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(seeds))]
+    if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
+        md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
+               "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
+               "the two nearest k, "
+               "each the mean over its seeds, NCL as k = K; blank outside their range), the same run's ungated "
+               "features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
+               "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
+               table(summary, MATCHED_COLUMNS, len(seeds))]
+    paper = paper_table(dataset, summary, protocol)
+    if paper:
+        caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "
+                                                     "reference, in another --out, measures it so)")
+        md += ["", f"Beside the paper's numbers ({METHOD_DOC}: ResNet-18 at the full recipe, 200 epochs on CIFAR, "
+               f"100 on ImageNet-100, evaluated by the reference protocol); ours evaluated by the {protocol} "
+               f"protocol{caveat}:", "", paper]
+    md += ["", "Shared settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
+           f"Wall time of this command: {report['wall_s'] / 60:.1f} min", ""]
+    return "\n".join(md)
+
+
+def plot(runs: list[dict], path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    for i, name in enumerate(names):
+        rs = [r for r in runs if r["name"] == name]
+        ax.scatter([100 * r["linear_probe_top1"] for r in rs], [100 * r["semantic_consistency"] for r in rs],
+                   label=name, color=f"C{i}")
+    ax.set_xlabel("linear probe top-1 (%)")
+    ax.set_ylabel("semantic consistency (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_comparison(out: Path, report: dict) -> str:
+    """Write comparison.json, consistency_vs_probe.png, matched_sparsity.png and comparison.md into ``out``; return
+    comparison.md's text."""
+    out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
+    (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report["runs"], out / "consistency_vs_probe.png")
+    plot_matched(report["runs"], out / "matched_sparsity.png")
+    md = markdown(report)
+    (out / "comparison.md").write_text(md)
+    return md
