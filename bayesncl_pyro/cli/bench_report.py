@@ -24,13 +24,14 @@ import torch.nn.functional as F
 
 from bayesncl_pyro.data.images import TensorImages
 from bayesncl_pyro.evaluate import dimensions as dm, report
+from bayesncl_pyro.evaluate.heldout import TestFeatures
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
-def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> dm.TestFeatures:
+def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> TestFeatures:
     """A stand-in run's TestFeatures: dimension k leans towards class k mod C (except a tenth, shared by all), is on
     in about 8 % of the images, and its gate closes it on images of other classes more often; the last 2 % of the
     dimensions are dead."""
@@ -45,7 +46,7 @@ def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> dm.TestFeat
     logits = 1.5 * torch.randn(images, dims, generator=g) + 2.5 * match - 0.5
     probs = logits.sigmoid()
     mask = (probs > 0.5).float()
-    return dm.TestFeatures(F.normalize(ungated * mask, dim=1), labels, [f"class {c}" for c in range(classes)],
+    return TestFeatures(F.normalize(ungated * mask, dim=1), labels, [f"class {c}" for c in range(classes)],
                            ungated=ungated, probs=probs, mask=mask)
 
 

@@ -16,6 +16,7 @@ from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
 from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  # noqa: E402
+from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.infer.learner import load_learner  # noqa: E402
 from bayesncl_pyro.rundir import read_log  # noqa: E402
@@ -214,12 +215,13 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
     learner, cfg = load_learner(run_dir, **load)
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    feats = test_features(learner, data)
     if export:
         if not learner.gated:
             raise UserError(f"{run_dir} is a {cfg.method} run: it has no gates to export")
         from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: arviz is slow to import
 
-        print(f"wrote {export_gates(run_dir, learner, data)}")
+        print(f"wrote {export_gates(run_dir, learner, data, test=feats)}")
     log = read_log(run_dir)
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
     if log:
@@ -234,7 +236,6 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         if warned:
             summary.append(f"degeneracy warnings in {len(warned)} records, first at step {warned[0]['step']}: "
                            + "; ".join(warned[0]["warnings"]))
-    feats = dm.test_features(learner, data)
     features, labels = feats.features, feats.labels
     gated_off = None
     if learner.gated:
