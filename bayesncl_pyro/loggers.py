@@ -1,7 +1,7 @@
 """Where a run's progress and records go, rank 0 only: ``RunLog``, the one logger of a training run, writes each
 record to ``log.jsonl``, to TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``,
 ``pip install -e '.[wandb]'``), both beside ``log.jsonl``, and to the terminal (a bar, else one line with an
-estimate); ``reporter`` shows the progress of other long work (the evaluation)."""
+estimate), and shows the progress of other long work (the evaluation: ``reporter``)."""
 
 import contextlib
 import json
@@ -105,6 +105,10 @@ class RunLog:
             left = self.last_step - rec["step"]
             print(f"at {rec['images_per_s']:.4g} images/s, the {left} steps left take about "
                   f"{duration(left * self.batch_size / rec['images_per_s'])}", flush=True)
+
+    def progress(self) -> Progress:
+        """The progress of other long work (the evaluation), shown as the training's: by a bar or by a line."""
+        return reporter(self.show_bar)
 
     def evaluation(self, results: dict, step: int):
         for tracker in self.trackers:

@@ -29,7 +29,7 @@ from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
-from bayesncl_pyro.loggers import RunLog, reporter
+from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, append_line, atomic_save, write_json
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
@@ -41,7 +41,8 @@ class Trainer:
     """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict."""
 
     def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False):
-        """``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
+        """``progress``: a bar on stderr rather than printed lines (default: when stderr is a terminal).
+        ``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
         start afresh, instead of resuming the run there or refusing one with another config."""
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
@@ -49,7 +50,6 @@ class Trainer:
         if cfg.batch_size % self.world:
             raise UserError(f"--batch-size {cfg.batch_size} (the global batch) does not split evenly over "
                             f"{self.world} processes; pick a multiple of {self.world}")
-        self.progress = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
         self._lock = None  # rank 0's lock on the run folder, held while the trainer lives
         if self.rank == 0:
             self._lock = rundir.claim(self.out, cfg, overwrite)
@@ -101,8 +101,9 @@ class Trainer:
         self.log, self.monitor = None, None
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
             write_json(cfg.to_dict(), self.out / CONFIG)
+            bar = sys.stderr.isatty() if progress is None else progress
             # a finished run evaluated before has nothing left to log: no TensorBoard or W&B run is started
-            self.log = RunLog(self.out, cfg, self.progress, trackers=not (self.finished and (self.out / EVAL).exists()))
+            self.log = RunLog(self.out, cfg, bar, trackers=not (self.finished and (self.out / EVAL).exists()))
             if cfg.monitor_every:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
@@ -200,7 +201,7 @@ class Trainer:
             return results
         if self.rank:
             return {}
-        results = heldout.evaluate(self.learner, self.data, self.cfg, self.device, reporter(bar=self.progress))
+        results = heldout.evaluate(self.learner, self.data, self.cfg, self.device, self.log.progress())
         write_json(results, self.out / EVAL)
         self.log.evaluation(results, self.step)
         self.log.close()
