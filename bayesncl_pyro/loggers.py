@@ -1,7 +1,10 @@
-"""Where a run's progress and records go, rank 0 only: the terminal (a bar, else one line with an estimate),
-TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``, ``pip install -e '.[wandb]'``),
-both written beside ``log.jsonl``."""
+"""Where a run's progress and records go, rank 0 only: ``RunLog``, the one logger of a training run, writes each
+record to ``log.jsonl``, to TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``,
+``pip install -e '.[wandb]'``), both beside ``log.jsonl``, and to the terminal (a bar, else one line with an
+estimate), and shows the progress of other long work (the evaluation: ``reporter``)."""
 
+import contextlib
+import json
 import os
 import sys
 import time
@@ -11,7 +14,9 @@ from pathlib import Path
 
 import torch
 
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir import LOG, append_line
 
 LONG = 30.0
 """Seconds: work estimated to take longer is announced by a line (without a bar); shorter work is not."""
@@ -45,6 +50,73 @@ def duration(seconds: float) -> str:
         if seconds >= 1.5 * size:
             return f"{seconds / size:.1f} {unit}"
     return f"{seconds:.0f} s"
+
+
+class RunLog:
+    """A training run's records (``record``, one ``log.jsonl`` line each) and its evaluation, for the run folder
+    ``run_dir``: to that file, to TensorBoard and W&B where ``cfg`` asks for them (the trackers: none without
+    ``trackers``), and to the terminal, as the postfix of a tqdm bar on stderr (``bar``) or else printed, the first
+    record followed by an estimate of the time left. Within ``training``, ``step()`` after every step:
+    ``images_per_s()`` is the rate of the steps since the last record."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True):
+        self.path, self.batch_size, self.show_bar = Path(run_dir) / LOG, cfg.batch_size, bar
+        self.trackers = [] if not trackers else ([TensorBoardLog(run_dir)] if cfg.tensorboard else []) + (
+            [WandbLog(run_dir, cfg.to_dict())] if cfg.wandb else [])
+        self.bar, self.last_step, self.estimated = None, 0, False
+        self.tic, self.seen = time.perf_counter(), 0
+
+    @contextlib.contextmanager
+    def training(self, step: int, last_step: int):
+        """Around the steps after ``step`` up to ``last_step``: the bar, the clock of ``images_per_s``."""
+        if self.show_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=last_step, initial=step, unit="step", dynamic_ncols=True)
+        self.last_step, self.estimated = last_step, False
+        self.tic, self.seen = time.perf_counter(), 0
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+    def step(self):
+        self.seen += self.batch_size
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def images_per_s(self) -> float:
+        return self.seen / (time.perf_counter() - self.tic)
+
+    def record(self, rec: dict, inclusion: torch.Tensor | None = None):
+        """One log record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""
+        self.tic, self.seen = time.perf_counter(), 0
+        append_line(json.dumps(rec), self.path)
+        for tracker in self.trackers:
+            tracker.record(rec, inclusion)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+            return
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+        if not self.estimated:  # a bar shows the time to go; a log needs a line for it
+            self.estimated = True
+            left = self.last_step - rec["step"]
+            print(f"at {rec['images_per_s']:.4g} images/s, the {left} steps left take about "
+                  f"{duration(left * self.batch_size / rec['images_per_s'])}", flush=True)
+
+    def progress(self) -> Progress:
+        """The progress of other long work (the evaluation), shown as the training's: by a bar or by a line."""
+        return reporter(self.show_bar)
+
+    def evaluation(self, results: dict, step: int):
+        for tracker in self.trackers:
+            tracker.evaluation(results, step)
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
 
 
 INCLUSION = "gates/inclusion_per_dim"

@@ -304,23 +304,19 @@ def pipeline(cfg: Config, args, device: torch.device):
     batched on the device, of the training set held there (``resident``: in-memory sets, folders of small
     images of one size) or of each batch's files."""
     from bayesncl_pyro.data import pipeline as P
-    from bayesncl_pyro.train.trainer import EpochSampler, Trainer
+    from bayesncl_pyro.train.trainer import Trainer
 
     n = args.pipeline_batches
 
     def run(trainer: Trainer, step: bool) -> float:
-        sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
-        inputs = trainer._input(trainer._loader(sampler))
+        inputs = trainer.input.batches(0, n + 2)  # the first epoch's first n + 2 steps
         for i, x in enumerate(inputs):  # the first batches wait for the workers (or the thread) to start
             if i == 2:
                 sync(device)
                 tic = time.perf_counter()
             if step:
-                trainer._step(x)  # the training step, divergence guard included
-            if i == n + 1:
-                break
+                trainer.train_step(x)  # the training step, divergence guard included
         sync(device)
-        inputs.close()  # ends the prefetcher's thread now
         return n * cfg.batch_size / (time.perf_counter() - tic)
 
     paths = ("workers", "device") if args.augment == "both" else (args.augment,)
@@ -335,7 +331,7 @@ def pipeline(cfg: Config, args, device: torch.device):
                       f"{args.dataset} has {len(trainer.data.train)})")
                 return
             where = {type(None): "workers", P.ResidentViews: "device, training set held there",
-                     P.FileViews: "device, files decoded per batch"}[type(trainer.views)]
+                     P.FileViews: "device, files decoded per batch"}[type(trainer.input.views)]
             figures[path] = run(trainer, False), run(trainer, True)
             print(f"\n{path} augmentation ({where}; {args.workers} workers): data pipeline only "
                   f"{figures[path][0]:.1f} images/s, end to end (BayesNCL) {figures[path][1]:.1f} images/s, "

@@ -259,8 +259,8 @@ import sys
 import time
 from unittest import mock
 
-from bayesncl_pyro.train import trainer as training
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import pipeline
 from bayesncl_pyro.errors import Stopped
 from bayesncl_pyro.train.trainer import Trainer
 
@@ -277,7 +277,7 @@ for method in ("ncl", "bayesncl"):
                      augment="workers" if path == "workers" else "device", max_steps=steps, log_every=max(steps // 30, 1),
                      ckpt_every=10**9, out=f"{out}/curve_{method}_{path}", **size)
         # files: the training set is not held on the device, so every batch is decoded there (nvJPEG)
-        with mock.patch.object(training, "resident_images", return_value=None) if path == "files" else contextlib.nullcontext():
+        with mock.patch.object(pipeline, "resident_images", return_value=None) if path == "files" else contextlib.nullcontext():
             trainer = Trainer(cfg, progress=False, overwrite=True)
             start = time.perf_counter()
             try:

@@ -209,7 +209,7 @@ def test_a_one_gpu_run_trains_from_its_first_batch_and_resumes_exactly(fake_cuda
     straight = Trainer(_digits(tmp_path, "a"), progress=False)
     assert_resume_is_exact(straight, lambda **kw: _digits(tmp_path, "b", **kw))
     assert straight.device == CUDA0 and ("input-pipeline", 0) in fake_cuda.set_devices
-    assert isinstance(straight.views, pipeline.ResidentViews) and straight.views.images.device == CUDA0
+    assert isinstance(straight.input.views, pipeline.ResidentViews) and straight.input.views.images.device == CUDA0
     assert straight.memory_format == torch.channels_last
     assert all(p.device == CUDA0 for p in straight.learner.parameters())
 
@@ -433,12 +433,12 @@ def test_under_cudamallocasync_torchvisions_decoder_is_not_used(fake_cuda, tmp_p
                  proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=0, log_every=1, device="cuda",
                  augment="auto", out=str(tmp_path / "run"))
     trainer = Trainer(cfg, progress=False)
-    assert isinstance(trainer.views, pipeline.FileViews)
+    assert isinstance(trainer.input.views, pipeline.FileViews)
     trainer.train(2)
     workers_decode = decoders == ("torchvision",)
     assert ("cudaMallocAsync" in capsys.readouterr().err) is workers_decode
-    assert all((trainer.views.encoded[i][0].ndim == 3) is workers_decode or trainer.views.encoded[i][0].ndim == 3
-               for i in range(len(trainer.views.encoded)))
+    encoded = trainer.input.views.encoded
+    assert all((encoded[i][0].ndim == 3) is workers_decode or encoded[i][0].ndim == 3 for i in range(len(encoded)))
     assert (fake_cuda.decodes == 0) is workers_decode
 
 
@@ -578,7 +578,8 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
         loss = net.guide(net.backbone(torch.ones(1, 3))).sum() + extra
         opt.zero_grad()
         loss.backward()
-        guard.step(number, loss, torch.tensor(nce))
+        with guard.judge(number, loss, torch.tensor(nce)):
+            opt.step()
 
     step(1)
     step(2, extra=float("inf"))  # the KL term is loss - InfoNCE

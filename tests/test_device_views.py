@@ -14,10 +14,10 @@ from torchvision.transforms.v2 import functional as TF
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import device_views as D, load_dataset
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
-from bayesncl_pyro.data.pipeline import FileViews, ResidentViews
+from bayesncl_pyro.data.pipeline import EpochSampler, FileViews, ResidentViews
 from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.train.trainer import EpochSampler, Trainer
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
@@ -170,7 +170,7 @@ def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, m
                  out=str(tmp_path / "run"))
     trainer = Trainer(cfg, progress=False)
     assert "note: no JPEG decoder is installed" in capsys.readouterr().err
-    assert all(trainer.views.encoded[i][0].ndim == 3 for i in range(len(trainer.views.encoded)))
+    assert all(trainer.input.views.encoded[i][0].ndim == 3 for i in range(len(trainer.input.views.encoded)))
     trainer.train(2)
 
 
@@ -186,17 +186,18 @@ def test_the_file_loader_sends_a_batch_over_one_file_descriptor_under_a_low_open
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data.pipeline import FileViews
-from bayesncl_pyro.train.trainer import EpochSampler, Trainer
+from bayesncl_pyro.data.pipeline import EpochSampler, FileViews
+from bayesncl_pyro.train.trainer import Trainer
 cfg = Config(dataset="imagefolder", data_dir={str(tmp_path / "data")!r}, encoder="cnn", image_size=8, proj_hidden=16,
              proj_dim=8, batch_size=64, epochs=1, warmup_epochs=0, workers=4, device="cpu", augment="device",
              out={str(tmp_path / "run")!r})
 trainer = Trainer(cfg, progress=False)
-assert isinstance(trainer.views, FileViews)
+views = trainer.input.views
+assert isinstance(views, FileViews)
 sampler = EpochSampler(len(trainer.data.train), cfg.batch_size, cfg.seed)
 for epoch in range(2):
     sampler.set_epoch(epoch)
-    print(sum(len(trainer.views.encoded.decode(batch, trainer.device)) for batch in trainer._loader(sampler)))
+    print(sum(len(views.encoded.decode(batch, trainer.device)) for batch in trainer.input.loader(sampler)))
 """
     try:  # a worker whose batch cannot be sent loses it, and the loader waits for it for ever
         run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
@@ -261,22 +262,18 @@ def _run(tmp_path, name, **kw):
 def test_trainer_on_device_views_is_seeded_by_step_and_resumes_exactly(tmp_path):
     photo_tree(tmp_path / "data")
     straight = Trainer(_run(tmp_path, "a"), progress=False)
-    assert isinstance(straight.views, FileViews) and straight.total_steps == 6  # images of several sizes
-
-    def first_input(trainer):
-        return next(iter(trainer._input(trainer._loader(EpochSampler(len(trainer.data.train), 4, seed=0)))))
-
-    x = first_input(straight)
+    assert isinstance(straight.input.views, FileViews) and straight.total_steps == 6  # images of several sizes
+    x = next(straight.input.batches(0, 1))
     assert x.shape == (8, 3, 40, 40)
-    torch.testing.assert_close(first_input(straight), x, rtol=0, atol=0)
-    straight.step = 1
-    assert not torch.allclose(first_input(straight), x)
-    straight.step = 0
+    torch.testing.assert_close(next(straight.input.batches(0, 1)), x, rtol=0, atol=0)
+    first = next(iter(straight.input.loader(EpochSampler(len(straight.data.train), 4, seed=0))))
+    torch.testing.assert_close(straight.input.views(first, 0), x, rtol=0, atol=0)
+    assert not torch.allclose(straight.input.views(first, 1), x)  # the same images at another step
     assert_resume_is_exact(straight, lambda **kw: _run(tmp_path, "b", **kw))
 
 
 def test_augment_is_chosen_by_device_and_dataset(tmp_path):
     photo_tree(tmp_path / "data")
-    assert Trainer(_run(tmp_path, "auto", augment="auto"), progress=False).views is None  # CPU: workers
+    assert Trainer(_run(tmp_path, "auto", augment="auto"), progress=False).input.views is None  # CPU: workers
     digits = Trainer(Config(dataset="digits", augment="device", out=str(tmp_path / "digits")), progress=False)
-    assert isinstance(digits.views, ResidentViews) and digits.views.images.shape == (1437, 1, 8, 8)
+    assert isinstance(digits.input.views, ResidentViews) and digits.input.views.images.shape == (1437, 1, 8, 8)

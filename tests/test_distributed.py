@@ -23,12 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.pipeline import EpochSampler
 from bayesncl_pyro.errors import REQUEUE, UserError
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train import trainer as training
 from bayesncl_pyro.train.resolve import resolve
-from bayesncl_pyro.train.trainer import EpochSampler, Trainer
+from bayesncl_pyro.train.trainer import Trainer
 from helpers import RUN_SVI, assert_same_params, cli, logged_step
 
 WORLD, B = 2, 8  # processes; images in the global batch

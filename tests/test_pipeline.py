@@ -11,10 +11,10 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset, resident as resident_module
-from bayesncl_pyro.data.pipeline import IndexBatches, ResidentViews, prefetch
+from bayesncl_pyro.data.pipeline import EpochSampler, IndexBatches, ResidentViews, prefetch
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.train.trainer import EpochSampler, Trainer
+from bayesncl_pyro.train.trainer import Trainer
 
 from helpers import assert_resume_is_exact
 
@@ -115,5 +115,5 @@ def _run(tmp_path, name, **kw):
 
 def test_training_from_the_resident_set_resumes_exactly(tmp_path):
     straight = Trainer(_run(tmp_path, "a"), progress=False)
-    assert isinstance(straight.views, ResidentViews) and straight.total_steps == 6
+    assert isinstance(straight.input.views, ResidentViews) and straight.total_steps == 6
     assert_resume_is_exact(straight, lambda **kw: _run(tmp_path, "b", **kw))

@@ -230,7 +230,7 @@ def test_ctrl_c_during_the_final_checkpoint_is_a_stop_and_a_rerun_evaluates(tmp_
     assert not (tmp_path / "run" / "eval.json").exists()
     monkeypatch.undo()
     rerun = Trainer(cfg, progress=False)
-    assert rerun.step == 4 and "linear_probe_top1" in rerun.fit()
+    assert rerun.step == 4 and "linear_probe_top1" in rerun.fit().evaluate()
 
 
 @pytest.mark.parametrize("raised, code, printed", [
@@ -371,7 +371,7 @@ def test_no_readable_image_at_all_is_named(tmp_path):
 
 def test_skip_bad_images_trains_and_counts_them_across_workers(tmp_path, capsys):
     bad = _tree_with_a_bad_image(tmp_path / "data")
-    Trainer(_image_run(tmp_path, skip_bad_images=True), progress=False).fit()
+    Trainer(_image_run(tmp_path, skip_bad_images=True), progress=False).fit().evaluate()
     assert "warning: 1 unreadable images were skipped" in capsys.readouterr().err
     assert set((tmp_path / "run" / "bad_images.txt").read_text().splitlines()) == {str(bad)}
 

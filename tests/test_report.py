@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     bayes, ncl = root / "bayesncl", root / "ncl"
     for args in ([*TINY_COMPOSITIONAL, "--out", str(bayes)], [*TINY_COMPOSITIONAL, "--method", "ncl", "--out", str(ncl)]):
-        Trainer(run_svi.config(args)[0], progress=False).fit()  # checkpoint and eval.json: what the report reads
+        Trainer(run_svi.config(args)[0], progress=False).fit().evaluate()  # checkpoint and eval.json: what it reads
     page = report.write_report(bayes, ncl)
     return bayes, ncl, page.parent, json.loads(page.with_name("report.json").read_text())
 

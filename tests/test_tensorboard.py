@@ -19,7 +19,7 @@ def test_events_hold_every_logged_scalar_the_inclusion_histogram_and_the_evaluat
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                             reason="tensorboard is an optional extra: pip install -e '.[tensorboard]'")
     out = tmp_path / "run"
-    Trainer(Config(out=str(out), **TINY), progress=False).fit()
+    Trainer(Config(out=str(out), **TINY), progress=False).fit().evaluate()
     events = event_accumulator.EventAccumulator(str(out), size_guidance={event_accumulator.HISTOGRAMS: 0})  # 0: all
     events.Reload()
     log = read_log(out)

@@ -26,7 +26,7 @@ def _params(trainer):
 
 def test_digits_training_lowers_the_loss_and_keeps_gates_alive(tmp_path):
     cfg = tiny(tmp_path, epochs=12, warmup_epochs=1, lr=0.06, log_every=7)
-    results = Trainer(cfg, progress=False).fit()
+    results = Trainer(cfg, progress=False).fit().evaluate()
     log = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
     assert log[-1]["loss"] < log[0]["loss"] - 0.1
     for key in ("step", "epoch", "lr", "loss", "nce", "kl", "gate_rate", "incl_min", "incl_max", "grad_norm",
@@ -69,14 +69,14 @@ def test_same_seed_same_numbers(tmp_path):
 
 def test_checkpoint_round_trip_and_finished_run_is_not_retrained(tmp_path, capsys):
     cfg = tiny(tmp_path, epochs=1, warmup_epochs=0)
-    first = Trainer(cfg, progress=False).fit()
+    first = Trainer(cfg, progress=False).fit().evaluate()
     ckpt = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert ckpt["finished"] and ckpt["step"] == 7 and ckpt["config"]["proj_dim"] == 32
     learner, saved_cfg = load_learner(tmp_path / "run")
     assert saved_cfg == resolve(cfg)
     assert not learner.training
     before = (tmp_path / "run" / "checkpoint.pt").stat().st_mtime_ns
-    again = Trainer(cfg, progress=False).fit()
+    again = Trainer(cfg, progress=False).fit().evaluate()
     assert again == first
     assert "already holds a finished run" in capsys.readouterr().out
     assert (tmp_path / "run" / "checkpoint.pt").stat().st_mtime_ns == before

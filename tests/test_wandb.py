@@ -63,8 +63,8 @@ def test_wandb_offline_holds_the_log_the_histogram_the_evaluation_and_the_config
     first = Trainer(Config(out=str(out), **TINY), progress=False)
     first.train(5)  # then stopped, as by Ctrl-C: the checkpoint saved, the W&B run closed
     first.save()
-    first.loggers[0].close()
-    Trainer(Config(out=str(out), **TINY), progress=False).fit()  # resumed: the same W&B run goes on
+    first.log.close()
+    Trainer(Config(out=str(out), **TINY), progress=False).fit().evaluate()  # resumed: the same W&B run goes on
     rows, config = history(out)
     assert len({p.name for p in (out / "wandb").glob("offline-run-*")}) == 2
     assert len({p.name.split("-")[-1] for p in (out / "wandb").glob("offline-run-*")}) == 1  # one run id

@@ -197,7 +197,7 @@ def compare(args) -> dict:
                 results = rundir.read_eval(run_dir, cfg.gate)
             else:
                 print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
-                results = Trainer(cfg).fit()
+                results = Trainer(cfg).fit().evaluate()
                 if args.record:
                     record(run_dir, args.record / run_dir.name)
             runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,

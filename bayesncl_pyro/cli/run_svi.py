@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
             print(announce(trainer), flush=True)
-        results = trainer.fit()
+        results = trainer.fit().evaluate()
         if trainer.rank:
             return 0
         status = 0

@@ -12,7 +12,8 @@ One job a file, imported in this order (no file imports one below it):
 - ``device_views``: both views of a whole batch drawn with batched kernels on the training device.
 - ``views``: views drawn image by image in DataLoader workers (using ``device_views``' ops on one image),
   the evaluation transform, the two-view dataset.
-- ``pipeline``: the training step's input on the device path, prefetched on its own CUDA stream.
+- ``pipeline``: the training steps' input: where the views are drawn, the epoch order; on the device path
+  prefetched on its own CUDA stream.
 """
 
 from bayesncl_pyro.data.datasets import DATASETS, imagenet100_classes, load_dataset

@@ -1,7 +1,10 @@
-"""The training step's input when the views are drawn on the training device (``--augment device``, and ``auto``
-on CUDA): where a batch's images come from, and a prefetcher that draws the next batch while a step runs.
+"""The training steps' input: ``TrainingInput`` picks where the views are drawn and yields each step's 2B rows
+[view 1; view 2] on the training device, in the order ``EpochSampler`` gives, so that a resumed run gets the inputs
+of an uninterrupted one.
 
-Two sources of images (``Trainer`` picks one, ``resident.resident_images`` decides):
+The views are drawn in DataLoader workers (per image, on the CPU: ``views.TwoViews``), or on the training device
+(``--augment device``, and ``auto`` on CUDA and for in-memory sets), from one of two sources of images
+(``resident.resident_images`` decides):
 
 - ``ResidentViews``: the whole training set on the device as one uint8 ``N x C x H x W`` tensor (CIFAR is
   150 MB; image folders of small equal-size images are decoded once at start-up). A batch is a row of
@@ -23,17 +26,132 @@ stream (decoding does, ``decode._decode``); the training thread never waits for 
 from __future__ import annotations
 
 import queue
+import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Sampler
 
-from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
+from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, no_jpeg_decoder
 from bayesncl_pyro.data.device_views import _to_device, simclr_views
+from bayesncl_pyro.data.images import DataSpec, image_files
+from bayesncl_pyro.data.resident import resident_images
+from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
+from bayesncl_pyro.errors import UserError
 
 AHEAD = 2
 """Batches the prefetcher may hold ready on CUDA; one more is being drawn meanwhile, and the step holds its own."""
+
+
+class TrainingInput:
+    """The inputs of the training steps of ``data.train`` under ``cfg`` on ``device`` (rank ``rank`` of ``world``:
+    its share of each global batch), and where their views are drawn (``views``): None, in the loader workers (per
+    image, on the CPU); else on the device, in batches, of the training set held there when it fits (one size, small
+    enough), else of the batch's files. ``--augment auto``: on the device when training on CUDA, whose GPU outpaces
+    CPU workers, and for in-memory training sets (digits, CIFAR pickles, compositional) anywhere: on a CPU too,
+    batched views of small images cost a fraction of the step, where per-image views in workers cost more than it."""
+
+    def __init__(self, data: DataSpec, cfg: Config, device: torch.device, rank: int = 0, world: int = 1,
+                 memory_format: torch.memory_format = torch.preserve_format):
+        self.data, self.cfg, self.device, self.rank, self.world = data, cfg, device, rank, world
+        self.memory_format = memory_format
+        self.views: ResidentViews | FileViews | None = None
+        files = image_files(data.train)
+        if cfg.augment == "device" or (cfg.augment == "auto" and (device.type == "cuda" or files is None)):
+            resident = resident_images(data.train, device, cfg.workers)
+            if resident is not None:
+                self.views = ResidentViews(resident, cfg.image_size, cfg.seed, rank)
+            elif files is not None:
+                why_not = no_jpeg_decoder(device)
+                if why_not is not None and rank == 0:
+                    print(f"note: {why_not}; JPEGs are decoded in the loader workers instead", file=sys.stderr)
+                self.views = FileViews(EncodedImages(data.train, why_not is None), cfg.image_size, cfg.seed, rank,
+                                       device)
+            elif cfg.augment == "device":
+                raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
+                                f"{device.type} memory free; use --augment workers")
+
+    def batches(self, first: int, last: int) -> Iterator[torch.Tensor]:
+        """The inputs of steps ``first`` + 1 to ``last``, on the device: 2B rows [view 1; view 2] each. Views drawn
+        on the device depend on (seed, step, rank) alone, so a resumed run draws the same ones; on CUDA they are
+        drawn a batch ahead, in the input pipeline's thread."""
+        batch_size, per_epoch = self.cfg.batch_size, len(self.data.train) // self.cfg.batch_size
+        sampler = EpochSampler(len(self.data.train), batch_size, self.cfg.seed, self.rank, self.world)
+        loader = self.loader(sampler)
+        step = first
+        while step < last:
+            sampler.set_epoch(*divmod(step, per_epoch))
+            for x in self._on_device(loader, step):
+                yield x
+                step += 1
+                if step == last:
+                    return
+
+    def loader(self, sampler: EpochSampler) -> Iterable:
+        """What the steps' inputs are made of, in ``sampler``'s order: index rows of the resident set, or a
+        DataLoader of file bytes (``views``) or of views drawn in its workers."""
+        cfg = self.cfg
+        if isinstance(self.views, ResidentViews):  # the images are on the device already
+            return self.views.batches(sampler, cfg.batch_size // self.world)
+        if self.views is not None:  # workers only read files; _on_device decodes and augments
+            dataset, collate = self.views.encoded, EncodedBatch
+        else:
+            dataset = TwoViews(self.data.train, simclr_transform(cfg.image_size, self.data.channels), cfg.seed)
+            collate = collate_views
+        # its own generator: creating an epoch's iterator must not draw from the global RNG, which
+        # the gate samples use and the checkpoint restores. Pinned memory only for views: file bytes go to
+        # the decoder from wherever they are
+        return DataLoader(dataset, batch_size=cfg.batch_size // self.world, sampler=sampler, drop_last=True,
+                          num_workers=cfg.workers, collate_fn=collate,
+                          pin_memory=self.device.type == "cuda" and self.views is None,
+                          persistent_workers=cfg.workers > 0, generator=torch.Generator(),
+                          worker_init_fn=_ignore_sigint)
+
+    def _on_device(self, loader: Iterable, first: int) -> Iterator[torch.Tensor]:
+        """The steps' inputs from ``loader``'s items, its k-th the input of step ``first`` + k + 1."""
+        if self.views is None:
+            return (batch.to(self.device, non_blocking=True, memory_format=self.memory_format) for batch in loader)
+
+        def views(batch, k: int) -> torch.Tensor:
+            return self.views(batch, first + k).contiguous(memory_format=self.memory_format)
+
+        return prefetch(loader, views, self.device, AHEAD if self.device.type == "cuda" else 0)
+
+
+class EpochSampler(Sampler):
+    """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
+    resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
+    ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item.
+    Under DDP rank r of W takes the r-th slice (batch_size / W items) of every global batch, so the
+    ranks together see the batches of a single-process run."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.rank, self.world = rank, world
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0):
+        self.epoch, self.start = epoch, start_batch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        whole = self.n // self.batch_size * self.batch_size  # the last, partial batch is dropped
+        order = torch.randperm(self.n, generator=g)[self.start * self.batch_size:whole]
+        order = order.view(-1, self.world, self.batch_size // self.world)[:, self.rank].reshape(-1)
+        return iter((order + self.epoch * self.n).tolist())
+
+    def __len__(self):
+        return (self.n // self.batch_size - self.start) * (self.batch_size // self.world)
+
+
+def _ignore_sigint(worker_id: int):
+    # Ctrl-C reaches the whole process group: workers keep serving batches while the main process
+    # finishes the step and checkpoints (they end with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def view_generator(seed: int, step: int, rank: int) -> torch.Generator:

@@ -1,8 +1,8 @@
 """The divergence guard of the training step: whether each step's loss and gradients are finite, decided on the device,
 so that a step makes no host sync; the host reads the verdicts every few steps (``Trainer``'s checks).
 
-Each optimizer step goes through ``DivergenceGuard.step``, which writes one row on the device: ``[not finite, InfoNCE term,
-loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm cannot
+Each optimizer step runs inside ``DivergenceGuard.judge``, which writes one row on the device: ``[not finite,
+InfoNCE term, loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm cannot
 overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is the
 maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
 the rows to the host in one transfer and names what went wrong in each bad step.
@@ -21,6 +21,7 @@ holds it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -35,8 +36,9 @@ TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "K
 
 
 class DivergenceGuard:
-    """``begin()`` before a step's forward pass, ``step(number, loss, nce)`` after ``loss.backward()`` instead of
-    ``optimizer.step()``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between two ``bad_steps``."""
+    """``begin()`` before a step's forward pass; after ``loss.backward()``, ``optimizer.step()`` inside
+    ``with judge(number, loss, nce)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between two
+    ``bad_steps``."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mask: bool, rows: int):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -53,9 +55,10 @@ class DivergenceGuard:
         if self.mask:
             self.saved_buffers = self._copy("buffers", self.buffers)
 
-    def step(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
-        """Record step ``number``'s verdict on the device and take the optimizer step (undone by the verdict with
-        ``mask``). Queues work only: nothing here waits for the device."""
+    @contextlib.contextmanager
+    def judge(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
+        """Around step ``number``'s optimizer step: its verdict recorded on the device and, with ``mask``, the step
+        undone by it. Queues work only: nothing here waits for the device."""
         if len(self.steps) == self.capacity:
             raise RuntimeError(f"DivergenceGuard holds {self.capacity} unread steps; call bad_steps() more often")
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -70,10 +73,15 @@ class DivergenceGuard:
             self.rows = row.new_empty(self.capacity, len(row))
         self.rows[len(self.steps)] = row
         self.steps.append(number)
-        if self.mask:
-            self._masked_step(row[0] == 0)
-        else:
-            self.optimizer.step()
+        if not self.mask:
+            yield
+            return
+        ok = row[0] == 0
+        with torch.no_grad():
+            tensors = self._touched()
+            saved = self._copy("step", tensors)
+        yield
+        self._undo_unless(ok, tensors, saved)
 
     def _copy(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors``, into memory allocated at the first call (and again when the tensors change, as when
@@ -92,10 +100,9 @@ class DivergenceGuard:
         return copies
 
     @torch.no_grad()
-    def _masked_step(self, ok: torch.Tensor):
-        tensors = self._touched()
-        saved = self._copy("step", tensors)
-        self.optimizer.step()
+    def _undo_unless(self, ok: torch.Tensor, tensors: list[torch.Tensor], saved: list[torch.Tensor]):
+        """Unless ``ok``, put back what the step changed: ``tensors`` (as ``saved``), the buffers (as ``begin`` kept
+        them), and the state it made (to zero)."""
         for t, s in zip(tensors + self.buffers, saved + self.saved_buffers, strict=True):  # strict: begin() was called
             torch.where(ok, t, s, out=t)
         self.saved_buffers = []
