@@ -153,27 +153,16 @@ def test_sigkill_at_random_times_always_resumes_to_the_same_params(tmp_path):
 
 
 def signals_during_step(trainer: Trainer, step: int, *signums: int):
-    """Raise ``signums`` in the main thread from inside the forward pass of training step ``step``, each one's
-    handler run before the next is sent, as with two Ctrl-C a human presses (two signals pending at once reach
-    Python's handler as one: seen once on a loaded machine)."""
+    """Raise ``signums`` in the main thread from inside the forward pass of training step ``step``, each handled
+    before the next is sent (``os.kill`` of the process may land in one of torch's threads, where two signals sent
+    back to back can reach Python's handler as one, as two Ctrl-C a human presses never do)."""
     calls = []
 
     def send(module, args):
         calls.append(1)
         if len(calls) == step:
             for signum in signums:
-                handled, handler = [], signal.getsignal(signum)
-
-                def noted(s, frame, handler=handler, handled=handled):
-                    handled.append(s)
-                    handler(s, frame)
-
-                signal.signal(signum, noted)
                 signal.raise_signal(signum)
-                deadline = time.monotonic() + 30
-                while not handled and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                assert handled, f"the handler of signal {signum} did not run within 30 s"
 
     trainer.learner.backbone.register_forward_pre_hook(send)
 
