@@ -46,6 +46,7 @@ class DivergenceGuard:
         self.buffers = list(module.buffers())
         self.optimizer, self.mask, self.capacity = optimizer, mask, rows
         self.rows: torch.Tensor | None = None  # capacity x (3 + parameters), on the device, made at the first step
+        self.row: torch.Tensor | None = None  # the last step's
         self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
         self.saved_buffers: list[torch.Tensor] = []
         self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # what _copy keeps: originals, copies
@@ -71,7 +72,7 @@ class DivergenceGuard:
             dist.all_reduce(row[:1], op=dist.ReduceOp.MAX)
         if self.rows is None:
             self.rows = row.new_empty(self.capacity, len(row))
-        self.rows[len(self.steps)] = row
+        self.rows[len(self.steps)] = self.row = row
         self.steps.append(number)
         if not self.mask:
             yield
@@ -82,6 +83,11 @@ class DivergenceGuard:
             saved = self._copy("step", tensors)
         yield
         self._undo_unless(ok, tensors, saved)
+
+    def grad_norms(self) -> list[float]:
+        """The 2-norm of each parameter's gradient in the last step, in ``params``' order (0 where none): one host
+        sync."""
+        return self.row[3:].tolist()
 
     def _copy(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors``, into memory allocated at the first call (and again when the tensors change, as when

@@ -9,6 +9,7 @@ since the last one. ``docs/RELIABILITY.md`` lists every fault handled and what t
 """
 
 import contextlib
+import math
 import random
 import signal
 import sys
@@ -315,14 +316,10 @@ class Trainer:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
         that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
         learner = self.learner
-        # the loss's gradient: the prior's arrives divided by lambda (BayesNCLHead.prior_parameters)
-        prior = {id(p) for p in learner.head.prior_parameters()}
-        grads = [p.grad * learner.head.model.kl_weight if id(p) in prior else p.grad
-                 for p in learner.parameters() if p.grad is not None]
         epoch = (self.step - 1) // self.steps_per_epoch  # the epoch of the step's batch
         rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
                    nce=stats["nce"].item(), kl=stats["kl"].item(),
-                   grad_norm=torch.nn.utils.get_total_norm(grads).item(), images_per_s=images_per_s,
+                   grad_norm=self._grad_norm(), images_per_s=images_per_s,
                    active=stats["active"].item())
         if learner.gated:
             rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
@@ -336,6 +333,14 @@ class Trainer:
                 print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
         self._degenerate = bool(warnings)
         return rec
+
+    def _grad_norm(self) -> float:
+        """The 2-norm of the step's loss gradient, from the guard's norms of the parameters' (float64): the prior's
+        arrive divided by lambda (``BayesNCLHead.prior_parameters``) and are put back on the loss's scale."""
+        prior = {id(p) for p in self.learner.head.prior_parameters()}
+        weight = float(self.learner.head.model.kl_weight) if prior else 1.0
+        return math.hypot(*(n * weight if id(p) in prior else n
+                            for p, n in zip(self.guard.params, self.guard.grad_norms(), strict=True)))
 
     def _conflict_line(self, stats: dict) -> str:
         """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
