@@ -7,7 +7,7 @@ The pipeline: dataset -> views -> encoder -> (model, guide) -> ELBO -> optimizer
 Its layers, from the ground up; a module imports only from its own layer and from the layers listed before it
 (tests/test_imports.py reads this list and checks it):
 
-    *.py        the leaves: errors, config, plugins, device, distributed, rundir, loggers
+    *.py        the leaves: _version, errors, config, plugins, device, distributed, rundir, loggers
     data/       dataset -> images -> two augmented views per image, on the CPU or the training device
     nn/         plain PyTorch: backbones and MLPs, the contrastive maths, optimizers
     models/     the Pyro model: gates from a prior, InfoNCE on gated features as a likelihood factor
@@ -22,13 +22,13 @@ models/ and guides/ sit at the top of the repository, where the Pyro program is 
 bayesncl_pyro.models and bayesncl_pyro.guides.
 """
 
-__version__ = "0.3.0"
+from bayesncl_pyro._version import __version__
+
 __all__ = ["BayesNCLHead", "load_run"]
 
 
 def __getattr__(name: str):
-    # loaded on first use: `import bayesncl_pyro` (and every submodule's import of __version__) stays free of
-    # torch and Pyro
+    # loaded on first use: `import bayesncl_pyro` stays free of torch and Pyro
     if name == "BayesNCLHead":
         from bayesncl_pyro.infer.head import BayesNCLHead
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bayesncl_pyro import __version__
+from bayesncl_pyro._version import __version__
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError
@@ -69,8 +69,9 @@ def _nums(t: torch.Tensor) -> list:
 # -- the numbers ---------------------------------------------------------------------------------------------------
 
 
-def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None) -> list[dict]:
-    """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions. Image entries are
+def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None, scores: dict | None = None) -> list[dict]:
+    """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions (``scores``:
+    ``dimensions.factor_scores(feats)`` where the caller has it, computed here otherwise). Image entries are
     ``[image, activation, q(g_k = 1 | x)]`` (the last only for a gated run), largest activation first; quantile
     entries ``[quantile, image, activation, q]``. :func:`report_data` adds ``baseline_closest``, ``[dim, r]``: the
     baseline's dimension that correlates most with this one."""
@@ -89,7 +90,7 @@ def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None) -> list
     act_hist = dm.histograms(f, ACTIVATION_BINS, act_max, where=f > dm.ACTIVE_EPS)[dims].tolist()
     near, r = dm.correlated_dims(f, dims, CORRELATED)
     near, r = near.tolist(), _nums(r)
-    tracked = _tracked(feats)
+    tracked = _tracked(feats, scores)
     factor_counts = {name: dm.class_counts(f, v, int(v.max()) + 1)[:, dims].T.tolist()
                      for name, v in (feats.factors or {}).items() if name != "class"}
     gated = feats.gated
@@ -130,11 +131,12 @@ def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None) -> list
     return cards
 
 
-def _tracked(feats: TestFeatures) -> dict[int, str]:
+def _tracked(feats: TestFeatures, scores: dict | None) -> dict[int, str]:
     """The ground-truth factor each dimension of F tracks (generated data), by dimension."""
     if not feats.factors:
         return {}
-    return {k: name for name, s in dm.factor_scores(feats).items() for k in s["tracks"].nonzero().flatten().tolist()}
+    scores = dm.factor_scores(feats) if scores is None else scores
+    return {k: name for name, s in scores.items() for k in s["tracks"].nonzero().flatten().tolist()}
 
 
 def image_table(feats: TestFeatures) -> dict:
@@ -173,11 +175,10 @@ def gate_summary(feats: TestFeatures, kl: torch.Tensor, kl_label: str, prior_rat
                 warning=dm.undecided_warning(p))
 
 
-def factor_table(feats: TestFeatures) -> dict:
+def factor_table(feats: TestFeatures, scores: dict) -> dict:
     """Generated data: per dimension in use (in F or with every gate open) how much each factor explains its on/off
-    pattern with the gates and without, which factor it tracks in each, and the share of its active entries the
-    gates close; plus each factor's value names."""
-    scores = dm.factor_scores(feats)
+    pattern with the gates and without (``scores``: ``dimensions.factor_scores(feats)``), which factor it tracks in
+    each, and the share of its active entries the gates close; plus each factor's value names."""
     used = dm.alive(feats.features)
     if feats.gated:
         used |= dm.alive(feats.ungated)
@@ -227,14 +228,15 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
     ``gates``: :func:`gate_summary`'s, ``kl``: :func:`dimensions.kl_per_dim`'s (gated runs); ``baseline``: another
     run's ``run`` dict with its ``features`` (a TestFeatures of the same test split) and ``evaluation``."""
     n, k = feats.features.shape
-    cards = dimension_cards(feats, kl)
+    scores = dm.factor_scores(feats) if feats.factors else None
+    cards = dimension_cards(feats, kl, scores)
     out = dict(version=__version__, run=run, evaluation=evaluation, gates=gates, classes=feats.classes,
                sizes=dict(images=n, dims=k, dims_in_use=len(cards), dims_not_in_use=k - len(cards),
                           classes=feats.num_classes, min_support=dm.min_support(n, feats.num_classes),
                           top_images=TOP_IMAGES, thumbnail_px=THUMBNAIL_PX),
                quantiles=list(dm.QUANTILES), training=training_curves(log or [], run["config"]["gate"] if feats.gated
                                                                       else None, run["config"].get("kl_weight", 0.0)),
-               dims=cards, images=image_table(feats), factors=factor_table(feats) if feats.factors else None)
+               dims=cards, images=image_table(feats), factors=factor_table(feats, scores) if feats.factors else None)
     if baseline is not None:
         base = baseline["features"]
         base_cards = dimension_cards(base)

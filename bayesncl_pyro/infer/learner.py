@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bayesncl_pyro import __version__
+from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.datasets import FOLDER_DATASETS
 from bayesncl_pyro.device import pick_device

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from bayesncl_pyro import __version__, distributed, rundir
+from bayesncl_pyro import distributed, rundir
+from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import image_files, load_dataset
 from bayesncl_pyro.data.pipeline import TrainingInput
