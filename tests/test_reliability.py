@@ -21,6 +21,7 @@ import torch
 
 import bayesncl_pyro.rundir as rundir
 import bayesncl_pyro.train.trainer as training
+from bayesncl_pyro.cli import compare as compare_cli
 from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import ImageFiles
@@ -243,6 +244,19 @@ def test_run_svi_exit_codes(monkeypatch, capsys, raised, code, printed):
     monkeypatch.setattr(training, "Trainer", Failing)
     assert run_svi.main(["--out", "unused"]) == code
     assert capsys.readouterr().err == printed + "\n"
+
+
+def test_a_stopped_comparison_says_so_in_one_line(monkeypatch, capsys):
+    """compare.py trains run after run: a scheduler's signal stops the one in training (checkpoint saved) and the
+    command exits as run_svi does, so a batch script requeues it, and rerunning it resumes."""
+    def stopped(args):
+        raise Stopped("SIGTERM received: checkpoint saved at step 3 of 10 in runs/x; rerun the same command to "
+                      "resume", signal.SIGTERM)
+
+    monkeypatch.setattr(compare_cli, "compare", stopped)
+    assert compare_cli.main(["--dataset", "digits"]) == REQUEUE
+    assert capsys.readouterr().err == ("stopped: SIGTERM received: checkpoint saved at step 3 of 10 in runs/x; rerun "
+                                       "the same command to resume\n")
 
 
 def test_ctrl_c_while_run_svi_loads_its_libraries_is_one_line(monkeypatch, capsys):

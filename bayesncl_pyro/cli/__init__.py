@@ -4,12 +4,14 @@ returns the exit status, so the scripts are a few lines and tests call ``main`` 
 import functools
 import sys
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import Stopped, UserError
 
 
 def one_line_errors(main):
-    """``main`` as a script's entry point: a UserError (a bad input, with its fix) is one ``error:`` line on stderr and
-    exit status 2, never a traceback; anything else is a bug and keeps its traceback."""
+    """``main`` as a script's entry point, never a traceback for what the user did: a UserError (a bad input, with its
+    fix) is one ``error:`` line on stderr and exit status 2; a run stopped by a signal after saving its checkpoint
+    (``Stopped``) one ``stopped:`` line and its exit status (130 for Ctrl-C, ``errors.REQUEUE`` for a scheduler's
+    signal). Anything else is a bug and keeps its traceback."""
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
@@ -17,5 +19,9 @@ def one_line_errors(main):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except Stopped as e:  # under torchrun every rank says it at once into one stream: one write keeps lines whole
+            sys.stderr.write(f"stopped: {e}\n")
+            sys.stderr.flush()
+            return e.exit_code
 
     return run

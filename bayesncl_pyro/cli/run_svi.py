@@ -34,11 +34,12 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
+    from bayesncl_pyro.cli import one_line_errors
     from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, read_file,
                                       run_name)
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.nn.encoders import ENCODERS
-    from bayesncl_pyro.errors import Stopped, UserError
+    from bayesncl_pyro.errors import Stopped
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
@@ -188,6 +189,7 @@ def config(argv: list[str]) -> tuple[Config, bool]:
     return Config(**args), overwrite
 
 
+@one_line_errors
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -205,13 +207,6 @@ def main(argv=None) -> int:
             status = export(trainer)
         print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
         return status
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Stopped as e:  # every rank says it at once into torchrun's one stream: one write, so lines stay whole
-        sys.stderr.write(f"stopped: {e}\n")
-        sys.stderr.flush()
-        return e.exit_code
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print(INTERRUPTED, file=sys.stderr)
         return 130
