@@ -11,7 +11,7 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
 from bayesncl_pyro.evaluate.metrics import active_entries, semantic_consistency
-from bayesncl_pyro.infer.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl
+from bayesncl_pyro.infer.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl, shortfall
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
 
@@ -135,3 +135,26 @@ def test_topk_is_interpolated_at_each_runs_rate_and_never_extrapolated():
     assert "topk_semantic_consistency_at_rate" not in out["leg"]  # below the curve's sparsest point
     assert out["leg"]["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.25)
     assert "topk_semantic_consistency_at_rate" not in out["ncl+topk-k4"]
+
+
+@pytest.mark.parametrize("density, prior_prob, share, says", [
+    (0.3, 0.2, 0.32, None), (0.3, 0.2, 0.26, None),  # within 0.05 of D
+    (0.81, 0.2, 0.40, "use a --prior-prob above 0.5 (e.g. 0.8), whose KL opens gates"),  # the CIFAR-100 arm's case
+    (0.2, 0.8, 0.60, "use a --prior-prob below 0.5 (e.g. 0.2), whose KL closes gates"),
+    (0.3, 0.2, 0.45, "train for more steps"), (0.6, 0.8, 0.40, "train for more steps"),  # lambda could still reach D
+    (None, 0.2, 0.40, None)])
+def test_a_run_that_ends_away_from_its_density_says_why_and_the_fix(density, prior_prob, share, says):
+    line = shortfall(density, prior_prob, share)
+    if says is None:
+        assert line is None
+    else:
+        assert line.startswith(f"warning: the test split's share of open gates is {share:.3f}, not --gate-density")
+        assert says in line
+
+
+def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, capsys):
+    trainer = Trainer(tiny(tmp_path, gate_density=0.9, max_steps=2), progress=False)  # rho 0.2 cannot open gates
+    trainer.train(2)
+    share = trainer.evaluate()["gates_open"]
+    assert share < 0.85
+    assert shortfall(0.9, 0.2, share) in capsys.readouterr().err

@@ -76,6 +76,29 @@ def check_gate_density(density: float | None, method: str, prior_prob: float):
                         "neither open nor closed; use e.g. 0.2 (the KL closes gates) or 0.8 (it opens them)")
 
 
+TOLERANCE = 0.05
+"""How far from D the test split's share of open gates may end before the run says it missed the target."""
+
+
+def shortfall(density: float | None, prior_prob: float, share: float | None) -> str | None:
+    """One warning line when a run's share of open gates on the test split ended more than TOLERANCE from its
+    --gate-density, saying why and what to change; None when it met D (or had no target). The usual cause is D on
+    the side of InfoNCE's own share that the prior's KL cannot reach (module docstring, "Which way lambda pushes"):
+    the multiplier then falls towards 0 and the share stays where InfoNCE leaves it."""
+    if density is None or share is None or abs(share - density) <= TOLERANCE:
+        return None
+    closes = prior_prob < 0.5
+    if share < density if closes else share > density:
+        why = (f"with --prior-prob {prior_prob:g} a larger lambda only {'closes' if closes else 'opens'} gates, so "
+               f"lambda fell towards 0 and InfoNCE left {share:.3f} open")
+        fix = (f"for D {'above' if closes else 'below'} that share, use a --prior-prob {'above' if closes else 'below'}"
+               f" 0.5 (e.g. {'0.8' if closes else '0.2'}), whose KL {'opens' if closes else 'closes'} gates")
+    else:
+        why, fix = "the multiplier had not brought the share to D by the last step", "train for more steps"
+    return (f"warning: the test split's share of open gates is {share:.3f}, not --gate-density {density:g} (more "
+            f"than {TOLERANCE:g} away): {why}; {fix}")
+
+
 class DensityControl(nn.Module):
     """The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta,
     error and the target's path are buffers, so they travel with the learner's state_dict and a resumed run

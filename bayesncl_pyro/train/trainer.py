@@ -30,6 +30,7 @@ from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
+from bayesncl_pyro.infer.density import shortfall
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
@@ -211,6 +212,9 @@ class Trainer:
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
+        missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"))
+        if missed:
+            print(missed, file=sys.stderr)
         self._report_skipped()
         return results
 
