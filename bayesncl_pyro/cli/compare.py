@@ -27,15 +27,21 @@ judged beside TopK at its own activation rate, random masks as sparse as it, and
         --topk 4 8 16 --gate-density 0.15 0.3 0.45 --prior-prob 0.2 --seeds 0 1 2 --workers 0 \
         --out runs/matched-comp --record docs/results/matched-comp
 
-and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; about 12 runs of 5-10 minutes
-on 2 free cores, estimated from the compositional runs' step time, not measured), in two commands: the published
-STE first, whose share of open gates on the test split ("Gates on") then sets D for both gates:
+and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; 12 runs of 585 steps), in two
+commands: the published STE first, whose share of open gates on the test split ("Gates on": 0.81) then sets D
+for both gates. D lies above the share InfoNCE leaves open with lambda near 0 (0.40 under ste, 0.60 under leg,
+measured at rho 0.2, where lambda can only close gates and fell to 1e-25), so the second command needs a prior
+whose KL opens gates, the published 0.8:
 
     python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
         --topk 16 32 --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
     python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
-        --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.2 --gate-density D \
+        --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.8 --gate-density D \
         --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
+
+(On one H200, six commands of one method and seed at a time: 0.7-1.4 minutes each. On 2 CPU cores, two runs
+sharing them with one thread each: about 17 minutes a run, so about 1.7 hours for the 12; 35 minutes a run with
+four sharing them.)
 
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), with the recipe's evaluation protocol: the paper's (linear probe on raw
