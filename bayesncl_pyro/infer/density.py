@@ -76,6 +76,11 @@ def check_gate_density(density: float | None, method: str, prior_prob: float):
                         "neither open nor closed; use e.g. 0.2 (the KL closes gates) or 0.8 (it opens them)")
 
 
+def kl_closes_gates(prior_prob: float) -> bool:
+    """Whether a larger lambda closes mode gates (rho < 1/2) rather than opening them ("Which way lambda pushes")."""
+    return prior_prob < 0.5
+
+
 TOLERANCE = 0.05
 """How far from D the test split's share of open gates may end before the run says it missed the target."""
 
@@ -87,7 +92,7 @@ def shortfall(density: float | None, prior_prob: float, share: float | None) -> 
     the multiplier then falls towards 0 and the share stays where InfoNCE leaves it."""
     if density is None or share is None or abs(share - density) <= TOLERANCE:
         return None
-    closes = prior_prob < 0.5
+    closes = kl_closes_gates(prior_prob)
     if share < density if closes else share > density:
         why = (f"with --prior-prob {prior_prob:g} a larger lambda only {'closes' if closes else 'opens'} gates, so "
                f"lambda fell towards 0 and InfoNCE left {share:.3f} open")
@@ -113,7 +118,7 @@ class DensityControl(nn.Module):
     def __init__(self, density: float, kl_weight: float, prior_prob: float):
         super().__init__()
         self.density = density
-        self.sign = 1.0 if prior_prob < 0.5 else -1.0
+        self.sign = 1.0 if kl_closes_gates(prior_prob) else -1.0
         self.register_buffer("eta", torch.tensor(float(kl_weight)).log())
         self.register_buffer("error", torch.tensor(0.0))  # the last step's s * (share - target)
         self.register_buffer("target", torch.tensor(float("nan")))  # the last step's target; NaN before the first
