@@ -145,6 +145,9 @@ def test_all_zero_features_do_not_crash():
     labels = torch.arange(12) % 2
     assert interpretability_metrics(features, labels) == {
         "semantic_consistency": 0.0,
+        "semantic_consistency_topn": 0.0,
+        "topn_coverage_dims": 0,
+        "topn_coverage_images": 0.0,
         "semantic_entropy": 0.0,
         "activation_rate": 0.0,
         "active_dims": 0,
@@ -213,3 +216,93 @@ def test_factor_report_counts_the_dims_the_gates_close_per_factor():
                       "gated_off_share_background": 1.0}
     assert factor_report(gated, {"class": cls, "background": bg}) == {"dims_tracking_class": 1,
                                                                        "dims_tracking_background": 0}
+
+
+def _class_blind(density, n=4000, k=64, classes=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % classes
+    features = torch.rand(n, k, generator=g) * (torch.rand(n, k, generator=g) < density)
+    return features, labels
+
+
+def test_topn_consistency_of_class_blind_features_is_chance_at_every_density():
+    from bayesncl_pyro.evaluate.metrics import topn_chance, topn_consistency, topn_size
+
+    _, labels = _class_blind(0.5)
+    n = topn_size(len(labels))
+    assert n == 40  # 1 % of 4000
+    chance = topn_chance(labels)
+    assert 0.2 < chance < 0.3  # the top class of 40 draws from 8 balanced classes: about 0.26
+    for density in (0.5, 0.2, 0.05, 0.02, 0.01):
+        features, labels = _class_blind(density)
+        out = topn_consistency(features, labels)
+        assert out["topn_coverage_dims"] >= 16, density  # at 1 %, the dims firing in at least 40 of 4000 images
+        assert out["semantic_consistency_topn"] == pytest.approx(chance, abs=0.03), density
+
+
+def test_the_papers_consistency_rises_as_class_blind_features_get_sparser():
+    """The defect the top-N consistency removes, pinned: the same class-blind features, sparser, score higher."""
+    scores = [semantic_consistency(*_class_blind(density)) for density in (0.5, 0.2, 0.05, 0.02, 0.01)]
+    assert scores == sorted(scores) and scores[0] == pytest.approx(1 / 8, abs=0.01) and scores[-1] > 0.2
+
+
+def test_topn_consistency_of_features_that_copy_the_label_is_one():
+    from bayesncl_pyro.evaluate.metrics import topn_consistency
+
+    labels = torch.arange(400) % 4
+    features = torch.nn.functional.one_hot(labels, 4).float() * torch.rand(400, 1) + 1e-3 * torch.rand(400, 4)
+    out = topn_consistency(features, labels)  # every dim fires everywhere (the 1e-3 noise): its top 20 are its class
+    assert out == dict(semantic_consistency_topn=1.0, topn_coverage_dims=4, topn_coverage_images=1.0)
+
+
+def test_topn_consistency_ranks_by_value_and_counts_its_coverage():
+    from bayesncl_pyro.evaluate.metrics import topn_consistency
+
+    labels = torch.tensor([0, 1, 1, 2, 0])
+    rows = torch.tensor([[0.2, 0.9], [0.9, 0.1], [0.8, 0.2], [0.0, 0.3]])
+    filler = (1 - (rows ** 2).sum(dim=1, keepdim=True)).sqrt()  # rows of unit norm: normalisation changes nothing
+    features = torch.cat([torch.cat([rows, filler, torch.zeros(4, 1)], dim=1), torch.tensor([[0.0, 0, 0, 1]])])
+    # n = 2: dim 0's top two by value are samples 1 and 2 (class 1: 1.0; by index it would be 0 and 1: 0.5), dim 1's
+    # are 0 and 3 (0.5), the filler's 3 and 2 (0.5); dim 3 fires in one sample and is not judged, nor is sample 4
+    out = topn_consistency(features, labels, n=2)
+    assert out["semantic_consistency_topn"] == pytest.approx(2 / 3)
+    assert out["topn_coverage_dims"] == 3 and out["topn_coverage_images"] == pytest.approx(4 / 5)
+
+
+def test_controls_keep_the_gates_count_in_every_image():
+    from bayesncl_pyro.evaluate.matched import RANDOM_MASKS, control_masks
+    from bayesncl_pyro.nn.losses import normalize
+
+    g = torch.Generator().manual_seed(0)
+    ungated = normalize(torch.rand(50, 12, generator=g) * (torch.rand(50, 12, generator=g) < 0.7))
+    gates = torch.rand(50, 12, generator=g) < 0.5
+    gates[:, 3] = False  # a dim F never uses
+    features = normalize(ungated * gates)
+    counts = (features != 0).sum(dim=1)
+    masks = control_masks(ungated, features, seed=1)
+    assert [len(masks[n]) for n in ("posthoc_topk", "random_per_image", "random_pruned")] == [1, RANDOM_MASKS,
+                                                                                            RANDOM_MASKS]
+    for name, ms in masks.items():
+        for m in ms:
+            assert torch.equal(m.sum(dim=1), counts), name
+            assert not (m & (ungated == 0)).any(), name  # only u's non-zero entries are kept
+    assert not any(m[:, 3].any() for m in masks["random_pruned"])
+    assert any(m[:, 3].any() for m in masks["random_per_image"])
+    # post-hoc TopK keeps each image's largest entries: every kept value is at least every dropped one
+    kept = masks["posthoc_topk"][0]
+    assert all(ungated[i][kept[i]].min() >= ungated[i][~kept[i]].max() for i in range(50) if 0 < counts[i] < 12)
+    assert not torch.equal(masks["random_per_image"][0], masks["random_per_image"][1])  # fresh draws
+
+
+def test_controls_are_seeded_and_summarised_on_both_consistencies():
+    from bayesncl_pyro.evaluate.matched import count_matched_controls
+    from bayesncl_pyro.nn.losses import normalize
+
+    features, labels = _class_blind(0.5, n=400)
+    gated = features * (torch.rand(400, 64, generator=torch.Generator().manual_seed(2)) < 0.5)
+    a = count_matched_controls(features, gated, labels, seed=3)
+    assert a == count_matched_controls(features, gated, labels, seed=3)
+    for name in ("posthoc_topk", "random_per_image", "random_pruned"):
+        assert {"semantic_consistency", "semantic_consistency_topn", "topn_coverage_dims", "sparsity"} <= a[name].keys()
+        # F's count kept in every image, up to an entry the 1e-5 threshold sees differently after renormalising
+        assert a[name]["sparsity"] == pytest.approx(sparsity(normalize(gated)), abs=1e-4)

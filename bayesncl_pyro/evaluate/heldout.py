@@ -14,8 +14,10 @@ from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
-from bayesncl_pyro.evaluate.matched import REPRESENTATIONS, posterior_representations, random_mask_null
-from bayesncl_pyro.evaluate.metrics import closed_share, factor_tracking, interpretability_metrics, retrieval_precision
+from bayesncl_pyro.evaluate.matched import (CONTROLS, REPRESENTATIONS, count_matched_controls,
+                                            posterior_representations, random_mask_null)
+from bayesncl_pyro.evaluate.metrics import (closed_share, factor_tracking, interpretability_metrics, retrieval_precision,
+                                            topn_chance, topn_size)
 from bayesncl_pyro.evaluate.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
 from bayesncl_pyro.loggers import Progress
 
@@ -158,8 +160,11 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     For BayesNCL the interpretability metrics are also reported for the same model's features before
     gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity
     and as a posterior (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``),
-    the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``). ``representations``
-    says what each suffix is a figure of. ``progress`` (``progress.reporter``) shows the long parts go by: the
+    the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as
+    sparse as F image by image (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what
+    each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
+    (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
+    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long parts go by: the
     features of each split, the linear probe's epochs. ``test``: the test split's :func:`test_features`, when the
     caller has them (else they are computed here)."""
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
@@ -168,7 +173,7 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     ungated, gates, probs = test.ungated, test.mask, test.probs
     recipe, num_dims = protocol(cfg.eval_protocol, cfg.dataset)
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed, progress=progress)
-    results = interpretability_metrics(f_te, y_te)
+    results = dict(interpretability_metrics(f_te, y_te), topn_n=topn_size(len(y_te)), topn_chance=topn_chance(y_te))
     if learner.gated:
         results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
@@ -184,6 +189,8 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     if learner.gated:
         results.update(random_mask_null(ungated, f_te, y_te, factors, cfg.seed))
         results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
+        results.update(controls=count_matched_controls(ungated, f_te, y_te, factors, cfg.seed),
+                       control_definitions=CONTROLS)
     suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,
                 representations={s or "(no suffix)": REPRESENTATIONS[s] for s in suffixes})

@@ -10,6 +10,12 @@ that fires on fewer images has its top class cover more of them. So a gated run 
 
 and, since an ELBO-trained q near its prior has a mode that summarises it badly, at the posterior mean (the paper's
 "soft gating", normalise(u * p)) and averaged over draws of g ~ q(g | x) (:func:`posterior_representations`).
+
+The random-mask null matches F's sparsity in expectation only and keeps every dim of u alive; the controls of
+:func:`count_matched_controls` match it image by image: u keeping each image's largest entries (a TopK chosen after
+training), and random entries of the image, among all of u's dims or only those F uses (:data:`CONTROLS`). Every
+figure is given on the paper's consistency and on the top-N one (``metrics.topn_consistency``), which sparsity
+cannot game.
 """
 
 import itertools
@@ -17,8 +23,8 @@ import math
 
 import torch
 
-from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, active_entries, factor_tracking,
-                                            semantic_consistency)
+from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, active_entries, alive, factor_tracking,
+                                            semantic_consistency, sparsity, topn_consistency)
 from bayesncl_pyro.nn.losses import normalize
 
 RANDOM_MASKS = 5
@@ -40,10 +46,10 @@ are on backbone features, the same for all."""
 
 
 def summary(features: torch.Tensor, labels: torch.Tensor, factors: dict | None) -> dict:
-    """The figures that change with the representation: consistency, activation rate, dims in use and, where the
-    factors are known, the dims tracking each."""
-    out = dict(semantic_consistency=semantic_consistency(features, labels), activation_rate=activation_rate(features),
-               active_dims=active_dims(features))
+    """The figures that change with the representation: the paper's consistency and the top-N one with its coverage,
+    activation rate, dims in use and, where the factors are known, the dims tracking each."""
+    out = dict(semantic_consistency=semantic_consistency(features, labels), **topn_consistency(features, labels),
+               activation_rate=activation_rate(features), active_dims=active_dims(features))
     if factors is not None:
         out.update({f"dims_tracking_{n}": int(m.sum()) for n, m in factor_tracking(features, factors).items()})
     return out
@@ -78,6 +84,52 @@ def posterior_representations(ungated: torch.Tensor, probs: torch.Tensor, labels
              for _ in range(Q_DRAWS)]
     return {**_mean([summary(normalize(ungated * probs), labels, factors)], "_posterior_mean"),
             **_mean(draws, "_q_draws")}
+
+
+CONTROLS = {
+    "posthoc_topk": "the run's ungated features u, each image keeping as many of its largest entries as its gates "
+                    "kept (F's active entries in that image): TopK chosen after training, per image",
+    "random_per_image": f"u, each image keeping exactly F's count of active entries, drawn uniformly among its own "
+                        f"active entries: the mean over {RANDOM_MASKS} seeded masks",
+    "random_pruned": f"as random_per_image, drawn only among the dims F uses (those alive in F): the mean over "
+                     f"{RANDOM_MASKS} seeded masks",
+}
+"""The controls of a gated run (eval.json's ``controls``): the same encoder's features, as sparse as F image by image,
+with the entries chosen by another rule than the gates'."""
+
+
+def _keep_first(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """N x K bool: in each row, the ``counts`` (N) entries of smallest score (ties by index)."""
+    rank = scores.argsort(dim=1, stable=True).argsort(dim=1)
+    return rank < counts[:, None]
+
+
+def control_masks(ungated: torch.Tensor, features: torch.Tensor, seed: int = 0) -> dict[str, list[torch.Tensor]]:
+    """The N x K bool masks of the controls (:data:`CONTROLS`): one for ``posthoc_topk``, :data:`RANDOM_MASKS` seeded
+    ones for each random control. ungated: N x K u; features: N x K F = normalise(u * m). Each mask keeps, in every
+    image, F's number of active entries, chosen among u's non-zero entries (F's non-zero entries are among them, so
+    the count is always there to keep)."""
+    nonzero = ungated != 0
+    counts = active_entries(features).sum(dim=1).long()
+    out = {"posthoc_topk": [_keep_first(torch.where(nonzero, -ungated.double(), torch.inf), counts)]}
+    g = torch.Generator().manual_seed(seed)
+    for name, eligible in (("random_per_image", nonzero), ("random_pruned", nonzero & alive(features))):
+        out[name] = [_keep_first(torch.where(eligible, torch.rand(ungated.shape, generator=g, dtype=torch.float64),
+                                             torch.inf), counts) for _ in range(RANDOM_MASKS)]
+    return out
+
+
+def count_matched_controls(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
+                           factors: dict | None = None, seed: int = 0) -> dict:
+    """The controls that separate the gates' selection from what training did to the encoder: ``{name: figures}``,
+    :func:`summary`'s and the sparsity of normalise(u * mask), averaged over each control's :func:`control_masks`.
+    ungated: N x K u, features: N x K F, labels: N."""
+    def figures(mask):
+        x = normalize(ungated * mask)
+        return dict(summary(x, labels, factors), sparsity=sparsity(x))
+
+    return {name: _mean([figures(m) for m in masks], "")
+            for name, masks in control_masks(ungated, features, seed).items()}
 
 
 def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:

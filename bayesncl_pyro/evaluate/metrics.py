@@ -43,11 +43,17 @@ def _mean_over_used_dims(mass, per_dim):
 
 
 def semantic_consistency(features, labels):
-    """Mean over dims of the share of the most frequent class among the samples active in that dim.
+    """The paper's consistency: mean over dims of the share of the most frequent class among the samples active in
+    that dim.
 
     features: N x K, labels: N. Rows are L2-normalised first (as in the reference) so the 1e-5
     threshold is scale-free. Dense features give exactly the largest class share, i.e. 1/C for
     balanced labels; one dimension per class gives 1.0. Dims active in no sample are skipped.
+
+    It rewards sparsity itself: a dim active in few samples has its top class cover many of them whatever it
+    responds to (a class-blind dim on 8 balanced classes scores 1.0 when it fires in one sample, about 0.30 in ten),
+    and dropping a dim of low consistency is never penalised. :func:`topn_consistency` is the reading sparsity
+    cannot game.
     """
     share, counts = dim_consistency(features, labels)
     return _mean_over_used_dims(counts, share)
@@ -64,6 +70,52 @@ def top_class_share(counts):
     """K: per dim, the share of its C x K ``counts`` (active samples per class) that its most frequent class holds;
     0 where it has none. In the dtype of ``counts`` (a float one for an integer one)."""
     return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
+
+
+TOPN_SHARE, TOPN_MIN = 0.01, 20
+"""The top-N consistency's N: 1 % of the test split, and at least 20 samples."""
+CHANCE_DRAWS = 2000
+"""Random N-subsets of the labels that :func:`topn_chance` averages over."""
+
+
+def topn_size(num_samples: int) -> int:
+    """N of :func:`topn_consistency` for a test split of ``num_samples``: 1 % of it, at least 20."""
+    return max(TOPN_MIN, math.ceil(TOPN_SHARE * num_samples))
+
+
+def topn_consistency(features, labels, n: int | None = None) -> dict:
+    """A consistency that sparsity cannot game: per dim, the share of the most frequent class among its ``n`` samples
+    of largest value (rows L2-normalised first), averaged over the dims active in at least ``n`` samples.
+
+    features: N x K, labels: N; n: :func:`topn_size` of N when None. Every dim is judged on the same number of
+    samples, so a class-blind dim scores :func:`topn_chance` however rarely it fires, and one that fires in fewer
+    than ``n`` samples is not judged at it all; how much of the representation was judged is the coverage. Ranking
+    by value reads magnitudes, so soft gating (features scaled by a probability) changes it. Ties in value are
+    broken by sample index. Returns ``semantic_consistency_topn`` (0.0 when no dim qualifies),
+    ``topn_coverage_dims`` (the qualifying dims) and ``topn_coverage_images`` (the share of samples active in at
+    least one of them)."""
+    n = topn_size(len(labels)) if n is None else n
+    values = F.normalize(features.double(), dim=1).abs()
+    active = values > ACTIVE_EPS
+    qualifying = active.sum(dim=0) >= n
+    if not qualifying.any():
+        return dict(semantic_consistency_topn=0.0, topn_coverage_dims=0, topn_coverage_images=0.0)
+    top = values[:, qualifying].sort(dim=0, descending=True, stable=True).indices[:n]  # n x K' sample indices
+    counts = F.one_hot(labels[top], int(labels.max()) + 1).sum(dim=0)  # K' x C
+    return dict(semantic_consistency_topn=float((counts.max(dim=1).values / n).double().mean()),
+                topn_coverage_dims=int(qualifying.sum()),
+                topn_coverage_images=float(active[:, qualifying].any(dim=1).double().mean()))
+
+
+def topn_chance(labels, n: int | None = None, seed: int = 0) -> float:
+    """The top-N consistency of a class-blind dim: the expected share of the most frequent class among ``n`` samples
+    drawn at random without replacement from ``labels`` (N), estimated from :data:`CHANCE_DRAWS` seeded draws
+    (standard error below 0.002 for N = 20 on 8 classes). n: :func:`topn_size` of N when None."""
+    n = topn_size(len(labels)) if n is None else n
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.rand(CHANCE_DRAWS, len(labels), generator=g).argsort(dim=1)[:, :n]
+    counts = F.one_hot(labels[picks], int(labels.max()) + 1).sum(dim=1)  # draws x C
+    return float((counts.max(dim=1).values / n).double().mean())
 
 
 def semantic_entropy(features, labels, weighting="magnitude"):
@@ -231,9 +283,11 @@ def tracked_factors(information, min_score=0.1):
 
 
 def interpretability_metrics(features, labels):
-    """All label-aware and label-free interpretability metrics of N x K features, as one dict."""
+    """All label-aware and label-free interpretability metrics of N x K features, as one dict: the paper's
+    (semantic consistency and entropy, ...) and the top-N consistency with its coverage (:func:`topn_consistency`)."""
     return {
         "semantic_consistency": semantic_consistency(features, labels),
+        **topn_consistency(features, labels),
         "semantic_entropy": semantic_entropy(features, labels),
         "activation_rate": activation_rate(features),
         "active_dims": active_dims(features),
