@@ -158,3 +158,40 @@ def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, capsys):
     share = trainer.evaluate()["gates_open"]
     assert share < 0.85
     assert shortfall(0.9, 0.2, share) in capsys.readouterr().err
+
+
+def test_each_run_meets_the_topk_curve_of_its_own_seed():
+    curve = lambda seed, cons: [  # noqa: E731
+        dict(name="ncl+topk-k4", family="ncl+topk", seed=seed, activation_rate=0.1, sparsity=0.9,
+             semantic_consistency=cons),
+        dict(name="ncl", family="ncl", seed=seed, activation_rate=0.4, sparsity=0.6, semantic_consistency=0.2)]
+    runs = curve(0, 0.4) + curve(1, 0.8) + [
+        dict(name="ste", family="bayesncl-ste", seed=s, activation_rate=0.3, sparsity=0.75, semantic_consistency=0.5)
+        for s in (0, 1)]
+    ste = [r for r in topk_at_rate(runs) if r["name"] == "ste"]
+    assert [r["topk_semantic_consistency_at_sparsity"] for r in ste] == pytest.approx([0.3, 0.5])  # never 0.4
+
+
+def test_paired_differences_give_the_t_and_bootstrap_intervals_and_the_signs():
+    from scipy import stats
+
+    from bayesncl_pyro.evaluate.matched import interval, paired
+
+    d = [0.023, 0.017, 0.003]
+    out = interval(d)
+    t = stats.ttest_1samp(d, 0.0)
+    ci = t.confidence_interval(0.95)
+    assert (out["t_low"], out["t_high"], out["p"]) == pytest.approx((ci.low, ci.high, t.pvalue))
+    assert min(d) - 1e-12 <= out["boot_low"] <= out["mean"] <= out["boot_high"] <= max(d) + 1e-12
+    assert (out["n"], out["above"], out["below"]) == (3, 3, 0)
+    assert interval([0.1]) == dict(n=1, mean=0.1, above=1, below=0)  # no interval from one seed
+
+    runs = [dict(name="ncl", family="ncl", seed=s, semantic_consistency=0.2, semantic_consistency_topn=0.3)
+            for s in (0, 1)]
+    runs += [dict(name="ste", family="bayesncl-ste", seed=s, semantic_consistency=0.25 + 0.01 * s,
+                  semantic_consistency_topn=0.3, controls={"posthoc_topk": {"semantic_consistency_topn": 0.35}})
+             for s in (0, 1)]
+    rows = {(r["baseline"], r["metric"]): r for r in paired(runs)}
+    assert rows["NCL (same seed)", "semantic_consistency"]["differences"] == pytest.approx([0.05, 0.06])
+    assert rows["posthoc_topk (control)", "semantic_consistency_topn"]["differences"] == pytest.approx([-0.05, -0.05])
+    assert ("posthoc_topk (control)", "semantic_consistency") not in rows  # no figure, no row

@@ -58,6 +58,15 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path, ncl_run):
     assert consistency[1:] == [f"{results['semantic_consistency']:.4f}", f"{results['semantic_consistency_ungated']:.4f}"]
     assert results["active_dims"] <= results["active_dims_ungated"] <= 16
     assert "with every gate open" in proc.stdout
+    # the top-N consistency and its post-hoc TopK control beside the paper's, and what they show
+    posthoc = results["controls"]["posthoc_topk"]
+    assert f"{posthoc['semantic_consistency']:.3f} for post-hoc TopK" in proc.stdout
+    assert (f"top-{results['topn_n']} consistency" in proc.stdout
+            and f"{results['semantic_consistency_topn']:.3f} with the gates" in proc.stdout
+            and f"{posthoc['semantic_consistency_topn']:.3f} for post-hoc TopK" in proc.stdout)
+    diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
+    assert f"the gates' choice of entries is {'above' if diff > 0.01 else 'below' if diff < -0.01 else 'level with'} " \
+        f"keeping each image's largest ones ({diff:+.3f}" in proc.stdout
     assert proc.stdout.rstrip().endswith(f"a card per dimension, one page: {run_dir}/report/index.html")
     # the next commands, as printed, run: by this interpreter (`python` may be another one, without the package)
     next_ncl = next(line for line in table if "--method ncl" in line).strip()

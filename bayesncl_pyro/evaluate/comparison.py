@@ -10,7 +10,8 @@ from pathlib import Path
 from bayesncl_pyro import rundir
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.evaluate.heldout import describe_protocol
-from bayesncl_pyro.evaluate.matched import MATCHED_COLUMNS, plot_matched, topk_at_rate
+from bayesncl_pyro.evaluate.matched import (MATCHED_COLUMNS, TOPN_COLUMNS, flat_controls, paired, paired_table,
+                                            plot_matched, plot_paired, topk_at_rate)
 from bayesncl_pyro.infer.estimators import GATES
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
@@ -123,14 +124,16 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     given NCL+TopK's at its sparsity), each method's means over ``seeds``, and the settings every run shares, taken
     from ``settings`` (one run's Config, a gated one's where there are gates) less what differs between runs
     (lambda too where there are ``several_lambdas``)."""
-    runs = topk_at_rate(runs)
-    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS))
+    runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
+    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
+                              + TOPN_COLUMNS))
     per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
         {"kl_weight"} if several_lambdas else set())
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes,
                 settings={k: v for k, v in settings.identity().items() if k not in per_run},
-                summary=summarise(runs, keys), runs=runs, paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
+                summary=summarise(runs, keys), paired=paired(runs), runs=runs, paper=PAPER.get(dataset, {}),
+                budget=budget, wall_s=wall_s)
 
 
 def table(summary: dict, columns: list, seeds: int) -> str:
@@ -189,11 +192,25 @@ def markdown(report: dict) -> str:
     if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
         md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
                "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
-               "the two nearest k, "
-               "each the mean over its seeds, NCL as k = K; blank outside their range), the same run's ungated "
-               "features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
+               "the two nearest k of the run's own seed, NCL as k = K; blank outside their range), the same run's "
+               "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
                "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
                table(summary, MATCHED_COLUMNS, len(seeds))]
+    if any("semantic_consistency_topn" in r for r in runs):
+        n = sorted({r["topn_n"] for r in runs if "topn_n" in r})
+        md += ["", f"Two consistencies: the paper's (over every image a dim is active in; it rises as a representation "
+               f"gets sparser, whatever it responds to) and the top-N one (each dim's N = {', '.join(map(str, n))} "
+               "images of largest value, over the dims active in N images: a class-blind dim scores the chance "
+               "level, however sparse), with its coverage (dims judged; images active in one of them). Each gated "
+               "run beside its controls, its own ungated features as sparse as F image by image: each image's "
+               "largest entries (post-hoc TopK), random entries (the mean of 5), random entries of the dims F uses.",
+               "", table(summary, TOPN_COLUMNS, len(seeds))]
+    if report.get("paired"):
+        md += ["", "Paired by seed (paired.png): each gated method minus each baseline on the same seed, in points; "
+               "95 % confidence intervals of the mean difference by Student's t and by the bootstrap over seeds "
+               "(10,000 resamples); above / below: seeds whose difference is positive / negative; p: two-sided t "
+               "test of a zero mean. An interval that contains 0 does not separate the method from the baseline.",
+               "", paired_table(report["paired"])]
     paper = paper_table(dataset, summary, protocol)
     if paper:
         caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "
@@ -227,12 +244,15 @@ def plot(runs: list[dict], path: Path):
 
 
 def write_comparison(out: Path, report: dict) -> str:
-    """Write comparison.json, consistency_vs_probe.png, matched_sparsity.png and comparison.md into ``out``; return
+    """Write comparison.json, consistency_vs_probe.png, matched_sparsity.png, paired.png (where there are gated runs
+    with baselines) and comparison.md into ``out``; return
     comparison.md's text."""
     out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report["runs"], out / "consistency_vs_probe.png")
     plot_matched(report["runs"], out / "matched_sparsity.png")
+    if report.get("paired"):
+        plot_paired(report["paired"], out / "paired.png")
     md = markdown(report)
     (out / "comparison.md").write_text(md)
     return md

@@ -5,8 +5,8 @@ that fires on fewer images has its top class cover more of them. So a gated run 
 
 * the same run's ungated features under *random* masks that keep as many active entries as its representation F
   has (:func:`random_mask_null`): the same encoder and the same sparsity, without the gates' selection;
-* NCL+TopK at the same activation rate (:func:`topk_at_rate`, in ``compare.py``'s tables): another way to be that
-  sparse, trained as such;
+* NCL+TopK of the same seed at the same activation rate or sparsity (:func:`topk_at_rate`, in ``compare.py``'s
+  tables): another way to be that sparse, trained as such;
 
 and, since an ELBO-trained q near its prior has a mode that summarises it badly, at the posterior mean (the paper's
 "soft gating", normalise(u * p)) and averaged over draws of g ~ q(g | x) (:func:`posterior_representations`).
@@ -143,7 +143,7 @@ def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
     return None
 
 
-TOPK_KEYS = ("semantic_consistency", "dims_tracking_class", "linear_probe_top1")
+TOPK_KEYS = ("semantic_consistency", "semantic_consistency_topn", "dims_tracking_class", "linear_probe_top1")
 
 
 MATCH_ON = {"rate": "activation_rate", "sparsity": "sparsity"}
@@ -153,27 +153,128 @@ and the share of zero entries over all K dims (what a TopK's k fixes, and what t
 
 
 def topk_at_rate(runs: list[dict]) -> list[dict]:
-    """``runs`` (compare.py's: dicts with ``name``, ``family`` and their eval figures), each given the NCL+TopK curve's
-    figures at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and ``topk_<key>_at_sparsity``
-    for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest TopK settings (each the
-    mean over its seeds; NCL, TopK with every dim kept, is a point of the curve) and left out where the run lies
-    outside the curve's range. Runs of the curve itself get nothing."""
-    curve = {}
+    """``runs`` (compare.py's: dicts with ``name``, ``family``, ``seed`` and their eval figures), each given the
+    NCL+TopK curve of its own seed at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and
+    ``topk_<key>_at_sparsity`` for the keys in TOPK_KEYS, interpolated linearly in that measure between the two
+    nearest TopK settings of that seed (NCL, TopK with every dim kept, is a point of the curve) and left out where
+    the run lies outside the curve's range. A seed's curve is never averaged with another's: the seed draws the
+    data too (the generated benchmark's test split). Runs of the curve itself get nothing."""
+    curves = {}
     for r in runs:
         if r["family"] in ("ncl+topk", "ncl"):
-            curve.setdefault(r["name"], []).append(r)
-    means = [{k: sum(r[k] for r in rs) / len(rs) for k in (*MATCH_ON.values(), *TOPK_KEYS)
-              if all(k in r for r in rs)} for rs in curve.values()]
+            curves.setdefault(r.get("seed"), []).append(r)
     out = []
     for r in runs:
         r = dict(r)
-        if r["family"] not in ("ncl+topk", "ncl") and len(means) >= 2:
+        curve = curves.get(r.get("seed"), [])
+        if r["family"] not in ("ncl+topk", "ncl") and len(curve) >= 2:
             for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
-                value = interpolate(r[x], [(m[x], m[key]) for m in means if key in m])
+                value = interpolate(r[x], [(c[x], c[key]) for c in curve if key in c])
                 if value is not None:
                     r[f"topk_{key}_at_{suffix}"] = value
         out.append(r)
     return out
+
+
+METRICS = {"semantic_consistency": "the paper's consistency", "semantic_consistency_topn": "top-N consistency"}
+"""The two consistencies every paired comparison is made on."""
+
+BASELINES = {"topk": "trained TopK at its sparsity", **{c: f"{c} (control)" for c in CONTROLS},
+             "ungated": "ungated (same model)", "ncl": "NCL (same seed)"}
+"""What a gated run is compared with, seed by seed (:func:`baseline_value`)."""
+
+
+def baseline_value(run: dict, baseline: str, key: str, ncl: dict) -> float | None:
+    """The value on metric ``key`` of ``baseline`` (a key of :data:`BASELINES`) for ``run``; ``ncl``: seed -> the NCL
+    run of that seed. None where the run has no such baseline."""
+    if baseline == "topk":
+        return run.get(f"topk_{key}_at_sparsity")
+    if baseline in CONTROLS:
+        return run.get("controls", {}).get(baseline, {}).get(key)
+    if baseline == "ungated":
+        return run.get(f"{key}_ungated")
+    return ncl.get(run.get("seed"), {}).get(key)
+
+
+BOOTSTRAP = 10_000
+"""Resamples of the seeds' differences behind the bootstrap interval."""
+
+
+def interval(differences: list[float], level: float = 0.95, seed: int = 0) -> dict:
+    """Mean of paired ``differences`` (one per seed) with its ``level`` confidence interval two ways: Student's t
+    (``t_low``, ``t_high``, and the two-sided ``p`` of a zero mean) and the percentile bootstrap over seeds
+    (``boot_low``, ``boot_high``: :data:`BOOTSTRAP` seeded resamples), and the sign count (``above``, ``below``)."""
+    from scipy import stats  # late: scipy's import costs a second, and only the comparison's tables need it
+
+    d = torch.tensor(differences, dtype=torch.float64)
+    n, mean = len(d), float(d.mean())
+    out = dict(n=n, mean=mean, above=int((d > 0).sum()), below=int((d < 0).sum()))
+    if n < 2:
+        return out
+    sd = float(d.std())
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+    p = float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else (0.0 if mean else 1.0)
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(n, (BOOTSTRAP, n), generator=g)].mean(dim=1)
+    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return dict(out, sd=sd, t_low=mean - half, t_high=mean + half, p=p, boot_low=float(low), boot_high=float(high))
+
+
+def paired(runs: list[dict]) -> list[dict]:
+    """Each gated method against each of :data:`BASELINES`, on each of :data:`METRICS`, paired by seed: one row per
+    (method, baseline, metric) with the seeds' differences (method - baseline, fractions) and their
+    :func:`interval`. ``runs``: as :func:`topk_at_rate` returns them (the TopK of each run's own seed)."""
+    ncl = {r.get("seed"): r for r in runs if r["family"] == "ncl"}
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in runs if r["family"].startswith("bayesncl")):
+        mine = [r for r in runs if r["name"] == name]
+        for baseline, key in itertools.product(BASELINES, METRICS):
+            pairs = [(r["seed"], r[key] - v) for r in mine
+                     if key in r and (v := baseline_value(r, baseline, key, ncl)) is not None]
+            if pairs:
+                rows.append(dict(method=name, baseline=BASELINES[baseline], metric=key, seeds=[s for s, _ in pairs],
+                                 differences=[d for _, d in pairs], **interval([d for _, d in pairs])))
+    return rows
+
+
+def paired_table(rows: list[dict]) -> str:
+    """:func:`paired`'s rows as a markdown table, in points (percent)."""
+    lines = ["| Method | minus | on | seeds | mean | 95 % CI (t) | 95 % CI (bootstrap) | above / below | p (t) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ci = lambda lo, hi: f"[{100 * r[lo]:+.2f}, {100 * r[hi]:+.2f}]" if lo in r else ""  # noqa: E731
+        lines.append(f"| {r['method']} | {r['baseline']} | {METRICS[r['metric']]} | {r['n']} | {100 * r['mean']:+.2f} "
+                     f"| {ci('t_low', 't_high')} | {ci('boot_low', 'boot_high')} | {r['above']} / {r['below']} | "
+                     + (f"{r['p']:.3f}" if "p" in r else "") + " |")
+    return "\n".join(lines)
+
+
+def plot_paired(rows: list[dict], path):
+    """The paired differences as intervals: one panel a metric, one row a (method, baseline), the mean with its t
+    interval (thick) and bootstrap interval (thin), zero marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys((r["method"], r["baseline"]) for r in rows))
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 0.35 * len(labels) + 1.5), sharey=True)
+    for ax, (key, title) in zip(axes, METRICS.items()):
+        for i, label in enumerate(labels):
+            r = next((r for r in rows if (r["method"], r["baseline"]) == label and r["metric"] == key), None)
+            if r is None:
+                continue
+            y = len(labels) - 1 - i
+            if "t_low" in r:
+                ax.plot([100 * r["boot_low"], 100 * r["boot_high"]], [y, y], color="0.6", lw=1)
+                ax.plot([100 * r["t_low"], 100 * r["t_high"]], [y, y], color=f"C{list(METRICS).index(key)}", lw=3)
+            ax.plot(100 * r["mean"], y, "o", color="k", ms=4)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_title(f"{title}: method - baseline (points)", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(labels)), [f"{m} - {b}" for m, b in reversed(labels)], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
@@ -193,6 +294,26 @@ MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsi
                    ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f"),
                    ("TopK LP@1 at Sparsity", "topk_linear_probe_top1_at_sparsity", 100, ".2f")]
 """compare.py's table at matched sparsity: each run's figures beside the baselines at its own sparsity."""
+
+TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "semantic_consistency", 100, ".2f"),
+                ("Cons. top-N", "semantic_consistency_topn", 100, ".2f"),
+                ("top-N dims", "topn_coverage_dims", 1, ".1f"), ("top-N images", "topn_coverage_images", 100, ".1f"),
+                ("chance", "topn_chance", 100, ".2f"),
+                ("TopK top-N at Sparsity", "topk_semantic_consistency_topn_at_sparsity", 100, ".2f"),
+                *((f"{short}: {label}", f"control_{name}_{key}", 100, ".2f")
+                  for name, short in (("posthoc_topk", "post-hoc TopK"), ("random_per_image", "random per image"),
+                                      ("random_pruned", "random pruned"))
+                  for label, key in (("Cons.", "semantic_consistency"), ("top-N", "semantic_consistency_topn"))),
+                ("ungated top-N", "semantic_consistency_topn_ungated", 100, ".2f"),
+                ("q's mean top-N", "semantic_consistency_topn_posterior_mean", 100, ".2f"),
+                ("q draws top-N", "semantic_consistency_topn_q_draws", 100, ".2f")]
+"""compare.py's table of the two consistencies: each run's, beside its controls as sparse as F image by image
+(eval.json's ``controls``, flattened to ``control_<name>_<key>`` by :func:`flat_controls`)."""
+
+
+def flat_controls(run: dict) -> dict:
+    """A run's eval.json ``controls`` as flat keys ``control_<name>_<key>`` (for the tables' means over seeds)."""
+    return {f"control_{name}_{k}": v for name, figures in run.get("controls", {}).items() for k, v in figures.items()}
 
 
 def family(fields: dict) -> str:
