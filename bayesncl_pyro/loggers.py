@@ -38,7 +38,8 @@ def reporter(bar: bool) -> Progress:
         for i, item in enumerate(items):
             yield item
             if i == 0 and (took := time.perf_counter() - start) * total > LONG:
-                print(f"{what}: about {duration(took * (total - 1))} to go ({total} {unit}s, {took:.2g} s each)",
+                units = unit if total == 1 else unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
+                print(f"{what}: about {duration(took * (total - 1))} to go ({total} {units}, {took:.2g} s each)",
                       file=sys.stderr, flush=True)
 
     return progress

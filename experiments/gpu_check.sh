@@ -75,25 +75,7 @@ limited() {
 }
 
 section "0. install and environment"
-# the installed project only: no repository on the path, not even as the current folder of `python -`
-export PYTHONPATH= PYTHONSAFEPATH=1
-export PYTHONUNBUFFERED=1  # gpu_check.txt holds what was printed when the run is cut short
-if [ -n "$WHEELS" ]; then
-    SITE=$(mktemp -d)
-    deps=()
-    for wheel in "$WHEELS"/*.whl; do
-        case $(basename "$wheel") in setuptools-*) ;; *) [ -e "$wheel" ] && deps+=("$wheel") ;; esac
-    done
-    PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE")
-    if (( ${#deps[@]} )); then "${PIP[@]}" "${deps[@]}" || exit 1; fi
-    # the project itself, from a clean copy (a build/ left in the repository could add stale modules); without
-    # setuptools in this python, pip builds it in isolation with the wheel folder's
-    SRC=$(mktemp -d)
-    cp -r pyproject.toml README.md bayesncl_pyro models guides "$SRC"/ || exit 1
-    "$PY" -c "import setuptools" 2>/dev/null && isolation=--no-build-isolation || isolation=
-    "${PIP[@]}" --find-links "$WHEELS" $isolation "$SRC" || exit 1
-    export PYTHONPATH=$SITE
-fi
+source experiments/gpu_install.sh || exit 1
 # everything the later sections import, first (every module of the project, and what the experiment scripts import
 # besides), in one process: a wheel folder that lacks a package fails here, in seconds
 "$PY" - "$(ulimit -n)" <<'EOF'
