@@ -140,6 +140,12 @@ class Tab:
         self.page.goto(path.resolve().as_uri() + view)
         self.page.wait_for_selector("body[data-ready='1']")
 
+    def follow(self, selector: str):
+        """Click a link and wait until the page has shown its view: the click returns before the hashchange event
+        is handled, so a view read straight after it may still be the old one."""
+        self.page.click(selector)
+        self.page.wait_for_function("document.body.dataset.routed === location.hash")
+
     def dims(self, view="#view-dims") -> list[int]:
         return [int(d) for d in self.page.eval_on_selector_all(f"{view} .card", "cs => cs.map(c => c.dataset.dim)")]
 

@@ -205,13 +205,13 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     # a correlated dimension's link opens its card; an image opens its page
     j = cards[0]["correlated"][0][0]
     tab.open(folder / "index.html", f"#dim/{cards[0]['dim']}")
-    tab.page.click(f"#view-card a[href='#dim/{j}']")
+    tab.follow(f"#view-card a[href='#dim/{j}']")
     assert tab.dims("#view-card") == [j]
-    tab.page.locator("#view-card figure.thumb").first.click()
+    tab.follow("#view-card figure.thumb >> nth=0")
     assert tab.page.locator("#view-image h2").inner_text().startswith("Test image")
     assert tab.page.locator("#view-image figure.thumb").count() == 3 * report.NEIGHBOURS  # F, open, baseline
     tab.open(folder / "index.html", f"#dim/{cards[0]['dim']}")
-    tab.page.click("#view-card a[href^='#baseline-dim/']")  # the baseline's closest dimension, beside
+    tab.follow("#view-card a[href^='#baseline-dim/']")  # the baseline's closest dimension, beside
     assert tab.dims("#view-card") == [cards[0]["baseline_closest"][0]]
     tab.open(folder / "index.html", "#baseline")
     assert sorted(tab.scroll_all("#view-baseline")) == sorted(c["dim"] for c in data["baseline"]["dims"])
