@@ -401,11 +401,12 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, ca
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{ not json", "holds files that are not a bayesncl-pyro run"),
+    ("{ not json", r"config.json is not readable JSON \(Expecting property name .*\); pass --overwrite to move the "
+                   "folder's files aside"),
     ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
 ])
 def test_unreadable_config_json_is_refused(tmp_path, text, match):
-    (tmp_path / "run").mkdir()
+    Trainer(fast(tmp_path / "run"), progress=False)  # our run: its marker and config.json
     (tmp_path / "run" / "config.json").write_text(text)
     with pytest.raises(UserError, match=match):
         Trainer(fast(tmp_path / "run"), progress=False)
@@ -454,8 +455,9 @@ def test_a_read_only_output_folder_is_one_line(tmp_path):
     proc = subprocess.run(["unshare", "--mount", "sh", "-c", f"{mount} && exec {sys.executable} {RUN_SVI} {args}"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == (f"error: cannot write {ro}/run/config.json: Read-only file system; choose another --out, "
-                           "in a folder you can write (any previous config.json is unchanged)\n")
+    assert proc.stderr == (f"error: cannot lock {ro}/run: {ro}/run/run.lock cannot be opened for writing (Read-only "
+                           "file system), and without its lock a second run could train in the folder at the same "
+                           "time; choose another --out, in a folder you can write\n")
     assert not list((src / "run").iterdir())
 
 

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, partner_rows
-
-CONFLICT_FILE = "conflict.jsonl"
+from bayesncl_pyro.rundir import CONFLICT, read_records
 
 
 def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +89,9 @@ def to_json(rec: dict) -> str:
 def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
     """A run's ``conflict.jsonl`` as arrays: ``step`` (T) and ``pos``, ``neg``, ``freq``, and ``incl``
     for gated runs (T x K, NaN for null); None if the run has none."""
-    path = Path(run_dir) / CONFLICT_FILE
-    if not path.exists() or not path.stat().st_size:
+    recs = read_records(Path(run_dir) / CONFLICT)
+    if not recs:
         return None
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line]
     return {k: np.array([r[k] for r in recs], dtype=float) for k in recs[0]}
 
 

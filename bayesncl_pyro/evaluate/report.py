@@ -33,9 +33,9 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.infer.estimators import gate_class
-from bayesncl_pyro.rundir import EVAL, atomic_save, read_eval, read_log
+from bayesncl_pyro.rundir import (EVAL, REPORT_DIR, TEXT_LIMIT, output_folder, read_bytes, read_eval,
+                                  read_json, read_log, run_folder, save_together)
 
-REPORT_DIR = "report"
 TOP_IMAGES = 12  # per card, in F and with every gate open
 CORRELATED = 5  # most correlated dimensions per card
 NEIGHBOURS = 8  # per image, in each space
@@ -334,15 +334,13 @@ def _evaluation(run) -> dict | None:
     return read_eval(run.dir, run.cfg.gate) if (run.dir / EVAL).exists() else None
 
 
-def write(data: dict, images: list[str], out: str | os.PathLike) -> Path:
-    """Write ``out/index.html`` and ``out/report.json``; returns the page's path."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the report folder {out}: {e.strerror}; pass another --out")
-    atomic_save(json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n", out / "report.json")
-    atomic_save(render(data, images).encode(), out / "index.html")
+def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = True) -> Path:
+    """Write ``out/index.html`` and ``out/report.json`` together (``rundir.save_together``: a full disk or a signal
+    leaves both old or both new) into the folder ``out`` (``named``: one the user named, which may be a link; else
+    a real folder of the run, ``rundir.output_folder``); returns the page's path."""
+    out = output_folder(Path(out), named)
+    save_together([(json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n", out / "report.json"),
+                   (render(data, images).encode(), out / "index.html")])
     return out / "index.html"
 
 
@@ -350,9 +348,8 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
                  out: str | os.PathLike | None = None, **load) -> Path:
     """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report);
     ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them."""
-    from bayesncl_pyro.rundir import run_folder
-
-    return write(*build(run_dir, baseline, **load), out or run_folder(run_dir) / REPORT_DIR)
+    built = build(run_dir, baseline, **load)
+    return write(*built, out) if out is not None else write(*built, run_folder(run_dir) / REPORT_DIR, named=False)
 
 
 class Report:
@@ -364,18 +361,21 @@ class Report:
         self.folder = folder / REPORT_DIR if (folder / REPORT_DIR / "report.json").exists() else folder
         if not (self.folder / "report.json").exists():
             raise UserError(f"{folder} holds no report; write one with: python experiments/report.py RUN")
-        self.data = json.loads((self.folder / "report.json").read_text())
+        self.data = read_json(self.folder / "report.json", TEXT_LIMIT)
         self.height = height
 
+    def _page(self) -> str:
+        return read_bytes(self.folder / "index.html", TEXT_LIMIT).decode()
+
     def _repr_html_(self) -> str:
-        return _Frame((self.folder / "index.html").read_text(), self.height)._repr_html_()
+        return _Frame(self._page(), self.height)._repr_html_()
 
     def card(self, dim: int, height: int = 560) -> "_Frame":
         """The card of dimension ``dim`` alone (a dimension in use)."""
         if all(c["dim"] != dim for c in self.data["dims"]):
             raise UserError(f"dimension {dim} is not in use in this run (its features are zero on every test image); "
                             "pick one of report.data['dims']")
-        return _Frame(focused((self.folder / "index.html").read_text(), f"dim/{dim}"), height)
+        return _Frame(focused(self._page(), f"dim/{dim}"), height)
 
 
 class _Frame:
