@@ -23,6 +23,7 @@ not need.
 """
 
 import functools
+import os
 import weakref
 
 import pyro
@@ -66,6 +67,23 @@ def check_arguments(flags: bool = False, **args):
     if not 0 <= args["topk"] <= args["proj_dim"]:
         raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
                         "(0 keeps every feature)")
+
+
+def _check_size(in_dim: int, hidden: int, out_dim: int, head_depth: int):
+    """Refuse a projector and gating head (``head_depth`` layers; 0: none) whose float32 weights alone would not fit
+    in this machine's memory: building them fails deep in torch's allocator, or their layers are allocated one at a
+    time until the kernel kills the process."""
+    def weights(depth: int) -> int:  # an mlp's (encoders.mlp), bias included
+        return (in_dim + 1) * hidden + (depth - 2) * (hidden + 1) * hidden + (hidden + 1) * out_dim if depth > 1 \
+            else (in_dim + 1) * out_dim
+
+    need = 4 * (weights(2) + (weights(head_depth) if head_depth else 0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise UserError(f"the head ({in_dim} backbone features -> {hidden} hidden -> {out_dim} features, a gating head "
+                        f"of {head_depth} layers) would need {need / 2**30:.3g} GiB for its weights alone, more than "
+                        f"this machine's {memory / 2**30:.3g} GiB of memory; lower proj_hidden, proj_dim or "
+                        "head_depth (--proj-hidden, --proj-dim, --head-depth)")
 
 
 def own_params():
@@ -129,6 +147,7 @@ class BayesNCLHead(nn.Module):
             raise UserError("prior_args are the arguments of a prior given by name; " + (
                 "prior=None has no prior to take them" if prior is None else
                 f"a {type(prior).__name__} is built already: pass them to its constructor"))
+        _check_size(in_dim, proj_hidden, proj_dim, head_depth if prior is not None else 0)
         self.projector = mlp(in_dim, proj_hidden, proj_dim)
         if isinstance(prior, str):
             prior = build_prior(prior, proj_dim, prior_prob, **(prior_args or {}))
