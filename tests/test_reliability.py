@@ -134,7 +134,7 @@ def test_ctrl_c_inside_a_checkpoint_write_is_a_keyboard_interrupt(tmp_path, monk
                 raise KeyboardInterrupt
             return super().write(data)
 
-    monkeypatch.setattr(rundir, "open", Interrupted, raising=False)
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Interrupted(fd, "w"))  # the temporary file atomic_save opens
     with pytest.raises(KeyboardInterrupt):
         rundir.atomic_save({"w": torch.zeros(1000)}, tmp_path / "checkpoint.pt")
     assert not (tmp_path / "checkpoint.pt").exists()
@@ -461,10 +461,17 @@ def test_a_read_only_output_folder_is_one_line(tmp_path):
     assert not list((src / "run").iterdir())
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
-def test_full_disk_while_logging(tmp_path):
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux's /proc/self/fd")
+def test_full_disk_while_logging(tmp_path, monkeypatch):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    (tmp_path / "run" / "log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    real = os.write
+
+    def full(fd, data):  # every write into the log: ENOSPC (a link to /dev/full is refused now: rundir's rule)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("log.jsonl"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
     with pytest.raises(UserError, match="cannot write .*log.jsonl: No space left on device; free some space"):
         trainer.train(2)
 

@@ -213,8 +213,8 @@ def compare(args) -> dict:
                         time.perf_counter() - started)
     md = write_comparison(out, report)
     if args.record:
-        record = rundir.output_folder(args.record, named=True)
-        rundir.save_together([(rundir.read_bytes(out / name, rundir.TEXT_LIMIT), record / name)
+        folder = rundir.output_folder(args.record, named=True)
+        rundir.save_together([(rundir.read_bytes(out / name, rundir.TEXT_LIMIT), folder / name)
                               for name in ("comparison.md", "comparison.json")])
     print(md)
     return report
