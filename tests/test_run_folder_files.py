@@ -206,8 +206,7 @@ def unfinished(stopped, tmp_path) -> Path:
     return shutil.copytree(stopped, tmp_path / "run")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["log.jsonl", "conflict.jsonl"])
+@pytest.mark.parametrize("name, kind", [*(("log.jsonl", kind) for kind in KINDS), ("conflict.jsonl", "link")])
 def test_a_resumed_run_appends_to_no_link_or_fifo(unfinished, outside, name, kind):
     begins = _plant(unfinished / name, kind, outside).removeprefix("error: ")
     with pytest.raises(UserError) as err:

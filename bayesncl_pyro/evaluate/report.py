@@ -305,6 +305,9 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     cfg, learner = run.cfg, run.learner
     other = load_run(baseline, device, trust_code=trust_code, data_dir=data_dir) if baseline is not None else None
+    # what the run folders hold besides the checkpoint, read first: a file refused there costs no computation
+    log, evaluation = read_log(run.dir), _evaluation(run)
+    base_evaluation = _evaluation(other) if other is not None else None
     if other is not None and other.cfg.dataset != cfg.dataset:
         raise UserError(f"the baseline {baseline} was trained on {other.cfg.dataset}, {run_dir} on {cfg.dataset}: "
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
@@ -325,8 +328,8 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
             raise UserError(f"the baseline {baseline} was evaluated on another test split ({other.cfg.dataset}, seed "
                             f"{other.cfg.seed}) than {run_dir} ({cfg.dataset}, seed {cfg.seed}); train the baseline "
                             "with the same --dataset, --data-dir and --seed")
-        base = dict(run=_run_info(other), features=base_feats, evaluation=_evaluation(other))
-    out = report_data(feats, _run_info(run), read_log(run.dir), _evaluation(run), gates, kl, base)
+        base = dict(run=_run_info(other), features=base_feats, evaluation=base_evaluation)
+    out = report_data(feats, _run_info(run), log, evaluation, gates, kl, base)
     return out, thumbnails(data.test)
 
 
