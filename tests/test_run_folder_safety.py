@@ -420,15 +420,21 @@ def test_a_run_folders_config_nested_too_deep_is_one_line(tmp_path, capsys):
         "the folder's files aside and start afresh, or pass another --out")
 
 
-@pytest.mark.parametrize("flag, value", [("--proj-dim", "100000000"), ("--proj-hidden", "2000000000"),
-                                         ("--head-depth", "1000000000")])
-def test_a_head_larger_than_the_memory_is_one_line(tmp_path, capsys, flag, value):
-    """Allocation tracebacks, or (--head-depth) layers allocated one at a time until the kernel killed the run."""
+@pytest.mark.parametrize("flag, value", [("--proj-dim", "100000000"), ("--proj-dim", "10000000000"),
+                                         ("--proj-hidden", "2000000000"), ("--head-depth", "1000000000")])
+def test_a_head_larger_than_the_memory_is_one_line_before_anything_is_built(tmp_path, capsys, monkeypatch, flag,
+                                                                           value):
+    """Allocation tracebacks, or (--head-depth) layers allocated one at a time until the kernel killed the run; and
+    refused before the prior is built: one of K = 10^10 values would need 40 GB."""
+    from bayesncl_pyro.models import priors
+
+    monkeypatch.setattr(priors, "build_prior", lambda *args, **kw: pytest.fail("the prior was built"))
     assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run"), flag, value]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert re.fullmatch(r"error: the head \(.*\) would need [\d.e+]+ GiB for its weights alone, more than this "
-                        r"machine's [\d.]+ GiB of memory; lower proj_hidden, proj_dim or head_depth \(--proj-hidden, "
-                        r"--proj-dim, --head-depth\)", line), line
+    assert re.fullmatch(r"error: the head's weights alone \(--proj-hidden=\d+, --proj-dim=\d+, --head-depth=\d+\) "
+                        r"would need [\d.e+]+ GiB, more than this machine's [\d.]+ GiB of memory; lower one of them",
+                        line), line
+    assert f"{flag}={value}" in line
 
 
 def test_a_finished_run_rerun_with_a_larger_max_steps_trains_on(tmp_path):
