@@ -155,6 +155,7 @@ def parse_file(path: Path, data: bytes) -> dict:
                         f" ({cause}); a file of Config fields, e.g. {{\"dataset\": \"cifar10\", \"epochs\": 100}}")
     if not isinstance(values, dict):
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
+    _check_extent(path, values)
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
@@ -167,12 +168,36 @@ def parse_file(path: Path, data: bytes) -> dict:
     return values
 
 
+MAX_VALUES, MAX_TEXT = 1_000_000, 4096  # what a config file's values may hold: no setting is longer than a path
+
+
+def _check_extent(path: Path, values: dict):
+    """Refuse a config file whose values hold more than ``MAX_VALUES`` items, counted with repeats, or a string of
+    more than ``MAX_TEXT`` characters, before anything walks, copies or prints them whole: a YAML alias bomb (a few
+    hundred bytes that name 9^9 strings, under a key or in prior_args) would fill the memory."""
+    stack, count = [values], 0
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"--config {path} holds more than {MAX_VALUES:,} values (a YAML alias nested in aliases "
+                            "repeats its values); a file of Config fields holds a few dozen")
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            raise UserError(f"--config {path} holds a string of {len(value):,} characters ({quoted(value)}), more "
+                            f"than the {MAX_TEXT} of the longest path; no setting takes one")
+        if isinstance(value, dict):
+            stack += [*value, *value.values()]
+        elif isinstance(value, list):
+            stack += value
+
+
 def _unique_keys(pairs: list) -> dict:
     """A mapping of a config file, refusing a key given twice (the second would silently win)."""
     mapping = dict(pairs)
     if len(mapping) < len(pairs):  # (a count per key would take a time quadratic in the number of keys)
         twice = sorted(str(k)[:QUOTE_LIMIT] for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1)
-        raise ValueError(f"{', '.join(twice)} given twice: keep one")
+        more = f" and {len(twice) - 4} more" if len(twice) > 4 else ""
+        raise ValueError(f"{', '.join(twice[:4])}{more} given twice: keep one")
     return mapping
 
 

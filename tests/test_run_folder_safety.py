@@ -392,23 +392,28 @@ def test_bad_config_files_are_one_line(tmp_path, name, text, message):
         read_config_file(tmp_path / name)
 
 
-def test_a_huge_config_is_one_short_line(tmp_path):
-    """A YAML alias bomb under a known key (its repr a MemoryError), a 1 MB value, 60,000 keys (the duplicate check
-    took 39 s, quadratic), a file nested 100,000 deep: each a line that quotes at most 80 characters."""
-    bomb = 'epochs:\n  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
-        f"  - &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))  # 9^9 lols written out
-    files = {"bomb.yaml": bomb, "value.json": json.dumps({"epochs": "x" * 2**20}),
-             "keys.json": json.dumps({f"key{i}": i for i in range(60_000)}), "deep.json": "[" * 100_000 + "]" * 100_000}
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-        with pytest.raises(UserError) as err:
-            read_config_file(tmp_path / name)
-        assert len(str(err.value)) < 300, str(err.value)[:300]
-    with pytest.raises(UserError, match=re.escape("bomb.yaml: epochs must be an integer or null, got [['lol', 'lol', "
-                                                  "'lol', 'lol', ...], [['lol', 'lol', 'lol', 'lol', ...], ['lol...")):
-        read_config_file(tmp_path / "bomb.yaml")
-    with pytest.raises(UserError, match=re.escape("is not readable JSON (nested too deep)")):
-        read_config_file(tmp_path / "deep.json")
+_BOMB = "".join(f"  - &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))  # 9^9 lols
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bomb.yaml", 'epochs:\n  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + _BOMB,
+     "holds more than 1,000,000 values (a YAML alias nested in aliases repeats its values)"),
+    ("args.yaml", 'method: bayesncl\nprior: beta-bernoulli\nprior_args:\n  concentration:\n'
+     '  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + _BOMB,
+     "holds more than 1,000,000 values"),  # its repr was built for --prior-arg's message: 2.5 GB and counting
+    ("value.json", json.dumps({"nonneg": "x" * 10**7}), "holds a string of 10,000,000 characters ('xxx"),
+    ("twice.json", "{" + ", ".join(f'"key{i}": 1, "key{i}": 2' for i in range(30_000)) + "}",
+     "(key0, key1, key10, key100 and 29996 more given twice: keep one)"),
+    ("keys.json", json.dumps({f"key{i}": i for i in range(60_000)}), "unknown key 'key0'"),  # took 39 s: quadratic
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "is not readable JSON (nested too deep)"),
+])
+def test_a_huge_config_is_one_short_line(tmp_path, capsys, name, text, message):
+    """A YAML alias bomb under a key or in prior_args (whose repr filled the memory), a 10 MB value (a 10 MB error
+    line), 60,000 keys, a file nested 100,000 deep: each refused in a line that quotes at most 80 characters."""
+    (tmp_path / name).write_text(text)
+    assert run_svi.main(["--config", str(tmp_path / name), "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: --config {tmp_path / name}") and message in line and len(line) < 300, line[:300]
 
 
 def test_a_run_folders_config_nested_too_deep_is_one_line(tmp_path, capsys):
