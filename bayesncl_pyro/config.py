@@ -151,8 +151,9 @@ def parse_file(path: Path, data: bytes) -> dict:
     except Exception as e:  # json's and yaml's errors (a RecursionError too): the file is not what its name says
         cause = "nested too deep" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else \
             type(e).__name__
-        raise UserError(f"--config {path} is not readable {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}"
-                        f" ({cause}); a file of Config fields, e.g. {{\"dataset\": \"cifar10\", \"epochs\": 100}}")
+        kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+        raise UserError(f"--config {path} is not readable {kind} ({cause}); a file of Config fields, e.g. "
+                        '{"dataset": "cifar10", "epochs": 100}')
     if not isinstance(values, dict):
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
     _check_extent(path, values)

@@ -42,7 +42,8 @@ def _plant(path: Path, kind: str, outside: Path) -> str:
         path.unlink()
     if kind == "fifo":
         os.mkfifo(path)
-        return f"error: {path} is a named pipe (FIFO), not a regular file; a run's files are regular files: move it away"
+        return (f"error: {path} is a named pipe (FIFO), not a regular file; a run's files are regular files: move it "
+                "away")
     target = outside if kind == "link" else Path("/dev/zero")
     path.symlink_to(target)
     return (f"error: {path} is a symbolic link, to {target}; a file of a run folder is never read or written through "

@@ -369,7 +369,8 @@ def test_a_report_with_hostile_class_names_opens_in_chromium(tab, tmp_path):
     (["--momentum", "nan"], "--momentum must be a finite number of at most 3.403e+38 (float32), got nan"),
     (["--weight-decay", "nan"], "--weight-decay must be a finite number of at most 3.403e+38 (float32), got nan"),
     (["--weight-decay", "1e308"], "--weight-decay must be a finite number of at most 3.403e+38 (float32), got 1e+308"),
-    *[([flag, "1" + "0" * 30], f"{flag} must be at most 9223372036854775807 (what a run's files store), got 1{'0' * 30}")
+    *[([flag, "1" + "0" * 30], f"{flag} must be at most 9223372036854775807 (what a run's files store), got "
+                                f"1{'0' * 30}")
       for flag in ("--epochs", "--max-steps", "--conflict-every", "--monitor-every")],
     (["--device", "cuda:99999999999999999999"], "--device cuda:99999999999999999999: no GPU has that number (torch "
                                                 "numbers them 0 to 127); pass cuda or cuda:N for one of this machine's "
