@@ -376,6 +376,8 @@ def save_together(items: list[tuple[Content, Path]]):
     temporaries, path = [], None
     try:
         for obj, path in items:
+            if path.is_dir() and not path.is_symlink():  # its rename would fail after those before it succeeded
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
             with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
                 tmp.unlink()
@@ -431,7 +433,8 @@ def append_line(line: str | bytes, path: Path):
 
 def cannot_write(path: Path, e: OSError) -> str:
     fix = "choose another --out, in a folder you can write" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) \
-        else "free some space or choose another --out"
+        else "free some space or choose another --out" if e.errno in (errno.ENOSPC, errno.EDQUOT) \
+        else "move it away or choose another --out"  # a folder in the file's place (EISDIR), ...
     return f"cannot write {path}: {e.strerror or e}; {fix}"
 
 

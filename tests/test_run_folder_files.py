@@ -171,6 +171,27 @@ def test_report_writes_into_a_real_folder_over_links_never_through_them(bayes_ru
     assert outside.read_text() == "keep\n" and (run / "report" / "index.html").read_text().startswith("<!doctype html>")
 
 
+def test_a_folder_in_the_place_of_a_file_to_write_is_one_line(bayes_run, tmp_path, capsys):
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    (run / "report" / "index.html").mkdir(parents=True)
+    assert report_script.main([str(run)]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: cannot write {run / 'report' / 'index.html'}: Is a directory; move it away or choose another --out "
+        "(report.json, index.html are as they were)")
+    assert sorted(p.name for p in (run / "report").iterdir()) == ["index.html"]
+
+
+def test_conflict_records_of_other_keys_are_one_line(bayes_run, tmp_path, capsys):
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    with open(run / "conflict.jsonl", "a") as f:
+        f.write('{"step": 3}\n')  # a record without the per-dimension scores
+    assert inspect_gates.main([str(run)]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: {run / 'conflict.jsonl'} holds records that are not conflict records of one run (their keys or "
+        "lengths differ); move it away")
+    assert not (run / "inspect").exists()
+
+
 def test_a_page_and_its_json_are_replaced_together_or_not_at_all(tmp_path):
     """A full disk while writing the second of two files (report.json, index.html; the backbone and the head) leaves
     both as they were and no temporary file."""

@@ -22,10 +22,7 @@ def export_weights(run_dir: Path, out: Path, head_out: Path | None = None, trust
         raise UserError(f"--out and --head-out are both {out}; give them two names")
     learner, cfg = load_learner(run_dir, trust_code=trust_code)
     for path in (out, head_out):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the folder {path.parent}: {e.strerror}; pass another --out") from None
+        rundir.output_folder(path.parent, named=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
     rundir.save_together([(backbone, out), (head, head_out)])
     channels, size = learner.in_channels, cfg.image_size

@@ -89,11 +89,10 @@ class Trainer:
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
         self.finished = False
-        self.evaluated = False  # a finished run's eval.json is this very model's: rerunning prints it again
         self._stop = StopRequest()
         self._degenerate = False
         self._load_checkpoint()
-        self.evaluated = self.finished and (self.out / EVAL).exists()
+        self.evaluated = self.finished and (self.out / EVAL).exists()  # this very model's: a rerun prints it again
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
         if self.world > 1:  # the learner's head gathers the negatives of every rank by itself
             on_gpu = self.device.type == "cuda"
