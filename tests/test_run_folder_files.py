@@ -192,6 +192,18 @@ def test_conflict_records_of_other_keys_are_one_line(bayes_run, tmp_path, capsys
     assert not (run / "inspect").exists()
 
 
+@pytest.mark.parametrize("record, cause", [('{"step": 3, "loss": "x"}', "ValueError: could not convert string to "
+                                                                         "float: 'x'"),
+                                           ('{"step": 3}', "KeyError: 'loss'")])
+def test_log_records_of_other_values_are_one_line(bayes_run, tmp_path, capsys, record, cause):
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    with open(run / "log.jsonl", "a") as f:
+        f.write(record + "\n")
+    assert report_script.main([str(run)]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: the run's log.jsonl holds records that are not what a run writes ({cause}); move it away")
+
+
 def test_a_page_and_its_json_are_replaced_together_or_not_at_all(tmp_path):
     """A full disk while writing the second of two files (report.json, index.html; the backbone and the head) leaves
     both as they were and no temporary file."""

@@ -29,7 +29,7 @@ from PIL import Image
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.infer.estimators import gate_class
@@ -202,18 +202,23 @@ def training_curves(log: list[dict], gate: str | None, kl_weight: float) -> dict
     run's gate estimator (``gate``; None without gates) minimised, in words (``GateEstimator.objective``: -ELBO, or
     the reference's surrogate); and how well the log's ``loss`` is its ``nce`` + lambda * ``kl``, as the largest
     relative difference over the records."""
-    keys = [k for k in ("loss", "nce", "kl", "gate_rate", "incl_min", "incl_max") if log and k in log[0]]
-    out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
-               objective=gate_class(gate).objective if gate else "InfoNCE per row (no latent variables)")
-    if gate and log:
-        # a run with --gate-density logs each step's lambda
-        gap = max(abs(r["loss"] - r["nce"] - r.get("kl_weight", kl_weight) * r["kl"]) / max(abs(r["loss"]), 1e-12)
-                  for r in log)
-        out["loss_is_nce_plus_weighted_kl"] = _num(gap)
-    notes = {k: v for r in log[-1:] for k, v in r.items() if isinstance(v, str)}  # what the log says in words, if any
-    if notes:
-        out["notes"] = notes
-    out["warnings"] = [[r["step"], w] for r in log if "warnings" in r for w in r["warnings"]][:20]
+    try:  # the log's records as a run writes them: numbers, a list of warnings
+        keys = [k for k in ("loss", "nce", "kl", "gate_rate", "incl_min", "incl_max") if log and k in log[0]]
+        out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
+                   objective=gate_class(gate).objective if gate else "InfoNCE per row (no latent variables)")
+        if gate and log:
+            # a run with --gate-density logs each step's lambda
+            gap = max(abs(r["loss"] - r["nce"] - r.get("kl_weight", kl_weight) * r["kl"]) / max(abs(r["loss"]), 1e-12)
+                      for r in log)
+            out["loss_is_nce_plus_weighted_kl"] = _num(gap)
+        # what the log says in words, if any
+        notes = {k: v for r in log[-1:] for k, v in r.items() if isinstance(v, str)}
+        if notes:
+            out["notes"] = notes
+        out["warnings"] = [[r["step"], w] for r in log if "warnings" in r for w in r["warnings"]][:20]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"the run's log.jsonl holds records that are not what a run writes ({type(e).__name__}: "
+                        f"{quoted(str(e))[1:-1]}); move it away") from None
     return out
 
 
