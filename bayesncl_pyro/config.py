@@ -4,6 +4,7 @@ Fields left ``None`` take their dataset's default (``DATASET_DEFAULTS``), filled
 so the saved config always holds the values that were actually used.
 """
 
+import collections
 import dataclasses
 import difflib
 import hashlib
@@ -13,7 +14,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import QUOTE_LIMIT, UserError, quoted
 
 METHODS = ("cl", "ncl", "bayesncl")
 OPTIMIZERS = ("lars", "sgd", "adamw")
@@ -130,18 +131,16 @@ class Config:
     def differences(self, other: "Config") -> str:
         """The identity fields that differ, as ``"name: self -> other, ..."`` ("" when none do)."""
         a, b = self.identity(), other.identity()
-        return ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k])
+        return ", ".join(f"{k}: {quoted(a[k])} -> {quoted(b[k])}" for k in a if a[k] != b[k])
 
 
-def read_file(path: str | Path) -> dict:
-    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``), checked: a key that is no field is
-    refused naming the closest one, and a value of the wrong type naming the field. A run's own ``config.json`` reads
-    as it is, but for its ``out``: the folder it sits in is where that run is, not where another one goes."""
-    path = Path(path)
+def parse_file(path: Path, data: bytes) -> dict:
+    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``), ``data`` its bytes (read by
+    ``rundir.read_config_file``), checked: a key that is no field is refused naming the closest one, and a value of
+    the wrong type naming the field. A run's own ``config.json`` reads as it is, but for its ``out``: the folder it
+    sits in is where that run is, not where another one goes."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"cannot read --config {path}: {e.strerror or e}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"--config {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
@@ -149,31 +148,58 @@ def read_file(path: str | Path) -> dict:
             values = _UniqueKeyLoader(text).get_single_data()
         else:
             values = json.loads(text, object_pairs_hook=_unique_keys)
-    except Exception as e:  # json's and yaml's errors: the file is not what its name says
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"--config {path} is not readable {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}"
-                        f" ({cause}); a file of Config fields, e.g. {{\"dataset\": \"cifar10\", \"epochs\": 100}}")
+    except Exception as e:  # json's and yaml's errors (a RecursionError too): the file is not what its name says
+        cause = "nested too deep" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else \
+            type(e).__name__
+        kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+        raise UserError(f"--config {path} is not readable {kind} ({cause}); a file of Config fields, e.g. "
+                        '{"dataset": "cifar10", "epochs": 100}')
     if not isinstance(values, dict):
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
+    _check_extent(path, values)
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
+            close = difflib.get_close_matches(str(key)[:QUOTE_LIMIT], fields, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "the fields are those of bayesncl_pyro.config.Config"
-            raise UserError(f"--config {path}: unknown key {key!r}; {hint}")
+            raise UserError(f"--config {path}: unknown key {quoted(key)}; {hint}")
         _check_type(path, key, value, fields[key])
     if values.get("out") is not None and Path(values["out"]).resolve() == path.parent.resolve():
         del values["out"]
     return values
 
 
+MAX_VALUES, MAX_TEXT = 1_000_000, 4096  # what a config file's values may hold: no setting is longer than a path
+
+
+def _check_extent(path: Path, values: dict):
+    """Refuse a config file whose values hold more than ``MAX_VALUES`` items, counted with repeats, or a string of
+    more than ``MAX_TEXT`` characters, before anything walks, copies or prints them whole: a YAML alias bomb (a few
+    hundred bytes that name 9^9 strings, under a key or in prior_args) would fill the memory."""
+    stack, count = [values], 0
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"--config {path} holds more than {MAX_VALUES:,} values (a YAML alias nested in aliases "
+                            "repeats its values); a file of Config fields holds a few dozen")
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            raise UserError(f"--config {path} holds a string of {len(value):,} characters ({quoted(value)}), more "
+                            f"than the {MAX_TEXT} of the longest path; no setting takes one")
+        if isinstance(value, dict):
+            stack += [*value, *value.values()]
+        elif isinstance(value, list):
+            stack += value
+
+
 def _unique_keys(pairs: list) -> dict:
     """A mapping of a config file, refusing a key given twice (the second would silently win)."""
-    keys = [k for k, _ in pairs]
-    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} given twice: keep one")
-    return dict(pairs)
+    mapping = dict(pairs)
+    if len(mapping) < len(pairs):  # (a count per key would take a time quadratic in the number of keys)
+        twice = sorted(str(k)[:QUOTE_LIMIT] for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1)
+        more = f" and {len(twice) - 4} more" if len(twice) > 4 else ""
+        raise ValueError(f"{', '.join(twice[:4])}{more} given twice: keep one")
+    return mapping
 
 
 def _UniqueKeyLoader(text: str):
@@ -199,7 +225,7 @@ def _check_type(path: Path, key: str, value, annotation):
     names = " or ".join("null" if t is type(None) else {"int": "an integer", "float": "a number", "str": "a string",
                                                        "bool": "true or false", "dict": "a mapping"}[t.__name__]
                         for t in allowed)
-    raise UserError(f"--config {path}: {key} must be {names}, got {value!r}")
+    raise UserError(f"--config {path}: {key} must be {names}, got {quoted(value)}")
 
 
 def run_name(cfg: Config) -> str:

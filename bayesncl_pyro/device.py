@@ -6,13 +6,20 @@ import re
 import torch
 
 from bayesncl_pyro import distributed
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
+
+
+MAX_INDEX = 127  # torch numbers a device in 8 bits: cuda:128 is read as cuda:-128, larger numbers wrap or fail
 
 
 def check_device(name: str, said: str = ""):
     """A device as ``--device`` takes it: auto, cpu, cuda or cuda:N (``said``: how the error names it)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        raise UserError(f"unknown {said or '--device ' + name}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+    said = said or f"--device {quoted(name)[1:-1] if isinstance(name, str) else quoted(name)}"
+    if not (isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name)):
+        raise UserError(f"unknown {said}; choose one of: auto, cpu, cuda, cuda:N (GPU number N)")
+    if name.startswith("cuda:") and int(name[5:]) > MAX_INDEX:
+        raise UserError(f"{said}: no GPU has that number (torch numbers them 0 to {MAX_INDEX}); pass cuda or cuda:N "
+                        "for one of this machine's GPUs")
 
 
 def pick_device(name: str, flag: str = "--device") -> torch.device:
@@ -20,7 +27,8 @@ def pick_device(name: str, flag: str = "--device") -> torch.device:
     ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
     input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
     the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
-    said = f"{flag} {name}" if flag.startswith("--") else f"{flag}={name!r}"  # a flag, or load_run's argument
+    # a flag, or load_run's argument
+    said = f"{flag} {quoted(name)[1:-1]}" if flag.startswith("--") else f"{flag}={quoted(name)}"
     check_device(name, said)
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

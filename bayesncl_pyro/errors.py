@@ -7,6 +7,7 @@ asked to stop and saved its checkpoint first: by a user's Ctrl-C (SIGINT, exit 1
 convention), or by a scheduler (SIGTERM, SIGUSR1: exit ``REQUEUE``).
 """
 
+import reprlib
 import signal
 
 # sysexits.h's EX_TEMPFAIL, "temporary failure, try again later": a run stopped by SIGTERM or SIGUSR1 (pre-emption,
@@ -31,3 +32,17 @@ class Stopped(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signal.SIGINT if signum == signal.SIGINT else REQUEUE
+
+
+QUOTE_LIMIT = 80  # characters of a value that a message quotes
+_REPR = reprlib.Repr()  # (its limits as attributes: Python 3.11 takes no keywords)
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 4, 4, 4, 4
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = QUOTE_LIMIT
+
+
+def quoted(value) -> str:
+    """``repr(value)`` for a message, at most ``QUOTE_LIMIT`` characters: a value read from a file (a config's, a
+    run's) may be a 100 MB string, or a YAML alias bomb whose full repr would not fit in memory; reprlib stops at
+    its depth and length limits before writing that much."""
+    text = _REPR.repr(value)
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."

@@ -16,7 +16,7 @@ import torch
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.rundir import LOG, append_line
+from bayesncl_pyro.rundir import LOG, WANDB_DIR, append_line, atomic_save, output_folder, read_bytes
 
 LONG = 30.0
 """Seconds: work estimated to take longer is announced by a line (without a bar); shorter work is not."""
@@ -168,10 +168,8 @@ class WandbLog:
             raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
                             "leave --wandb out") from None
         self.wandb = wandb
-        folder = Path(run_dir) / "wandb"
-        folder.mkdir(parents=True, exist_ok=True)
-        id_file = folder / "run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file = output_folder(Path(run_dir) / WANDB_DIR) / "run_id"
+        run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if id_file.exists() else uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=Path(run_dir).name,
                                   id=run_id, resume="allow", dir=str(run_dir), config=config)
@@ -179,7 +177,7 @@ class WandbLog:
             cause = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"--wandb: W&B did not start a run ({cause}); log in with `wandb login`, or export "
                             "WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`") from None
-        id_file.write_text(run_id + "\n")
+        atomic_save(f"{run_id}\n".encode(), id_file)
 
     def record(self, rec: dict, inclusion: torch.Tensor | None = None):
         """One log.jsonl record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""

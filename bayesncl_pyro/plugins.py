@@ -8,7 +8,7 @@ import ast
 import importlib
 import inspect
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 
 _TYPES = {t.__name__: t for t in (int, float, bool, str)}
 
@@ -70,7 +70,8 @@ def typed_kwargs(fn, given: dict, fixed: dict[str, str], what: str, flag: str) -
         if name not in named and not takes_any:
             raise UserError(f"{flag} {name}: {what} takes no argument {name!r}; it takes "
                             f"{', '.join(named) or 'none'}")
-        out[name] = _convert(value, named.get(name), f"{flag} {name}={value}: {what}'s {name}")
+        shown = value if isinstance(value, str) else quoted(value)  # text as --prior-arg gave it
+        out[name] = _convert(value, named.get(name), f"{flag} {name}={shown}: {what}'s {name}")
     return out
 
 
@@ -97,7 +98,7 @@ def _convert(value, param: inspect.Parameter | None, context: str):
             return str(value).lower() in ("true", "1")
         raise UserError(f"{context} takes true or false")
     if isinstance(value, bool) and kind is not str:  # bool is an int subclass: True is no number here
-        raise UserError(f"{context} takes a {kind.__name__}, not {value}")
+        raise UserError(f"{context} takes a {kind.__name__}, not {quoted(value)}")
     try:
         converted = kind(value)
     except (TypeError, ValueError):

@@ -1,5 +1,7 @@
-"""A run folder: claiming it, moving an earlier run aside, atomic writes, and reading back what a run wrote.
+"""A run folder: claiming it, moving an earlier run aside, and every read and write of a file in it.
 
+    bayesncl-pyro.run  our marker, written when a run claims the folder: only a folder that holds it (or, from a
+                    version before it, a checkpoint of ours) is taken for a run, resumed or moved aside
     config.json     the resolved Config (what was actually run)
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
     log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
@@ -8,14 +10,20 @@
     gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
     bad_images.txt  with --skip-bad-images: the unreadable files that were skipped, one per line
     run.lock        locked (flock) by the process training in the folder, whose pid it holds
+    report/, inspect/, wandb/   what report.py, inspect_gates.py and --wandb write
 
 Nothing here deletes a user's file: an earlier run is moved into a ``previous-<time>`` subfolder, a folder that
 holds anything else is refused, and every file is replaced by a rename, so a crash mid-write leaves the previous
 version intact (its temporary file, named by the writing process, is removed by the next run in the folder).
 
-A run folder is data: reading one (``infer.learner.load_learner``) imports no code that its configuration names
-unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an absolute path outside the
-run folder.
+A run folder is data, perhaps from elsewhere, and every reader and writer of one (the trainer, report, inspect_gates,
+export, compare --record, load_run) goes through the one rule here: a file in it is opened without following a
+symbolic link and only if it is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line
+naming it), a read takes at most a limit in bytes, and a write goes to a temporary file and is renamed into a real
+folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused). Only the
+folders the user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
+configuration names unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an
+absolute path outside the run folder (``infer.learner.load_learner``).
 """
 
 import contextlib
@@ -23,60 +31,187 @@ import errno
 import fcntl
 import json
 import os
+import re
+import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from bayesncl_pyro.config import Config
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro._version import __version__
+from bayesncl_pyro.config import Config, parse_file
+from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.plugins import TIMM, is_spec
 
+MARKER = "bayesncl-pyro.run"
 CONFIG = "config.json"
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.jsonl"
+CONFLICT = "conflict.jsonl"
 EVAL = "eval.json"
 GATES_FILE = "gates.nc"
 BAD_IMAGES = "bad_images.txt"
-PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
 LOCK = "run.lock"
-_REWRITTEN = (CHECKPOINT, CONFIG, EVAL)  # the files a run replaces (atomic_save): a killed one leaves their .tmp
+REPORT_DIR, INSPECT_DIR, WANDB_DIR = "report", "inspect", "wandb"
+PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
+_RUN_FILES = {MARKER, CONFIG, CHECKPOINT, LOG, CONFLICT, EVAL, GATES_FILE, BAD_IMAGES, LOCK, REPORT_DIR, INSPECT_DIR,
+              WANDB_DIR}
+_MARK = b"bayesncl-pyro run folder"
+# the files a run replaces (save_together): a run killed while writing one leaves its <name>.<pid>.tmp
+_TEMPORARY = re.compile("(" + "|".join(map(re.escape, (CHECKPOINT, CONFIG, EVAL, GATES_FILE, MARKER))) + r")\.\d+\.tmp")
+
+# The most a reader takes from a file of a run, in bytes: far above what a run writes (a million log records; the
+# checkpoint of a ResNet-50 with its optimizer), far below what would exhaust a machine's memory
+JSON_LIMIT = 64 * 2**20  # one JSON document: config.json, eval.json, a --config file
+TEXT_LIMIT = 2**30  # log.jsonl, conflict.jsonl, bad_images.txt, a report's index.html and report.json
+DATA_LIMIT = 2**36  # checkpoint.pt, gates.nc
 
 
-def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
+def is_run_file(name: str) -> bool:
+    """Whether ``name`` is the name of a file (or folder) that a run keeps in its folder."""
+    return name in _RUN_FILES or name.startswith((PREVIOUS, "events.out.tfevents."))
+
+
+# -- the rule: opening a file of a run -------------------------------------------------------------------------
+
+
+def _open(path: Path, flags: int, follow: bool = False) -> int:
+    """``os.open(path, flags)`` of a regular file, never through a symbolic link (``follow``: a file the user named
+    may be one) and without waiting on a FIFO; anything else is a UserError naming it. Other OSErrors pass."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow and path.is_symlink():
+            raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; a file of a run folder is never "
+                            "read or written through one (it may point anywhere): replace the link by the file, or "
+                            "move it away") from None
+        if e.errno == errno.ENXIO:  # a FIFO that no process reads, opened for writing
+            raise UserError(_not_a_file(path, "a named pipe (FIFO)", follow)) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+        raise UserError(_not_a_file(path, kind, follow))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _not_a_file(path: Path, kind: str, follow: bool) -> str:
+    return f"{path} is {kind}, not a regular file; " + (
+        "pass a regular file" if follow else "a run's files are regular files: move it away")
+
+
+def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
+    """``path`` open for reading, by the rule of this module: a regular file of at most ``limit`` bytes, not reached
+    through a symbolic link (``follow``: a file the user named, such as ``--config``, may be one)."""
+    try:
+        fd = _open(Path(path), os.O_RDONLY, follow)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    size = os.fstat(fd).st_size
+    if size > limit:
+        os.close(fd)
+        raise UserError(f"{path} holds {size:,} bytes, more than the {limit:,} that a file of its kind is read up to; "
+                        + ("pass a smaller file" if follow else "it is not what a run writes: move it away"))
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: Path, limit: int, *, follow: bool = False) -> bytes:
+    """The content of ``path`` (:func:`open_file`), at most ``limit`` bytes (a file that grows while read, too)."""
+    with open_file(path, limit, follow=follow) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UserError(f"{path} grew past {limit:,} bytes while it was read; it is not what a run writes: move it "
+                        "away")
+    return data
+
+
+def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what a run writes: move it away"):
+    """The JSON document in ``path`` (:func:`read_bytes`); one that does not parse (or nests too deep for Python) is
+    a UserError ending with ``fix``."""
+    data = read_bytes(path, limit)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        cause = "nested too deep" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise UserError(f"{path} is not readable JSON ({cause}); {fix}") from None
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``.jsonl`` file of a run, one JSON object with a ``step`` per line (empty if there is no
+    file). A line that is no record, as the last one of a run killed while writing it, is left out, with a note."""
+    if not os.path.lexists(path):
+        return []
+    records, bad = [], []
+    for number, line in enumerate(read_bytes(path, TEXT_LIMIT).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            records.append(record)
+        else:
+            bad.append(number)
+    if bad:
+        print(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run killed "
+              "while writing one leaves it cut short); they are left out", file=sys.stderr)
+    return records
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``; ``config.parse_file``), read by the
+    rule of this module; the user names the file, so it may be a link."""
+    return parse_file(Path(path), read_bytes(Path(path), JSON_LIMIT, follow=True))
+
+
+# -- claiming the folder ---------------------------------------------------------------------------------------
+
+
+def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
     """Create the run folder ``out`` for ``cfg``, or check that the one there holds this very run; with
-    ``overwrite`` move the run it holds aside first. Returns the folder's lock, to be held for the life of the run.
+    ``overwrite`` move the run it holds aside first. Returns the folder's lock, to be held for the life of the run:
+    a run that cannot take it is refused.
 
-    Refused: ``out`` being the working folder or the data folder or holding either, a folder held by another
-    running process, and one that holds files but no run of ours (with ``overwrite`` too). A run there that
-    differs from ``cfg`` but never wrote a checkpoint (it was refused or diverged at its first steps) is moved
-    aside: it holds nothing to resume. Writes no file of the run: the trainer writes ``config.json`` once the run
-    is set up, so that a run refused before it trains (a batch larger than the data set) leaves nothing that would
-    refuse the corrected command."""
+    Refused: ``out`` being the working folder or the data folder, holding either, or lying in the data folder; a
+    folder held by another running process; and one that holds files but no run of ours (:func:`holds_a_run`:
+    our marker, whatever its config.json says), with ``overwrite`` too. A run there that differs from ``cfg`` but
+    never wrote a checkpoint (it was refused or diverged at its first steps) is moved aside: it holds nothing to
+    resume. Writes the marker, no file of the run: the trainer writes ``config.json`` once the run is set up, so
+    that a run refused before it trains (a batch larger than the data set) leaves nothing that would refuse the
+    corrected command."""
     _check_place(out, cfg.data_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
-    saved = out / CONFIG
-    theirs = [p.name for p in sorted(out.iterdir())
-              if p.name != LOCK and not p.name.startswith(PREVIOUS) and not _temporary(p.name)]
-    if theirs and not _holds_a_run(saved):  # checked before the lock file is made: a user's folder stays as it is
+    theirs = [p.name for p in sorted(out.iterdir()) if p.name not in (LOCK, MARKER)
+              and not p.name.startswith(PREVIOUS) and not _TEMPORARY.fullmatch(p.name)]
+    if theirs and not holds_a_run(out):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
                         "(--overwrite moves only an earlier run's files aside)")
     held = lock(out)
+    if not os.path.lexists(out / MARKER):
+        atomic_save(f"{_MARK.decode()}, written by bayesncl-pyro {__version__}: rerunning its command resumes the "
+                    "run, --overwrite moves its files aside\n".encode(), out / MARKER)
     _remove_temporaries(out)
     if overwrite:
         move_aside(out)
     else:
         what = differences(out, cfg)
-        if what and not (out / CHECKPOINT).exists():
+        if what and not os.path.lexists(out / CHECKPOINT):
             print(f"note: {out} holds a run with a different configuration ({what}) that wrote no checkpoint",
                   file=sys.stderr)
             move_aside(out)
@@ -87,51 +222,51 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock | None":
     return held
 
 
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run of ours: our marker, which every run writes when it claims its folder, or, from
+    a version before the marker, a checkpoint of ours (read to tell: one that is not ours is a UserError saying
+    so). Never a ``config.json``, which any project may hold."""
+    if os.path.lexists(folder / MARKER):
+        return read_bytes(folder / MARKER, 4096).startswith(_MARK)
+    if os.path.lexists(folder / CHECKPOINT):
+        load_checkpoint(folder / CHECKPOINT)
+        return True
+    return False
+
+
 def differences(folder: Path, cfg: Config) -> str | None:
     """How the run whose configuration ``folder`` holds differs from ``cfg`` (``Config.differences``: "" for this very
     run), None if it holds none; one that cannot be read is a UserError, never taken for another run."""
     saved = folder / CONFIG
-    if not saved.exists():
+    if not os.path.lexists(saved):
         return None
+    fix = "pass --overwrite to move the folder's files aside and start afresh, or pass another --out"
     try:
-        old = Config.from_dict(json.loads(saved.read_text()))
+        old = Config.from_dict(read_json(saved, fix=fix))
     except (ValueError, TypeError):
-        raise UserError(f"{saved} is not a readable run configuration; pass --overwrite to move the "
-                        "folder's files aside and start afresh, or pass another --out") from None
+        raise UserError(f"{saved} is not a readable run configuration; {fix}") from None
     return old.differences(cfg)
 
 
 def _check_place(out: Path, data_dir: str | None):
-    """Refuse an ``out`` that is the working folder or the data folder, or a folder above one of them: moving its
-    files aside (--overwrite) would move the user's repository or data set."""
+    """Refuse an ``out`` that is the working folder or the data folder, or a folder above one of them (moving its
+    files aside, --overwrite, would move the user's repository or data set), or a folder in the data folder (its
+    lock and files would sit in the data set, read as data)."""
     real = out.expanduser().resolve()
     for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
         if place is None:
             continue
         place = Path(place).expanduser().resolve()
-        if real == place or real in place.parents:
-            where = what if real == place else f"a folder above {what} ({place})"
+        where = what if real == place else f"a folder above {what} ({place})" if real in place.parents else \
+            f"inside {what} ({place})" if what == "the data folder" and place in real.parents else None
+        if where:
             raise UserError(f"--out {out} is {where}; a run needs a folder of its own: pass e.g. --out runs/NAME")
-
-
-def _holds_a_run(saved: Path) -> bool:
-    """Whether ``saved`` is the config.json of a run of ours (of this version or another)."""
-    try:
-        values = json.loads(saved.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(values, dict) and "dataset" in values
-
-
-def _temporary(name: str) -> bool:
-    """Whether ``name`` is the temporary file of a run's write (``atomic_save``)."""
-    return name.endswith(".tmp") and name.startswith(tuple(f"{n}." for n in _REWRITTEN))
 
 
 def _remove_temporaries(out: Path):
     """The temporary files that runs killed mid-write (SIGKILL) left: with the folder locked, no one writes them."""
     for tmp in out.iterdir():
-        if _temporary(tmp.name):
+        if _TEMPORARY.fullmatch(tmp.name):
             with contextlib.suppress(OSError):
                 tmp.unlink()
 
@@ -142,18 +277,21 @@ class RunLock:
 
     def __init__(self, out: Path):
         path = out / LOCK
-        self.file = open(path, "a+")  # (a lock file is never replaced, so a lock always guards the same file)
+        try:  # a lock file is never replaced, so a lock always guards the same file
+            self.file = os.fdopen(_open(path, os.O_RDWR | os.O_CREAT), "r+")
+        except OSError as e:  # another user's lock, a read-only folder: without the lock the run is refused
+            raise UserError(f"cannot lock {out}: {path} cannot be opened for writing ({e.strerror}), and without "
+                            "its lock a second run could train in the folder at the same time; choose another "
+                            "--out, in a folder you can write") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+            holder = self.file.read(200).strip() or "another process"
             self.file.close()
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise UserError(f"cannot lock {path}: {e.strerror}; choose another --out") from None
             raise UserError(f"{out} is in use by another run ({holder}); wait for it to end, or pass another "
                             "--out") from None
-        self.file.seek(0)
         self.file.truncate()
         self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
@@ -173,27 +311,20 @@ def _forget_locks():
 os.register_at_fork(after_in_child=_forget_locks)
 
 
-def lock(out: Path) -> RunLock | None:
+def lock(out: Path) -> RunLock:
     """The lock of run folder ``out``: taken, or the one this process holds already (a second Trainer in one
-    process resumes there, as a rerun would); None where the lock file cannot be written (a read-only folder:
-    the first write of the run says so)."""
+    process resumes there, as a rerun would); a UserError where it can be neither."""
     key = out.resolve()
     held = _HELD.get(key)
     if held is None:
-        try:
-            held = RunLock(out)
-        except OSError as e:  # from opening the lock file
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                return None
-            raise UserError(cannot_write(out / LOCK, e)) from None
-        _HELD[key] = held
+        held = _HELD[key] = RunLock(out)
     return held
 
 
 def move_aside(out: Path):
-    """Move every file of the run folder (but its lock and earlier ``previous-*`` folders) into a new
+    """Move every file of the run folder (but its marker, its lock and earlier ``previous-*`` folders) into a new
     ``previous-<time>`` subfolder: restarting never deletes results."""
-    old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS) and p.name != LOCK]
+    old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS) and p.name not in (LOCK, MARKER)]
     if not old:
         return
     try:
@@ -206,90 +337,146 @@ def move_aside(out: Path):
     print(f"moved the previous run's files in {out} to {aside}", file=sys.stderr)
 
 
-# -- writing ------------------------------------------------------------------------------------
+# -- writing ----------------------------------------------------------------------------------------------------
 
 
-def atomic_save(obj, path: Path):
-    """``torch.save(obj)``, or ``obj`` itself if it is bytes, to a temporary file of this process in the same
-    folder, fsync, then rename: a crash mid-write leaves the previous file intact. A failed write (disk full,
-    read-only) raises ``UserError``; any failure, an interrupt too, removes the temporary file."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
+def output_folder(path: Path, named: bool = False) -> Path:
+    """``path``, a folder to write into, created if missing: a real folder, not a symbolic link, which could point
+    anywhere (``named``: a folder the user named, ``--out``, may be one)."""
+    if not named and path.is_symlink():
+        raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
+                        "run folder (it may point anywhere): move it away, or pass --out")
     try:
-        with open(tmp, "wb") as f:
-            if isinstance(obj, bytes):
-                f.write(obj)
-            else:
-                torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
-            tmp.unlink(missing_ok=True)
-        # torch.save's zip writer fails on closing after a failed or interrupted write, with a RuntimeError
-        # ("unexpected pos") that would hide the cause: a full disk, a Ctrl-C
-        cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
-        if isinstance(cause, OSError):
-            raise UserError(f"{cannot_write(path, cause)} (any previous {path.name} is unchanged)") from None
-        if isinstance(cause, KeyboardInterrupt):
-            raise cause from None
-        raise
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{path} is a file, not a folder; move it away, or pass another --out") from None
+    except OSError as e:
+        raise UserError(f"cannot create the folder {path}: {e.strerror}; pass another --out") from None
+    return path
+
+
+Content = bytes | Callable[[BinaryIO], object] | object  # bytes, a function that writes a file, or torch.save's
+
+
+def atomic_save(obj: Content, path: Path):
+    """``obj`` written to ``path`` by :func:`save_together`."""
+    save_together([(obj, path)])
 
 
 def write_json(obj, path: Path):
     atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
 
 
-def append_line(line: str, path: Path):
-    """Append one line (opened and closed each time: nothing lost to a buffer on a crash)."""
+def save_together(items: list[tuple[Content, Path]]):
+    """Write each ``obj`` (bytes; a function that writes into a binary file; else what ``torch.save`` takes) to its
+    ``path``: first all to temporary files of this process beside them (created afresh, never through a link), each
+    fsynced, then each renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a
+    full disk or a signal leaves the previous files or all the new ones, never a mix, and no temporary file: any
+    failure, an interrupt too, removes them. A failed write (disk full, read-only) raises ``UserError``."""
+    temporaries, path = [], None
     try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    except OSError as e:  # also from the close, which flushes
+        for obj, path in items:
+            if path.is_dir() and not path.is_symlink():  # its rename would fail after those before it succeeded
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
+            with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
+                tmp.unlink()
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            temporaries.append(tmp)
+            with os.fdopen(fd, "w+b") as f:
+                if isinstance(obj, bytes):
+                    f.write(obj)
+                elif callable(obj):
+                    obj(f)
+                else:
+                    torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+        try:
+            for tmp, (_, path) in zip(temporaries, items):
+                os.replace(tmp, path)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    except BaseException as e:
+        for tmp in temporaries:
+            with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
+                tmp.unlink(missing_ok=True)
+        # torch.save's zip writer fails on closing after a failed or interrupted write, with a RuntimeError
+        # ("unexpected pos") that would hide the cause: a full disk, a Ctrl-C, a signal (cli.stopped_by_signals)
+        cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
+        if isinstance(cause, OSError):
+            kept = f"any previous {path.name} is unchanged" if len(items) == 1 else \
+                f"{', '.join(p.name for _, p in items)} are as they were"
+            raise UserError(f"{cannot_write(path, cause)} ({kept})") from None
+        if isinstance(cause, (KeyboardInterrupt, Stopped)):
+            raise cause from None
+        raise
+
+
+def append_line(line: str | bytes, path: Path):
+    """Append one line (opened and closed each time: nothing lost to a buffer on a crash), never through a link. A
+    line cut short by a crash is ended first, so that it stays one bad line (``read_records`` leaves it out)."""
+    data = line if isinstance(line, bytes) else line.encode()
+    try:
+        fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data
+            os.write(fd, data + b"\n")  # one write: whole lines across processes (loader workers)
+        finally:
+            os.close(fd)
+    except OSError as e:
         raise UserError(cannot_write(path, e)) from None
 
 
 def cannot_write(path: Path, e: OSError) -> str:
     fix = "choose another --out, in a folder you can write" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) \
-        else "free some space or choose another --out"
+        else "free some space or choose another --out" if e.errno in (errno.ENOSPC, errno.EDQUOT) \
+        else "move it away or choose another --out"  # a folder in the file's place (EISDIR), ...
     return f"cannot write {path}: {e.strerror or e}; {fix}"
 
 
-# -- reading ------------------------------------------------------------------------------------
+# -- reading what a run wrote ----------------------------------------------------------------------------------
 
 
 def read_log(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of a run's ``log.jsonl`` (empty if there is none)."""
-    path = Path(run_dir) / LOG
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    """The records of a run's ``log.jsonl`` (empty if there is none): :func:`read_records`."""
+    return read_records(Path(run_dir) / LOG)
 
 
 def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
     """A run's ``eval.json`` (``gate``: the run's gate estimator). An earlier version's reads in today's terms: the
     share of gates open at the evaluation mask, which it named ``gate_rate`` (the log's name for the mean inclusion
     probability), as ``gates_open``, and one written before the reference protocol existed as ``protocol: fast``."""
-    results = json.loads((Path(run_dir) / EVAL).read_text())
+    path = Path(run_dir) / EVAL
+    results = read_json(path)
+    if not isinstance(results, dict):
+        raise UserError(f"{path} holds a {type(results).__name__}, not an evaluation; it is not what a run writes: "
+                        "move it away")
     results.setdefault("protocol", "fast")
     if "gate_rate" in results:
         results["gates_open"] = results.pop("gate_rate")
         # 0.2.0 evaluated gs-reference-kl at q's mode; 0.3 at the reference's mask (0.1's gs, read as
         # gs-reference-kl, was evaluated there already)
         if gate == "gs-reference-kl":
-            print(f"note: {Path(run_dir) / EVAL} evaluated the gs-reference-kl gates at q's mode, not at the "
+            print(f"note: {path} evaluated the gs-reference-kl gates at q's mode, not at the "
                   "reference's mask 1[sigmoid(l) > 0.5] as this version does; move it away and rerun the same "
                   "command to evaluate the checkpoint again", file=sys.stderr)
     return results
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Load a checkpoint without executing code from it (weights-only unpickling)."""
-    try:
-        with warnings.catch_warnings():  # torch's note on a pickle protocol it did not write: the error says enough
-            warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
-        raise UserError(f"cannot read checkpoint {path}: {_load_failure(e)}; it is corrupt or not a bayesncl-pyro "
-                        "checkpoint (move it away to start afresh)") from None
+    """Load a checkpoint without executing code from it (weights-only unpickling), by the rule of this module."""
+    with open_file(path, DATA_LIMIT) as f:
+        try:
+            with warnings.catch_warnings():  # torch's note on a pickle protocol it did not write: the error says enough
+                warnings.simplefilter("ignore")
+                state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
+            raise UserError(f"cannot read checkpoint {path}: {_load_failure(e)}; it is corrupt or not a "
+                            "bayesncl-pyro checkpoint (move it away to start afresh)") from None
     if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
     if "optimizer" in state:
@@ -342,9 +529,10 @@ def run_folder(run: str | os.PathLike) -> Path:
 
 
 def code_references(cfg: Config) -> dict[str, str]:
-    """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference."""
+    """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference. An encoder
+    ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a module."""
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
-            if is_spec(spec) and not spec.startswith(TIMM)}
+            if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

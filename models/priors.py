@@ -21,7 +21,7 @@ from pyro import poutine
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.plugins import Registry, import_spec, is_spec, typed_kwargs
 
 PRIORS: Registry = Registry()  # the registry names of ``--prior``
@@ -36,7 +36,7 @@ def prior_class(spec: str) -> type["Prior"]:
             raise UserError(f"--prior {spec} is not a subclass of bayesncl_pyro.models.priors.Prior")
         return cls
     if spec not in PRIORS:
-        raise UserError(f"unknown prior {spec!r}; choose one of: {', '.join(sorted(PRIORS))}, "
+        raise UserError(f"unknown prior {quoted(spec)}; choose one of: {', '.join(sorted(PRIORS))}, "
                         "or package.module:ClassName")
     return PRIORS[spec]
 

@@ -44,13 +44,13 @@ def test_a_run_without_out_is_named_by_what_it_is():
 
 
 def test_a_config_file_in_json_or_yaml(tmp_path):
-    from bayesncl_pyro.config import read_file
+    from bayesncl_pyro.rundir import read_config_file
 
     (tmp_path / "r.yaml").write_text("dataset: digits\nlr: 1\nprior_args: {concentration: 5}\nmax_steps: null\n")
-    assert read_file(tmp_path / "r.yaml") == dict(dataset="digits", lr=1, prior_args={"concentration": 5},
-                                                  max_steps=None)
+    assert read_config_file(tmp_path / "r.yaml") == dict(dataset="digits", lr=1, prior_args={"concentration": 5},
+                                                         max_steps=None)
     (tmp_path / "r.json").write_text('{"epochs": 3}')
-    assert read_file(tmp_path / "r.json") == {"epochs": 3}
+    assert read_config_file(tmp_path / "r.json") == {"epochs": 3}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -64,9 +64,9 @@ def test_a_config_file_in_json_or_yaml(tmp_path):
     ('{"epochs": 3', "is not readable JSON"),
 ])
 def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, text, message):
-    from bayesncl_pyro.config import read_file
+    from bayesncl_pyro.rundir import read_config_file
 
     (tmp_path / "r.json").write_text(text)
     with pytest.raises(UserError, match=message) as err:
-        read_file(tmp_path / "r.json")
+        read_config_file(tmp_path / "r.json")
     assert "\n" not in str(err.value)

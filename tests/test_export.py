@@ -45,4 +45,4 @@ def test_a_backbone_of_the_project_loads_through_build_backbone(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "build_backbone('cnn', 1, 8)" in printed and (run_dir / "backbone.pt").exists()
     assert export.main([str(run_dir), "--out", str(run_dir / "checkpoint.pt")]) == 2
-    assert "is the run's own checkpoint.pt" in capsys.readouterr().err
+    assert "checkpoint.pt is the name of a file that a run keeps in its folder" in capsys.readouterr().err

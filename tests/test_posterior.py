@@ -152,9 +152,8 @@ def test_reading_a_folder_without_gates_says_so(tmp_path):
 def test_a_failed_export_keeps_the_old_file_and_no_temporary(digits, tmp_path, monkeypatch, error, message):
     (tmp_path / "gates.nc").write_bytes(b"previous")
 
-    def half_write(self, path, **kw):
-        with open(path, "wb") as f:
-            f.write(b"half")
+    def half_write(self, f, **kw):  # f: the temporary file rundir.atomic_save opened
+        f.write(b"half")
         raise error
 
     monkeypatch.setattr(xr.DataTree, "to_netcdf", half_write)

@@ -134,7 +134,7 @@ def test_ctrl_c_inside_a_checkpoint_write_is_a_keyboard_interrupt(tmp_path, monk
                 raise KeyboardInterrupt
             return super().write(data)
 
-    monkeypatch.setattr(rundir, "open", Interrupted, raising=False)
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Interrupted(fd, "w"))  # the temporary file atomic_save opens
     with pytest.raises(KeyboardInterrupt):
         rundir.atomic_save({"w": torch.zeros(1000)}, tmp_path / "checkpoint.pt")
     assert not (tmp_path / "checkpoint.pt").exists()
@@ -401,11 +401,12 @@ def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, ca
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{ not json", "holds files that are not a bayesncl-pyro run"),
+    ("{ not json", r"config.json is not readable JSON \(Expecting property name .*\); pass --overwrite to move the "
+                   "folder's files aside"),
     ('{"dataset": "digits", "mixup": 1}', r"unknown keys \['mixup'\]: it was written by another version"),
 ])
 def test_unreadable_config_json_is_refused(tmp_path, text, match):
-    (tmp_path / "run").mkdir()
+    Trainer(fast(tmp_path / "run"), progress=False)  # our run: its marker and config.json
     (tmp_path / "run" / "config.json").write_text(text)
     with pytest.raises(UserError, match=match):
         Trainer(fast(tmp_path / "run"), progress=False)
@@ -454,15 +455,23 @@ def test_a_read_only_output_folder_is_one_line(tmp_path):
     proc = subprocess.run(["unshare", "--mount", "sh", "-c", f"{mount} && exec {sys.executable} {RUN_SVI} {args}"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == (f"error: cannot write {ro}/run/config.json: Read-only file system; choose another --out, "
-                           "in a folder you can write (any previous config.json is unchanged)\n")
+    assert proc.stderr == (f"error: cannot lock {ro}/run: {ro}/run/run.lock cannot be opened for writing (Read-only "
+                           "file system), and without its lock a second run could train in the folder at the same "
+                           "time; choose another --out, in a folder you can write\n")
     assert not list((src / "run").iterdir())
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
-def test_full_disk_while_logging(tmp_path):
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux's /proc/self/fd")
+def test_full_disk_while_logging(tmp_path, monkeypatch):
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    (tmp_path / "run" / "log.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    real = os.write
+
+    def full(fd, data):  # every write into the log: ENOSPC (a link to /dev/full is refused now: rundir's rule)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("log.jsonl"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
     with pytest.raises(UserError, match="cannot write .*log.jsonl: No space left on device; free some space"):
         trainer.train(2)
 

@@ -18,12 +18,13 @@ import torch
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import export as export_script, inspect_gates, report as report_script, run_svi
-from bayesncl_pyro.config import Config, read_file
+from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import report
 from bayesncl_pyro.evaluate.run import load_run
 from bayesncl_pyro.nn.encoders import build_backbone
+from bayesncl_pyro.rundir import read_config_file
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN, fast, make_tree, write_image
@@ -85,7 +86,8 @@ def gadget_module(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.parametrize("field, spec", [("encoder", "t30_gadget:small"), ("encoder", "this:s"),
-                                         ("prior", "t30_gadget:Prior")])
+                                         ("prior", "t30_gadget:Prior"),
+                                         ("prior", "timm:Prior")])  # timm: is an encoder's form, a prior's no
 def test_code_a_run_names_is_refused_by_every_reader_unless_trusted(trained, tmp_path, gadget_module, capsys,
                                                                     monkeypatch, field, spec):
     run = _forged(trained, tmp_path / "theirs", **{field: spec})
@@ -146,6 +148,37 @@ def test_cifar_batches_are_read_with_a_restricted_unpickler(tmp_path, monkeypatc
                        r"file holds\); re-extract"):
         load_dataset("cifar10", folder)
     assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda meta, batch: meta.pop(b"label_names"), "batches.meta holds no 'label_names'"),
+    (lambda meta, batch: meta.update({b"label_names": [b"a"]}), "batches.meta: its label_names is not a list of 10 "
+                                                                "class names"),
+    (lambda meta, batch: batch.pop(b"labels"), "data_batch_2 holds no 'labels'"),
+    (lambda meta, batch: batch.update({b"data": batch[b"data"][:, :100]}), "data_batch_2: its data is uint8 of shape "
+                                                                           "(4, 100), not rows of 3072 bytes"),
+    (lambda meta, batch: batch.update({b"labels": [0, 1, 2, 12]}), "data_batch_2: its labels are not 4 class numbers "
+                                                                   "in [0, 10), one per image"),
+])
+def test_cifar_pickles_that_are_not_cifar_are_one_line_before_training(tmp_path, change, message):
+    """Missing keys, short rows, labels out of range (which failed at the evaluation, after the whole training)."""
+    from test_data import write_cifar_pickles
+
+    folder = write_cifar_pickles(tmp_path, "cifar10")
+    meta, batch = (pickle.loads((folder / name).read_bytes()) for name in ("batches.meta", "data_batch_2"))
+    change(meta, batch)
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
+    (folder / "data_batch_2").write_bytes(pickle.dumps(batch))
+    with pytest.raises(UserError, match=re.escape(message) + ".*; re-extract the official python-version archive$"):
+        load_dataset("cifar10", folder)
+
+
+def test_cifar_class_names_may_be_text(tmp_path):
+    from test_data import write_cifar_pickles
+
+    folder = write_cifar_pickles(tmp_path, "cifar10")
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}" for i in range(10)]}))
+    assert load_dataset("cifar10", folder).classes[:2] == ["c0", "c1"]
 
 
 def test_a_run_records_its_data_folder_as_an_absolute_path(tmp_path, monkeypatch):
@@ -213,14 +246,14 @@ def test_a_run_killed_while_writing_its_config_blocks_nothing(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json.4321.tmp").write_text('{"data')  # a SIGKILL in the middle of the first write
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "run.lock"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["bayesncl-pyro.run", "config.json", "run.lock"]
     del trainer
 
 
 def test_temporary_files_are_named_by_their_process(tmp_path, monkeypatch):
     written = []
     real = torch.save
-    monkeypatch.setattr(torch, "save", lambda obj, f: (written.append(Path(f.name).name), real(obj, f)))
+    monkeypatch.setattr(torch, "save", lambda obj, f: (written.extend(os.listdir(tmp_path)), real(obj, f)))
     rundir.atomic_save({"w": torch.zeros(2)}, tmp_path / "checkpoint.pt")
     assert written == [f"checkpoint.pt.{os.getpid()}.tmp"] and os.listdir(tmp_path) == ["checkpoint.pt"]
 
@@ -249,7 +282,9 @@ def test_a_folder_that_is_not_a_run_is_refused_with_and_without_overwrite(tmp_pa
 
 
 @pytest.mark.parametrize("out, what", [(".", "the working folder"), ("..", "a folder above the working folder"),
-                                       ("data", "the data folder"), ("data/..", "the working folder")])
+                                       ("data", "the data folder"), ("data/..", "the working folder"),
+                                       ("data/val", "inside the data folder"),
+                                       ("data/train/new", "inside the data folder")])
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 def test_out_may_not_be_the_working_or_data_folder_or_above_them(tmp_path, monkeypatch, capsys, out, what,
                                                                  overwrite):
@@ -328,11 +363,18 @@ def test_a_report_with_hostile_class_names_opens_in_chromium(tab, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--momentum", "-1"], "--momentum must lie in [0, 1), got -1.0"),
     (["--seed", "-1"], "--seed must be a whole number from 0 to 2147483647, got -1"),
-    (["--lr", "inf"], "--lr must be a finite number, got inf"),
-    (["--kl-weight", "inf"], "--kl-weight must be a finite number, got inf"),
-    (["--warmup-epochs", "nan"], "--warmup-epochs must be a finite number, got nan"),
-    (["--momentum", "nan"], "--momentum must be a finite number, got nan"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number of at most 3.403e+38 (float32), got inf"),
+    (["--kl-weight", "inf"], "--kl-weight must be a finite number of at most 3.403e+38 (float32), got inf"),
+    (["--warmup-epochs", "nan"], "--warmup-epochs must be a finite number of at most 3.403e+38 (float32), got nan"),
+    (["--momentum", "nan"], "--momentum must be a finite number of at most 3.403e+38 (float32), got nan"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number of at most 3.403e+38 (float32), got nan"),
+    (["--weight-decay", "1e308"], "--weight-decay must be a finite number of at most 3.403e+38 (float32), got 1e+308"),
+    *[([flag, "1" + "0" * 30], f"{flag} must be at most 9223372036854775807 (what a run's files store), got "
+                                f"1{'0' * 30}")
+      for flag in ("--epochs", "--max-steps", "--conflict-every", "--monitor-every")],
+    (["--device", "cuda:99999999999999999999"], "--device cuda:99999999999999999999: no GPU has that number (torch "
+                                                "numbers them 0 to 127); pass cuda or cuda:N for one of this machine's "
+                                                "GPUs"),
 ])
 def test_bad_numbers_are_one_line(tmp_path, capsys, flags, message):
     assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run"), *flags]) == 2
@@ -348,12 +390,76 @@ def test_bad_numbers_are_one_line(tmp_path, capsys, flags, message):
 def test_bad_config_files_are_one_line(tmp_path, name, text, message):
     (tmp_path / name).write_bytes(text)
     with pytest.raises(UserError, match=re.escape(f"--config {tmp_path / name} {message}")):
-        read_file(tmp_path / name)
+        read_config_file(tmp_path / name)
+
+
+_BOMB = "".join(f"  - &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))  # 9^9 lols
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bomb.yaml", 'epochs:\n  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + _BOMB,
+     "holds more than 1,000,000 values (a YAML alias nested in aliases repeats its values)"),
+    ("args.yaml", 'method: bayesncl\nprior: beta-bernoulli\nprior_args:\n  concentration:\n'
+     '  - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + _BOMB,
+     "holds more than 1,000,000 values"),  # its repr was built for --prior-arg's message: 2.5 GB and counting
+    ("value.json", json.dumps({"nonneg": "x" * 10**7}), "holds a string of 10,000,000 characters ('xxx"),
+    ("twice.json", "{" + ", ".join(f'"key{i}": 1, "key{i}": 2' for i in range(30_000)) + "}",
+     "(key0, key1, key10, key100 and 29996 more given twice: keep one)"),
+    ("keys.json", json.dumps({f"key{i}": i for i in range(60_000)}), "unknown key 'key0'"),  # took 39 s: quadratic
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "is not readable JSON (nested too deep)"),
+])
+def test_a_huge_config_is_one_short_line(tmp_path, capsys, name, text, message):
+    """A YAML alias bomb under a key or in prior_args (whose repr filled the memory), a 10 MB value (a 10 MB error
+    line), 60,000 keys, a file nested 100,000 deep: each refused in a line that quotes at most 80 characters."""
+    (tmp_path / name).write_text(text)
+    assert run_svi.main(["--config", str(tmp_path / name), "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: --config {tmp_path / name}") and message in line and len(line) < 300, line[:300]
+
+
+def test_a_run_folders_config_nested_too_deep_is_one_line(tmp_path, capsys):
+    Trainer(fast(tmp_path / "run"), progress=False)
+    (tmp_path / "run" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run")]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: {tmp_path / 'run' / 'config.json'} is not readable JSON (nested too deep); pass --overwrite to move "
+        "the folder's files aside and start afresh, or pass another --out")
+
+
+@pytest.mark.parametrize("flag, value", [("--proj-dim", "100000000"), ("--proj-dim", "10000000000"),
+                                         ("--proj-hidden", "2000000000"), ("--head-depth", "1000000000")])
+def test_a_head_larger_than_the_memory_is_one_line_before_anything_is_built(tmp_path, capsys, monkeypatch, flag,
+                                                                           value):
+    """Allocation tracebacks, or (--head-depth) layers allocated one at a time until the kernel killed the run; and
+    refused before the prior is built: one of K = 10^10 values would need 40 GB."""
+    from bayesncl_pyro.models import priors
+
+    monkeypatch.setattr(priors, "build_prior", lambda *args, **kw: pytest.fail("the prior was built"))
+    assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run"), flag, value]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.fullmatch(r"error: the head's weights alone \(--proj-hidden=\d+, --proj-dim=\d+, --head-depth=\d+\) "
+                        r"would need [\d.e+]+ GiB, more than this machine's [\d.]+ GiB of memory; lower one of them",
+                        line), line
+    assert f"{flag}={value}" in line
+
+
+def test_a_finished_run_rerun_with_a_larger_max_steps_trains_on(tmp_path):
+    """It said "resuming at step 2 of 4" and trained nothing; now it trains to 4, and its evaluation of step 2 is not
+    taken for this one's (run_svi.py evaluates and exports the gates again)."""
+    first = Trainer(fast(tmp_path / "run", max_steps=2), progress=False).fit()
+    rundir.write_json({"of": "step 2"}, tmp_path / "run" / "eval.json")  # as its evaluation wrote it
+    assert (first.finished, first.step) == (True, 2)
+    del first
+    trainer = Trainer(fast(tmp_path / "run", max_steps=4), progress=False)
+    assert (trainer.finished, trainer.evaluated, trainer.step, trainer.last_step) == (False, False, 2, 4)
+    trainer.fit()
+    assert [r["step"] for r in rundir.read_log(tmp_path / "run")] == [1, 2, 3, 4]
+    assert rundir.load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 4
 
 
 def test_yaml_may_override_a_merged_key(tmp_path):
     (tmp_path / "c.yaml").write_text("prior_args: {<<: {concentration: 1}, concentration: 5}\n")
-    assert read_file(tmp_path / "c.yaml") == {"prior_args": {"concentration": 5}}
+    assert read_config_file(tmp_path / "c.yaml") == {"prior_args": {"concentration": 5}}
 
 
 def test_an_image_size_out_of_memory_is_named_as_such():

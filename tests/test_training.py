@@ -106,7 +106,8 @@ def test_impossible_configs_are_rejected(tmp_path, bad, match):
 def test_batch_larger_than_the_data_is_rejected_and_leaves_nothing_that_blocks_the_corrected_run(tmp_path):
     with pytest.raises(UserError, match="larger than the training set"):
         Trainer(tiny(tmp_path, batch_size=5000), progress=False)
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["run.lock"]  # which blocks nothing once unlocked
+    # our marker and the lock, which block nothing once unlocked
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["bayesncl-pyro.run", "run.lock"]
     assert Trainer(tiny(tmp_path), progress=False).step == 0  # the corrected command is not "another configuration"
 
 

@@ -1,7 +1,9 @@
 """The command-line programs behind experiments/*.py: each module's ``main(argv=None) -> int`` parses ``argv`` and
 returns the exit status, so the scripts are a few lines and tests call ``main`` in-process."""
 
+import contextlib
 import functools
+import signal
 import sys
 
 from bayesncl_pyro.errors import Stopped, UserError
@@ -11,7 +13,8 @@ def one_line_errors(main):
     """``main`` as a script's entry point, never a traceback for what the user did: a UserError (a bad input, with its
     fix) is one ``error:`` line on stderr and exit status 2; a run stopped by a signal after saving its checkpoint
     (``Stopped``) one ``stopped:`` line and its exit status (130 for Ctrl-C, ``errors.REQUEUE`` for a scheduler's
-    signal). Anything else is a bug and keeps its traceback."""
+    signal), and a Ctrl-C outside such a run (``KeyboardInterrupt``) ``stopped: interrupted``, exit status 130.
+    Anything else is a bug and keeps its traceback."""
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
@@ -23,5 +26,25 @@ def one_line_errors(main):
             sys.stderr.write(f"stopped: {e}\n")
             sys.stderr.flush()
             return e.exit_code
+        except KeyboardInterrupt:
+            print("stopped: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
 
     return run
+
+
+@contextlib.contextmanager
+def stopped_by_signals(what: str):
+    """Within it SIGTERM and SIGUSR1 (``kill``, a scheduler) raise ``Stopped`` where the program is, as Ctrl-C raises
+    ``KeyboardInterrupt``, instead of ending the process on the spot: a write under way removes its temporary files
+    (``rundir.save_together``) and the script ends with one ``stopped: ... received; <what>`` line. The previous
+    handlers come back after."""
+    def stop(signum, frame):
+        raise Stopped(f"{signal.Signals(signum).name} received; {what}", signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -70,7 +70,6 @@ small budget"): a 4-block CNN, at most 10,000 training images, 15 epochs, SGD lr
 
 import argparse
 import dataclasses
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -214,8 +213,9 @@ def compare(args) -> dict:
                         time.perf_counter() - started)
     md = write_comparison(out, report)
     if args.record:
-        for name in ("comparison.md", "comparison.json"):
-            shutil.copyfile(out / name, args.record / name)
+        folder = rundir.output_folder(args.record, named=True)
+        rundir.save_together([(rundir.read_bytes(out / name, rundir.TEXT_LIMIT), folder / name)
+                              for name in ("comparison.md", "comparison.json")])
     print(md)
     return report
 

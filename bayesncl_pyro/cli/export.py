@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
 from bayesncl_pyro.evaluate.weights import export_weights
 from bayesncl_pyro.plugins import add_reader_flags
 
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     add_reader_flags(p, data_dir=False)
     args = p.parse_args(argv)
     out = args.out or rundir.run_folder(args.run_dir) / "backbone.pt"
-    print("\n".join(export_weights(args.run_dir, out, args.head_out, args.trust_run)))
+    with stopped_by_signals("the two files are both written or both as they were, and no temporary file is left"):
+        lines = export_weights(args.run_dir, out, args.head_out, args.trust_run)
+    print("\n".join(lines))
     return 0
 
 

@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
 from bayesncl_pyro.evaluate.figures import inspect
 from bayesncl_pyro.plugins import add_reader_flags
 
@@ -35,8 +35,9 @@ def main(argv=None) -> int:
                    "ArviZ data, from the checkpoint (after a run whose export failed)")
     add_reader_flags(p)
     args = p.parse_args(argv)
-    summary = inspect(args.run_dir, args.out or args.run_dir / "inspect", args.baseline, args.export,
-                      trust_code=args.trust_run, data_dir=args.data_dir)
+    with stopped_by_signals("every file written so far is whole, and no temporary file is left"):
+        summary = inspect(args.run_dir, args.out, args.baseline, args.export, trust_code=args.trust_run,
+                          data_dir=args.data_dir)
     print("\n".join(summary))
     return 0
 

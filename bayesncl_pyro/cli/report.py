@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
 from bayesncl_pyro.plugins import add_reader_flags
 
 
@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     from bayesncl_pyro.evaluate.report import write_report  # after parsing: --help stays instant
 
     start = time.perf_counter()
-    page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
+    with stopped_by_signals("index.html and report.json are both written or both as they were"):
+        page = write_report(args.run_dir, args.baseline, args.out, trust_code=args.trust_run, data_dir=args.data_dir)
     size = page.stat().st_size / 2**20
     print(f"wrote {page} ({size:.1f} MB) and {page.with_name('report.json')} in {time.perf_counter() - start:.0f} s; "
           f"open it in a browser: file://{page.resolve()}")

@@ -35,7 +35,7 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
     from bayesncl_pyro.cli import one_line_errors
-    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, read_file,
+    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config,
                                       run_name)
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.nn.encoders import ENCODERS
@@ -44,7 +44,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.plugins import is_spec
-    from bayesncl_pyro.rundir import GATES_FILE, code_references
+    from bayesncl_pyro.rundir import GATES_FILE, code_references, read_config_file
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
@@ -179,7 +179,7 @@ def config(argv: list[str]) -> tuple[Config, bool]:
     p = parser()
     file = p.parse_known_args(argv)[0].config
     if file is not None:
-        values = read_file(file)
+        values = read_config_file(file)
         values["prior_args"] = list(values.get("prior_args", {}).items())  # --prior-arg appends to them
         p.set_defaults(**values)
     args = vars(p.parse_args(argv))
@@ -199,11 +199,12 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, overwrite=overwrite)
         if trainer.rank == 0:
             print(announce(trainer), flush=True)
+        evaluated_before = trainer.evaluated
         results = trainer.fit().evaluate()
         if trainer.rank:
             return 0
         status = 0
-        if trainer.learner.gated and not (trainer.out / GATES_FILE).exists():
+        if trainer.learner.gated and not (evaluated_before and (trainer.out / GATES_FILE).exists()):
             status = export(trainer)
         print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
         return status
@@ -232,7 +233,7 @@ def announce(trainer) -> str:
               f"KL weight from {cfg.kl_weight}, the multiplier of {cfg.gate_density:g} of the gates open")
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
             f"rho={cfg.prior_prob}{args}, {weight}, {kl})"}[cfg.method]
-    last = trainer.total_steps if cfg.max_steps is None else min(trainer.total_steps, cfg.max_steps)
+    last = trainer.last_step
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
             f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "

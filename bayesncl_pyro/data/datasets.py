@@ -117,9 +117,14 @@ def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
     num_classes = 10 if name == "cifar10" else 100
     for candidate in (root, root / folder):
         if (candidate / meta_file).is_file():
-            classes = [c.decode() for c in _unpickle(candidate / meta_file)[names_key]]
-            train = _cifar_pickles([candidate / f for f in train_files], label_key)
-            test = _cifar_pickles([candidate / f for f in test_files], label_key)
+            names = _entry(candidate / meta_file, names_key)
+            if not (isinstance(names, list) and len(names) == num_classes
+                    and all(isinstance(c, (bytes, str)) for c in names)):
+                raise UserError(f"{candidate / meta_file}: its {names_key} is not a list of {num_classes} class names; "
+                                "re-extract the official python-version archive")
+            classes = [c.decode(errors="backslashreplace") if isinstance(c, bytes) else c for c in names]
+            train = _cifar_pickles([candidate / f for f in train_files], label_key, num_classes)
+            test = _cifar_pickles([candidate / f for f in test_files], label_key, num_classes)
             return DataSpec(train, test, classes, channels=3)
     if (root / "train").is_dir():
         spec = _load_image_folder(root, skip_bad=skip_bad)
@@ -162,12 +167,32 @@ def _unpickle(path: Path) -> dict:
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
 
 
-def _cifar_pickles(paths: list[Path], label_key: str) -> TensorImages:
-    batches = [_unpickle(p) for p in paths]
-    # Rows are 3072 bytes: the 1024 red pixels row-major, then green, then blue.
-    images = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
-    labels = [y for b in batches for y in b[label_key]]
-    return TensorImages(torch.from_numpy(images), labels)
+def _entry(path: Path, key: str):
+    """The ``key`` entry of the CIFAR file at ``path``, or a UserError naming what it holds instead."""
+    batch = _unpickle(path)
+    if key not in batch:
+        raise UserError(f"{path} holds no {key!r} (it holds {sorted(map(str, batch))[:6]}); re-extract the official "
+                        "python-version archive")
+    return batch[key]
+
+
+def _cifar_pickles(paths: list[Path], label_key: str, num_classes: int) -> TensorImages:
+    """The images and labels of CIFAR batch files, checked now, before any training: rows of 3072 bytes (the 1024
+    red pixels row-major, then green, then blue), one label in [0, num_classes) per row."""
+    images, labels = [], []
+    for path in paths:
+        data, ys = np.asarray(_entry(path, "data")), _entry(path, label_key)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.dtype != np.uint8:
+            raise UserError(f"{path}: its data is {data.dtype} of shape {data.shape}, not rows of 3072 bytes (32 x 32 "
+                            "RGB); re-extract the official python-version archive")
+        ys = np.asarray(ys)
+        if ys.shape != (len(data),) or ys.dtype.kind not in "iu" or (
+                len(ys) and not 0 <= ys.min() <= ys.max() < num_classes):
+            raise UserError(f"{path}: its {label_key} are not {len(data)} class numbers in [0, {num_classes}), one per "
+                            "image; re-extract the official python-version archive")
+        images.append(data)
+        labels += ys.tolist()
+    return TensorImages(torch.from_numpy(np.concatenate(images).reshape(-1, 3, 32, 32)), labels)
 
 
 # ------------------------------------------------------------------------------------- image folders

@@ -18,6 +18,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir import append_line
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 
@@ -94,9 +95,8 @@ class ImageFiles(Dataset):
                     raise
                 if str(path) not in self.bad_files:
                     self.bad_files.append(str(path))
-                    if self.bad_log is not None:
-                        with open(self.bad_log, "ab") as log:  # one short append: whole lines across processes
-                            log.write(os.fsencode(path) + b"\n")  # as bytes: a name need not be UTF-8
+                    if self.bad_log is not None:  # as bytes: a name need not be UTF-8
+                        append_line(os.fsencode(path), self.bad_log)
         raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); check the data folder")
 
 

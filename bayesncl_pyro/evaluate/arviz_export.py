@@ -44,7 +44,7 @@ import xarray as xr
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.evaluate.heldout import TestFeatures
-from bayesncl_pyro.rundir import CONFIG, GATES_FILE, cannot_write, read_log
+from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, open_file, read_json, read_log
 
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
@@ -117,19 +117,13 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
     """
     run_dir = Path(run_dir)
     post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test)
-    config = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else None
+    config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
-    try:
-        dt.to_netcdf(tmp, engine=ENGINE)
-        os.replace(tmp, path)
-    except OSError as e:  # disk full, read-only folder
-        raise UserError(f"{cannot_write(path, e)} (any previous {path.name} is unchanged)") from None
+    try:  # a failed write (disk full, read-only folder) is a UserError
+        atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
     except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
         raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -143,10 +137,10 @@ def read_gates(path: str | os.PathLike):
     path = Path(path)
     if path.is_dir():
         path = path / GATES_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"no gates file at {path}; run_svi.py writes one when a BayesNCL run ends, and "
                         f"python experiments/inspect_gates.py {path.parent} --export writes it from the checkpoint")
-    with xr.open_datatree(path, engine=ENGINE) as lazy:
+    with open_file(path, DATA_LIMIT) as f, xr.open_datatree(f, engine=ENGINE) as lazy:
         dt = lazy.load()  # into memory, so that the file is closed when this returns
     return dt if ARVIZ_1 else _to_inference_data_arviz0(dt)
 

@@ -4,7 +4,6 @@ means over seeds in tables, the paper's published numbers beside ours, and compa
 import itertools
 import json
 import math
-import shutil
 from pathlib import Path
 
 from bayesncl_pyro import rundir
@@ -86,10 +85,10 @@ def recorded_run(folder: Path, cfg: Config) -> bool:
 
 
 def record(run_dir: Path, folder: Path):
-    """Copy a finished run's record into ``folder`` (``--record``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in RECORD:
-        shutil.copyfile(run_dir / name, folder / name)
+    """Copy a finished run's record into ``folder`` (``--record``), a real folder of the record's, by the rule of
+    ``rundir``: read and written never through a link, the three files replaced together."""
+    folder = rundir.output_folder(folder)
+    rundir.save_together([(rundir.read_bytes(run_dir / name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
 
 
 def train_time(run_dir: Path, batch_size: int) -> float:

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, partner_rows
-
-CONFLICT_FILE = "conflict.jsonl"
+from bayesncl_pyro.rundir import CONFLICT, read_records
 
 
 def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +90,15 @@ def to_json(rec: dict) -> str:
 def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
     """A run's ``conflict.jsonl`` as arrays: ``step`` (T) and ``pos``, ``neg``, ``freq``, and ``incl``
     for gated runs (T x K, NaN for null); None if the run has none."""
-    path = Path(run_dir) / CONFLICT_FILE
-    if not path.exists() or not path.stat().st_size:
+    path = Path(run_dir) / CONFLICT
+    recs = read_records(path)
+    if not recs:
         return None
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return {k: np.array([r[k] for r in recs], dtype=float) for k in recs[0]}
+    try:
+        return {k: np.array([r[k] for r in recs], dtype=float) for k in recs[0]}
+    except (KeyError, TypeError, ValueError):  # records of other keys or shapes: not what a run writes
+        raise UserError(f"{path} holds records that are not conflict records of one run (their keys or lengths "
+                        "differ); move it away") from None
 
 
 def conflict_table(run_dir: str | os.PathLike) -> dict | None:

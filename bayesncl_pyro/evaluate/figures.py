@@ -19,16 +19,18 @@ from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  #
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.infer.learner import load_learner  # noqa: E402
-from bayesncl_pyro.rundir import read_log  # noqa: E402
+from bayesncl_pyro.rundir import INSPECT_DIR, atomic_save, output_folder, read_log, run_folder  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
 
 
-def _save(fig, path: Path) -> Path:
-    if fig.get_layout_engine() is None:
+def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
+    """Write ``fig`` as a PNG to ``path`` by ``rundir.atomic_save`` (a temporary file, renamed, never through a link),
+    laid out first by tight_layout (``tight``) where it has no layout engine."""
+    if tight and fig.get_layout_engine() is None:
         fig.tight_layout()
-    fig.savefig(path)
+    atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
     plt.close(fig)
     return path
 
@@ -204,16 +206,20 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
     if "incl" in main:
         fig.colorbar(sc, ax=axes, label="mean inclusion probability of the dim's gate\non the logged training batches",
                      fraction=0.02, pad=0.01)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, path, tight=False, bbox_inches="tight")
 
 
-def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool = False, **load) -> list[str]:
-    """Write the figures of a run into ``out`` and return the summary lines; with ``export``, first (re)write
-    the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of ``load_learner``."""
+def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None, export: bool = False,
+            **load) -> list[str]:
+    """Write the figures of a run into ``out`` (a folder the user names; by default RUN/inspect, a real folder of the
+    run: ``rundir.output_folder``) and return the summary lines; with ``export``, first (re)write the run's
+    ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of ``load_learner``. Everything is read
+    from the run folders before anything is written: a file refused there leaves no figure behind."""
     learner, cfg = load_learner(run_dir, **load)
-    out.mkdir(parents=True, exist_ok=True)
+    log, main = read_log(run_dir), conflict_table(run_dir)
+    base = conflict_table(baseline) if main is not None and baseline is not None else None
+    base_name = load_learner(baseline, **load)[1].method if main is not None and baseline is not None else ""
+    out = output_folder(out, named=True) if out is not None else output_folder(run_folder(run_dir) / INSPECT_DIR)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     feats = test_features(learner, data)
     if export:
@@ -222,7 +228,6 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
         from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: arviz is slow to import
 
         print(f"wrote {export_gates(run_dir, learner, data, test=feats)}")
-    log = read_log(run_dir)
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
     if log:
         last = log[-1]
@@ -256,16 +261,13 @@ def inspect(run_dir: Path, out: Path, baseline: Path | None = None, export: bool
             summary.append(f"warning: {warning}")
     plot_top_images(features, labels, data.test, data.classes, out / "top_images.png")
     summary.append(top_dimensions_line(features, labels, data.classes))
-    main = conflict_table(run_dir)
     if main is None:
         summary.append("no conflict records (conflict.jsonl): " + (
             f"the run is shorter than one conflict interval (--conflict-every {cfg.conflict_every} steps)"
             if cfg.conflict_every else "train with --conflict-every N > 0"))
     else:
-        base = conflict_table(baseline) if baseline is not None else None
-        base_name = load_learner(baseline, **load)[1].method if baseline is not None else ""
         plot_conflict(main, cfg.method, base, base_name, out / "conflict.png")
         summary += conflict_lines(cfg.method, main, gated_off) + (conflict_lines(base_name, base) if base is not None
                                                                   else [])
-    (out / "summary.txt").write_text("\n".join(summary) + "\n")
+    atomic_save(("\n".join(summary) + "\n").encode(), out / "summary.txt")
     return summary

@@ -29,13 +29,13 @@ from PIL import Image
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.infer.estimators import gate_class
-from bayesncl_pyro.rundir import EVAL, atomic_save, read_eval, read_log
+from bayesncl_pyro.rundir import (EVAL, REPORT_DIR, TEXT_LIMIT, output_folder, read_bytes, read_eval,
+                                  read_json, read_log, run_folder, save_together)
 
-REPORT_DIR = "report"
 TOP_IMAGES = 12  # per card, in F and with every gate open
 CORRELATED = 5  # most correlated dimensions per card
 NEIGHBOURS = 8  # per image, in each space
@@ -202,18 +202,23 @@ def training_curves(log: list[dict], gate: str | None, kl_weight: float) -> dict
     run's gate estimator (``gate``; None without gates) minimised, in words (``GateEstimator.objective``: -ELBO, or
     the reference's surrogate); and how well the log's ``loss`` is its ``nce`` + lambda * ``kl``, as the largest
     relative difference over the records."""
-    keys = [k for k in ("loss", "nce", "kl", "gate_rate", "incl_min", "incl_max") if log and k in log[0]]
-    out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
-               objective=gate_class(gate).objective if gate else "InfoNCE per row (no latent variables)")
-    if gate and log:
-        # a run with --gate-density logs each step's lambda
-        gap = max(abs(r["loss"] - r["nce"] - r.get("kl_weight", kl_weight) * r["kl"]) / max(abs(r["loss"]), 1e-12)
-                  for r in log)
-        out["loss_is_nce_plus_weighted_kl"] = _num(gap)
-    notes = {k: v for r in log[-1:] for k, v in r.items() if isinstance(v, str)}  # what the log says in words, if any
-    if notes:
-        out["notes"] = notes
-    out["warnings"] = [[r["step"], w] for r in log if "warnings" in r for w in r["warnings"]][:20]
+    try:  # the log's records as a run writes them: numbers, a list of warnings
+        keys = [k for k in ("loss", "nce", "kl", "gate_rate", "incl_min", "incl_max") if log and k in log[0]]
+        out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
+                   objective=gate_class(gate).objective if gate else "InfoNCE per row (no latent variables)")
+        if gate and log:
+            # a run with --gate-density logs each step's lambda
+            gap = max(abs(r["loss"] - r["nce"] - r.get("kl_weight", kl_weight) * r["kl"]) / max(abs(r["loss"]), 1e-12)
+                      for r in log)
+            out["loss_is_nce_plus_weighted_kl"] = _num(gap)
+        # what the log says in words, if any
+        notes = {k: v for r in log[-1:] for k, v in r.items() if isinstance(v, str)}
+        if notes:
+            out["notes"] = notes
+        out["warnings"] = [[r["step"], w] for r in log if "warnings" in r for w in r["warnings"]][:20]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"the run's log.jsonl holds records that are not what a run writes ({type(e).__name__}: "
+                        f"{quoted(str(e))[1:-1]}); move it away") from None
     return out
 
 
@@ -305,6 +310,9 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     cfg, learner = run.cfg, run.learner
     other = load_run(baseline, device, trust_code=trust_code, data_dir=data_dir) if baseline is not None else None
+    # what the run folders hold besides the checkpoint, read first: a file refused there costs no computation
+    log, evaluation = read_log(run.dir), _evaluation(run)
+    base_evaluation = _evaluation(other) if other is not None else None
     if other is not None and other.cfg.dataset != cfg.dataset:
         raise UserError(f"the baseline {baseline} was trained on {other.cfg.dataset}, {run_dir} on {cfg.dataset}: "
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
@@ -325,8 +333,8 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
             raise UserError(f"the baseline {baseline} was evaluated on another test split ({other.cfg.dataset}, seed "
                             f"{other.cfg.seed}) than {run_dir} ({cfg.dataset}, seed {cfg.seed}); train the baseline "
                             "with the same --dataset, --data-dir and --seed")
-        base = dict(run=_run_info(other), features=base_feats, evaluation=_evaluation(other))
-    out = report_data(feats, _run_info(run), read_log(run.dir), _evaluation(run), gates, kl, base)
+        base = dict(run=_run_info(other), features=base_feats, evaluation=base_evaluation)
+    out = report_data(feats, _run_info(run), log, evaluation, gates, kl, base)
     return out, thumbnails(data.test)
 
 
@@ -334,15 +342,13 @@ def _evaluation(run) -> dict | None:
     return read_eval(run.dir, run.cfg.gate) if (run.dir / EVAL).exists() else None
 
 
-def write(data: dict, images: list[str], out: str | os.PathLike) -> Path:
-    """Write ``out/index.html`` and ``out/report.json``; returns the page's path."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the report folder {out}: {e.strerror}; pass another --out")
-    atomic_save(json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n", out / "report.json")
-    atomic_save(render(data, images).encode(), out / "index.html")
+def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = True) -> Path:
+    """Write ``out/index.html`` and ``out/report.json`` together (``rundir.save_together``: a full disk or a signal
+    leaves both old or both new) into the folder ``out`` (``named``: one the user named, which may be a link; else
+    a real folder of the run, ``rundir.output_folder``); returns the page's path."""
+    out = output_folder(Path(out), named)
+    save_together([(json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n", out / "report.json"),
+                   (render(data, images).encode(), out / "index.html")])
     return out / "index.html"
 
 
@@ -350,9 +356,8 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
                  out: str | os.PathLike | None = None, **load) -> Path:
     """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report);
     ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them."""
-    from bayesncl_pyro.rundir import run_folder
-
-    return write(*build(run_dir, baseline, **load), out or run_folder(run_dir) / REPORT_DIR)
+    built = build(run_dir, baseline, **load)
+    return write(*built, out) if out is not None else write(*built, run_folder(run_dir) / REPORT_DIR, named=False)
 
 
 class Report:
@@ -364,18 +369,21 @@ class Report:
         self.folder = folder / REPORT_DIR if (folder / REPORT_DIR / "report.json").exists() else folder
         if not (self.folder / "report.json").exists():
             raise UserError(f"{folder} holds no report; write one with: python experiments/report.py RUN")
-        self.data = json.loads((self.folder / "report.json").read_text())
+        self.data = read_json(self.folder / "report.json", TEXT_LIMIT)
         self.height = height
 
+    def _page(self) -> str:
+        return read_bytes(self.folder / "index.html", TEXT_LIMIT).decode()
+
     def _repr_html_(self) -> str:
-        return _Frame((self.folder / "index.html").read_text(), self.height)._repr_html_()
+        return _Frame(self._page(), self.height)._repr_html_()
 
     def card(self, dim: int, height: int = 560) -> "_Frame":
         """The card of dimension ``dim`` alone (a dimension in use)."""
         if all(c["dim"] != dim for c in self.data["dims"]):
             raise UserError(f"dimension {dim} is not in use in this run (its features are zero on every test image); "
                             "pick one of report.data['dims']")
-        return _Frame(focused((self.folder / "index.html").read_text(), f"dim/{dim}"), height)
+        return _Frame(focused(self._page(), f"dim/{dim}"), height)
 
 
 class _Frame:

@@ -10,20 +10,21 @@ from bayesncl_pyro.nn.encoders import torchvision_code
 
 
 def export_weights(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: bool = False) -> list[str]:
-    """Write the backbone's and the head's state_dicts; return what was written and the lines that load them."""
+    """Write the backbone's and the head's state_dicts, together (``rundir.save_together``: both new or both as they
+    were); return what was written and the lines that load them. An export never replaces a file of a run (this one
+    or another): a path named as one (checkpoint.pt, log.jsonl, gates.nc, ...) is refused."""
     head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
-    folder = rundir.run_folder(run_dir)
-    for path in (out, head_out):
-        if path.resolve().parent == folder.resolve() and path.name in (rundir.CHECKPOINT, rundir.CONFIG, rundir.EVAL):
-            raise UserError(f"{path} is the run's own {path.name}; pass another --out")
+    for flag, path in (("--out", out), ("--head-out", head_out)):
+        if rundir.is_run_file(path.name):
+            raise UserError(f"{flag} {path}: {path.name} is the name of a file that a run keeps in its folder, and an "
+                            "export never replaces one (of this run or another); name it otherwise, e.g. backbone.pt")
     if out.resolve() == head_out.resolve():
         raise UserError(f"--out and --head-out are both {out}; give them two names")
     learner, cfg = load_learner(run_dir, trust_code=trust_code)
     for path in (out, head_out):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        rundir.output_folder(path.parent, named=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
-    rundir.atomic_save(backbone, out)
-    rundir.atomic_save(head, head_out)
+    rundir.save_together([(backbone, out), (head, head_out)])
     channels, size = learner.in_channels, cfg.image_size
     feature_dim = learner.head.projector[0].in_features
     build = torchvision_code(cfg.encoder, channels, size) or [

@@ -23,6 +23,7 @@ not need.
 """
 
 import functools
+import os
 import weakref
 
 import pyro
@@ -31,7 +32,7 @@ from pyro import poutine
 from torch import nn
 
 from bayesncl_pyro import distributed
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
@@ -56,7 +57,7 @@ def check_arguments(flags: bool = False, **args):
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
     for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
         if args[arg] not in valid:
-            raise UserError(f"unknown {name(arg)} {args[arg]!r}; choose one of: {', '.join(valid)}")
+            raise UserError(f"unknown {name(arg)} {quoted(args[arg])}; choose one of: {', '.join(valid)}")
     for arg, example in _POSITIVE.items():
         if not args[arg] > 0:
             raise UserError(f"{name(arg)} must be positive, got {args[arg]}; pass e.g. {example}")
@@ -66,6 +67,26 @@ def check_arguments(flags: bool = False, **args):
     if not 0 <= args["topk"] <= args["proj_dim"]:
         raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
                         "(0 keeps every feature)")
+    _check_size(args, name)
+
+
+def _check_size(args: dict, name):
+    """Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory:
+    building them fails deep in torch's allocator, or their layers are allocated one at a time until the kernel kills
+    the process. ``train.resolve`` checks before the backbone is built (and the prior, of K values): 1 stands for the
+    backbone's width, unknown there (``in_dim``)."""
+    in_dim, hidden, out_dim = args.get("in_dim", 1), args["proj_hidden"], args["proj_dim"]
+
+    def weights(depth: int) -> int:  # an mlp's (encoders.mlp), bias included
+        return (in_dim + 1) * hidden + (depth - 2) * (hidden + 1) * hidden + (hidden + 1) * out_dim if depth > 1 \
+            else (in_dim + 1) * out_dim
+
+    need = 4 * (weights(2) + (weights(args["head_depth"]) if args["prior"] is not None else 0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        given = ", ".join(f"{name(arg)}={args[arg]}" for arg in ("proj_hidden", "proj_dim", "head_depth"))
+        raise UserError(f"the head's weights alone ({given}) would need {need / 2**30:.3g} GiB, more than this "
+                        f"machine's {memory / 2**30:.3g} GiB of memory; lower one of them")
 
 
 def own_params():

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.plugins import TIMM, Registry, import_spec, is_spec
 
 #: a backbone below this resolution is a CIFAR-sized one: torchvision ResNets get the CIFAR stem
@@ -162,8 +162,9 @@ def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
 
     if spec in torchvision.models.list_models(module=torchvision.models):
         return lambda in_channels, image_size: torchvision_backbone(spec, in_channels, image_size)
-    raise UserError(f"unknown --encoder {spec!r}; give one of the project's ({', '.join(ENCODERS)}), a torchvision "
-                    "model (resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (needs timm) or package.module:callable")
+    raise UserError(f"unknown --encoder {quoted(spec)}; give one of the project's ({', '.join(ENCODERS)}), a "
+                    "torchvision model (resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (needs timm) or "
+                    "package.module:callable")
 
 
 def build_backbone(spec: str, in_channels: int, image_size: int) -> tuple[nn.Module, int]:

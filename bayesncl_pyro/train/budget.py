@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import json
 import math
 import statistics
 import tempfile
@@ -41,8 +40,8 @@ def plan_budget(budget_minutes: float, max_epochs: int, shared: dict, configs: d
     key = dict(budget_minutes=budget_minutes, max_epochs=max_epochs, runs=list(configs), seeds=seeds,
                shared={k: v for k, v in shared.items() if k not in ("epochs", "warmup_epochs")})
     path = out / "budget.json"
-    if path.exists() and json.loads(path.read_text())["key"] == key:
-        plan = json.loads(path.read_text())
+    plan = rundir.read_json(path) if path.exists() else None
+    if isinstance(plan, dict) and plan.get("key") == key:
         print(f"reusing the plan in {path}: {plan['epochs']} epochs", flush=True)
         return plan
     step_s, build_s, eval_s = {}, {}, None
@@ -71,6 +70,6 @@ def plan_budget(budget_minutes: float, max_epochs: int, shared: dict, configs: d
     epochs = budget_epochs(left, fixed, epoch, max_epochs, budget_minutes)
     plan = dict(key=key, epochs=epochs, max_epochs=max_epochs, steps_per_epoch=steps_per_epoch, step_s=step_s,
                 build_s=build_s, eval_s=eval_s, left_s=left, planned_s=fixed + epochs * epoch)
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=2) + "\n")
+    rundir.output_folder(out, named=True)
+    rundir.write_json(plan, path)
     return plan

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name,
                                   with_recipe)
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
+
+FLOAT32_MAX, INT64_MAX = 3.4028234663852886e38, 2**63 - 1
 
 
 def resolve(cfg: Config) -> Config:
@@ -25,10 +27,13 @@ def resolve(cfg: Config) -> Config:
 
     _choice("dataset", cfg.dataset, DATASETS)
     cfg = with_recipe(cfg)
-    for f in dataclasses.fields(cfg):  # NaN passes every comparison below; inf makes a run of NaN
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+    for f in dataclasses.fields(cfg):
+        value, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        # NaN passes every comparison below, inf makes a run of NaN, and beyond float32 a step fails in torch
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise UserError(f"{flag} must be a finite number of at most {FLOAT32_MAX:.4g} (float32), got {value}")
+        if type(value) is int and abs(value) > INT64_MAX:  # gates.nc stores the config's integers as int64
+            raise UserError(f"{flag} must be at most {INT64_MAX} (what a run's files store), got {quoted(value)}")
     _choice("method", cfg.method, METHODS)
     check_arguments(flags=True, **head_arguments(cfg))
     _choice("optimizer", cfg.optimizer, OPTIMIZERS)
@@ -70,9 +75,9 @@ def resolve(cfg: Config) -> Config:
 
 def _choice(flag: str, value, valid):
     if value not in valid:
-        raise UserError(f"unknown --{flag.replace('_', '-')} {value!r}; choose one of: {', '.join(valid)}")
+        raise UserError(f"unknown --{flag.replace('_', '-')} {quoted(value)}; choose one of: {', '.join(valid)}")
 
 def _positive(cfg: Config, *names: str):
     for n in names:
         if not getattr(cfg, n) > 0:
-            raise UserError(f"--{n.replace('_', '-')} must be positive, got {getattr(cfg, n)}")
+            raise UserError(f"--{n.replace('_', '-')} must be positive, got {quoted(getattr(cfg, n))}")

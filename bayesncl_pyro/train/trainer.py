@@ -29,12 +29,13 @@ from bayesncl_pyro.data.pipeline import TrainingInput
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
-from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
+from bayesncl_pyro.evaluate.diagnostics import conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.infer.density import shortfall
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
-from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, append_line, atomic_save, write_json
+from bayesncl_pyro.rundir import (BAD_IMAGES, CHECKPOINT, CONFIG, CONFLICT, EVAL, TEXT_LIMIT, append_line, atomic_save,
+                                  read_bytes, write_json)
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
 from bayesncl_pyro.train.monitor import Monitor
 from bayesncl_pyro.train.resolve import resolve
@@ -81,6 +82,7 @@ class Trainer:
             pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
         self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.last_step = self.total_steps if cfg.max_steps is None else min(self.total_steps, cfg.max_steps)
         self.optimizer = build_optimizer(cfg.optimizer, self.learner.param_groups(), cfg.momentum,
                                          cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, round(cfg.warmup_epochs * self.steps_per_epoch),
@@ -90,6 +92,7 @@ class Trainer:
         self._stop = StopRequest()
         self._degenerate = False
         self._load_checkpoint()
+        self.evaluated = self.finished and (self.out / EVAL).exists()  # this very model's: a rerun prints it again
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
         if self.world > 1:  # the learner's head gathers the negatives of every rank by itself
             on_gpu = self.device.type == "cuda"
@@ -107,7 +110,7 @@ class Trainer:
             write_json(cfg.to_dict(), self.out / CONFIG)
             bar = sys.stderr.isatty() if progress is None else progress
             # a finished run evaluated before has nothing left to log: no TensorBoard or W&B run is started
-            self.log = RunLog(self.out, cfg, bar, trackers=not (self.finished and (self.out / EVAL).exists()))
+            self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated)
             if cfg.monitor_every:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
@@ -160,7 +163,9 @@ class Trainer:
                       f"global batch ({self.cfg.batch_size}), data order and schedule continue; gate noise and "
                       "device-drawn views come from per-process random streams, which restart, so the numbers "
                       "differ from an uninterrupted run's", file=sys.stderr, flush=True)
-        self.finished = state["finished"]
+        # a run finished at --max-steps trains on when rerun with a larger one (a finished evaluation stays until the
+        # new one replaces it)
+        self.finished = state["finished"] and self.step >= self.last_step
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
     def _restore_cuda_rng(self, saved: torch.Tensor | list | None, path: Path):
@@ -183,10 +188,9 @@ class Trainer:
         not trained again; then ``evaluate()``."""
         if self.finished:
             return self
-        last = self.total_steps if self.cfg.max_steps is None else min(self.total_steps, self.cfg.max_steps)
         with self._stop as stop:  # a signal during the last step or the final write is noted, never lost or raised
-            if self.step < last:
-                self.train(last)
+            if self.step < self.last_step:
+                self.train(self.last_step)
             self.finished = True
             self.save()
         if stop.signum:  # no collective follows: each rank can act on its own
@@ -197,7 +201,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """The finished run's evaluation (rank 0's; the others get {}): written to eval.json, given to the trackers
         and printed; that of a run evaluated before is read back and printed again."""
-        if self.finished and (self.out / EVAL).exists():
+        if self.evaluated:
             results = rundir.read_eval(self.out, self.cfg.gate)
             if self.rank == 0:
                 print(f"{self.out} already holds a finished run; its results (pass another --out to train again):")
@@ -209,6 +213,7 @@ class Trainer:
         self.test_features = heldout.test_features(self.learner, self.data, self.device, progress)
         results = heldout.evaluate(self.learner, self.data, self.cfg, self.device, progress, self.test_features)
         write_json(results, self.out / EVAL)
+        self.evaluated = True
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
@@ -274,7 +279,7 @@ class Trainer:
                 rec.update(self.monitor())
             self.log.record(rec, stats["probs"].mean(0) if self.learner.gated else None)
         if cfg.conflict_every and step % cfg.conflict_every == 0:
-            append_line(self._conflict_line(stats), self.out / CONFLICT_FILE)
+            append_line(self._conflict_line(stats), self.out / CONFLICT)
 
     def _checkpoint_due(self) -> bool:
         """Rank 0's vote for a --ckpt-minutes checkpoint, cast once: the save follows when the votes are read."""
@@ -314,7 +319,7 @@ class Trainer:
                   "gradient", file=sys.stderr)
         bad = self.out / BAD_IMAGES
         if bad.exists():
-            count = len(set(bad.read_bytes().splitlines()))
+            count = len(set(read_bytes(bad, TEXT_LIMIT).splitlines()))
             print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
 
     def _record(self, loss: torch.Tensor, stats: dict, images_per_s: float) -> dict:
