@@ -138,9 +138,9 @@ def test_whole_batch_views_are_the_gathered_ones_bit_for_bit_the_blur_within_rou
     """Masked blends with identity factors, grayscale and hue through torch.where, the parameters from one buffer:
     on the CPU the same float32 operations on every pixel as the gathered rows had, so the same bits (the default
     first run's figures depend on it); the blur, now two band-matrix products, within float32 rounding."""
-    images = torch.randint(0, 256, (24, channels, side, side - 4), dtype=torch.uint8,
+    images = torch.randint(0, 256, (12, channels, side, side - 4), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(side))
-    for seed in range(4):
+    for seed in range(2):
         expected = _gather_scatter_views(images, size, torch.Generator().manual_seed(seed), channels)
         got = D.simclr_views(images, size, torch.Generator().manual_seed(seed), channels)
         views = D.BatchViews(len(images), size, channels, torch.device("cpu"), compile=False)
@@ -168,9 +168,9 @@ def test_a_padded_batch_resizes_as_each_image_alone_and_an_outlier_is_resized_al
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 30 + 7 * i, 50 - 4 * i), dtype=torch.uint8, generator=g) for i in range(5)]
     padded, outliers = D.padded_batch(images)
-    assert padded.shape == (5, 3, 64, 64) and outliers == [] and padded.dtype == torch.uint8
+    assert padded.shape == (5, 3, 64, 64) and outliers == [] and padded.dtype == torch.float16
     for k, image in enumerate(images):
-        assert torch.equal(padded[k, :, :image.shape[1], :image.shape[2]], image)
+        assert torch.equal(padded[k, :, :image.shape[1], :image.shape[2]], image.half())
         assert padded[k, :, image.shape[1]:].eq(0).all() and padded[k, :, :, image.shape[2]:].eq(0).all()
     boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]).repeat(2, 1), g)
     # aten's float32 resize of the crop against the padded product: pixel values up to 255

@@ -143,9 +143,9 @@ _JITTER_RANGES = [(max(0, 1 - f), 1 + f) for f in JITTER[:3]] + [(-JITTER[3], JI
 
 
 class ViewChain:
-    """Both views of a batch of ``n`` images as a pure function of the images (uint8 ``n x C x H x W``, one size or
-    padded: ``padded_batch``) and the device fields of ``ViewParams`` -> ``2n x C x size x size`` of ``dtype`` in
-    ``memory_format``, rows ``[view 1 of every image; view 2 of every image]``, normalised like
+    """Both views of a batch of ``n`` images as a pure function of the images (``n x C x H x W`` of values 0-255, one
+    size or padded: ``padded_batch``) and the device fields of ``ViewParams`` -> ``2n x C x size x size`` of
+    ``dtype`` in ``memory_format``, rows ``[view 1 of every image; view 2 of every image]``, normalised like
     ``views.simclr_transform``. ``channels`` 1 is the gentle recipe of one-channel images (digits): crop scale
     0.5-1, brightness and contrast jitter only, no grayscale, no flip, mean and std 0.5.
 
@@ -401,12 +401,12 @@ def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: 
 
 
 def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """``C x H_i x W_i`` images of any sizes -> (one ``N x C x H x W`` tensor of them, zero below and right of each,
-    its sides rounded up to multiples of ``BUCKET``, so that batches share a few shapes; the indices of the images
-    left out of it). An image with a side above ``OUTLIER`` times the batch's median side (ImageNet's rare
+    """uint8 ``C x H_i x W_i`` images of any sizes -> (one float16 ``N x C x H x W`` tensor of them, zero below and
+    right of each, its sides rounded up to multiples of ``BUCKET``, so that batches share a few shapes; the indices of the
+    images left out of it). An image with a side above ``OUTLIER`` times the batch's median side (ImageNet's rare
     multi-megapixel photos) would multiply the batch's memory and arithmetic: it is left out (a 1 x 1 pixel stands
     in) and resized alone (``resized_crop`` of a list). Two calls: the images go into one nested tensor, padded by
-    one kernel."""
+    one kernel (float16 holds 0-255 exactly; for uint8 CUDA pads image by image)."""
     sides = sorted(max(image.shape[-2:]) for image in images)
     cap = _bucket(OUTLIER * sides[len(sides) // 2])
     outliers = [k for k, image in enumerate(images) if max(image.shape[-2:]) > cap]
@@ -415,7 +415,8 @@ def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
              _bucket(max(image.shape[-1] for image in kept)))
     with warnings.catch_warnings():  # strided nested tensors are a prototype: that layout's two calls are all we use
         warnings.simplefilter("ignore", UserWarning)
-        return torch.nested.to_padded_tensor(torch.nested.as_nested_tensor(kept), 0, shape), outliers
+        nested = torch.nested.as_nested_tensor(kept, dtype=torch.float16)
+        return torch.nested.to_padded_tensor(nested, 0, shape), outliers
 
 
 def _bucket(side: float) -> int:

@@ -86,7 +86,8 @@ class TrainingInput:
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]:
         """The inputs of steps ``first`` + 1 to ``last``, on the device: 2B rows [view 1; view 2] each. Views drawn
         on the device depend on (seed, step, rank) alone, so a resumed run draws the same ones; on CUDA they are
-        drawn a batch ahead, in the input pipeline's thread."""
+        drawn a batch ahead: for a set held there by CUDA graphs replayed from this thread, for files in the input
+        pipeline's thread."""
         batch_size, per_epoch = self.cfg.batch_size, len(self.data.train) // self.cfg.batch_size
         sampler = EpochSampler(len(self.data.train), batch_size, self.cfg.seed, self.rank, self.world)
         loader = self.loader(sampler)
