@@ -1,7 +1,9 @@
 """The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
 
+import io
 import subprocess
 import sys
+import types
 from functools import partial
 
 import numpy as np
@@ -288,12 +290,19 @@ def test_a_rotated_jpeg_is_decoded_by_the_worker_as_pil_reads_it(tmp_path):
 
 
 def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, monkeypatch, capsys):
-    """torchvision 0.29 deprecates its decoder, to be removed: TorchCodec's is preferred, torchvision's is used without
-    it, and with neither the loader workers decode the JPEGs (PIL), as on the worker path."""
+    """nvImageCodec's decoder is preferred (PIL's chroma upsampling), then TorchCodec's (torchvision 0.29 deprecates
+    its own, to be removed), then torchvision's; with none the loader workers decode the JPEGs (PIL), as on the worker
+    path."""
     import torchvision.io
 
     from bayesncl_pyro.data import decode
 
+    nvidia = types.ModuleType("nvidia")
+    nvidia.nvimgcodec = _FakeNvImageCodec(working=True)
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)  # nvImageCodec installed: preferred
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", nvidia.nvimgcodec)
+    assert [d.name.split()[0] for d in decode._installed_decoders()] == ["nvImageCodec", "TorchCodec", "torchvision"]
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # not installed
     assert [d.name.split()[0] for d in decode._installed_decoders()] == ["TorchCodec", "torchvision"]
     monkeypatch.setitem(sys.modules, "torchcodec", None)  # not installed
     assert [d.name.split()[0] for d in decode._installed_decoders()] == ["torchvision"]
@@ -308,6 +317,88 @@ def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, m
     assert "note: no JPEG decoder is installed" in capsys.readouterr().err
     assert all(trainer.input.views.encoded[i][0].ndim == 3 for i in range(len(trainer.input.views.encoded)))
     trainer.train(2)
+
+
+class _FakeNvImageCodec:
+    """nvImageCodec's Python API as ``decode._NvImageCodec`` calls it, decoding with PIL (planar RGB, None for a JPEG it
+    cannot decode); ``working=False``: as where it cannot decode at all (0.9 on a machine without a GPU logs 'Unable to
+    get device count' and answers None for every image, just as for corrupt files)."""
+
+    __version__ = "0.9 (fake)"
+    NVIMGCODEC_DEVICE_CPU_ONLY = -99
+
+    class ColorSpec:
+        SRGB = "sRGB"
+
+    class SampleFormat:
+        P_RGB = "planar RGB"
+
+    def __init__(self, working: bool):
+        self.working, self.calls = working, 0
+
+    def DecodeParams(self, **params):  # noqa: N802 -- the library's names
+        return params
+
+    def CodeStream(self, array):  # noqa: N802
+        return bytes(array)
+
+    def Decoder(self, device_id, options):  # noqa: N802
+        assert ":fancy_upsampling=1" in options
+        return self
+
+    def decode(self, streams, params, cuda_stream):
+        self.calls += 1
+        images = []
+        for data in streams:
+            try:
+                rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) if self.working else None
+            except OSError:
+                rgb = None
+            images.append(None if rgb is None else np.ascontiguousarray(rgb.transpose(2, 0, 1)))
+        return images
+
+
+def _jpeg_batch(encoded):
+    return EncodedBatch([encoded[i] for i in range(len(encoded)) if encoded[i][0].ndim == 1])
+
+
+def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(tmp_path, monkeypatch, capsys):
+    """A batch nvImageCodec fails on is tried against a JPEG known to be good: where that fails too, nvImageCodec cannot
+    decode on this device at all; the next decoder takes over, once, and no file is decoded one by one or blamed."""
+    from bayesncl_pyro.data import decode
+
+    broken, cpu = _FakeNvImageCodec(working=False), torch.device("cpu")
+    fallback = decode.JpegDecoder("PIL", lambda jpegs, device: [TF.pil_to_tensor(Image.open(io.BytesIO(bytes(d.numpy()))))
+                                                               for d in jpegs], True)
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("nvImageCodec (fake)",
+                                                                     decode._NvImageCodec(broken), False), fallback])
+    monkeypatch.setattr(decode, "_CANNOT", {})
+    encoded = EncodedImages(load_dataset("imagefolder", photo_tree(tmp_path)).train)
+    batch = _jpeg_batch(encoded)
+    for _ in range(2):
+        images = encoded.decode(batch, cpu)
+    assert broken.calls == 2  # the first batch and the known-good JPEG, then never again
+    assert "note: nvImageCodec (fake) cannot decode JPEGs on cpu" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(images, fallback.decode([d for d, _ in batch], cpu), strict=True))
+
+
+def test_a_corrupt_jpeg_in_an_nvimagecodec_batch_is_still_the_files_fault(tmp_path, monkeypatch):
+    """nvImageCodec that decodes the known-good JPEG failed on the batch's data: the batch is decoded one by one and the
+    corrupt file named, as with any decoder; nvImageCodec stays in use."""
+    from bayesncl_pyro.data import decode
+
+    working = _FakeNvImageCodec(working=True)
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("nvImageCodec (fake)",
+                                                                     decode._NvImageCodec(working), False)])
+    monkeypatch.setattr(decode, "_CANNOT", {})
+    root = photo_tree(tmp_path)
+    bad = truncate(root / "train" / "a" / "3.jpg")
+    encoded = EncodedImages(load_dataset("imagefolder", root).train)
+    batch = _jpeg_batch(encoded)
+    with pytest.raises(UserError, match=str(bad)):
+        encoded.decode(batch, torch.device("cpu"))
+    # the batch and the known-good JPEG, then one by one, the known-good JPEG again after the one that fails alone
+    assert working.calls == 1 + 1 + len(batch) + 1 and not decode._CANNOT
 
 
 def test_the_file_loader_sends_a_batch_over_one_file_descriptor_under_a_low_open_file_limit(tmp_path):

@@ -173,7 +173,9 @@ class _NvImageCodec:
     """nvImageCodec's batched decode: planar RGB, EXIF rotations not applied (as PIL, the worker path's reader), and
     ``fancy_upsampling``: 4:2:0 chroma interpolated as libjpeg does (nvJPEG's default replicates it, 2 of 255 off
     PIL's on photos, 16 on 32 px images). On CUDA in the current stream's order; a JPEG it cannot decode fails the
-    batch (``_decode_jpegs`` then finds which)."""
+    batch (``_decode_jpegs`` then finds which). It answers None for an image whether the file is bad or it cannot
+    decode on the device at all (0.9 without a GPU: 'Unable to get device count'), so a failed batch is told apart by a
+    JPEG known to be good: failing too, it raises what ``_decode`` takes for a decoder that cannot work there."""
 
     def __init__(self, nvimgcodec):
         self.nvimgcodec, self.decoders = nvimgcodec, {}
@@ -181,6 +183,15 @@ class _NvImageCodec:
                                               sample_format=nvimgcodec.SampleFormat.P_RGB)
 
     def __call__(self, jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        images = self._decode(jpegs, device)
+        failed = [k for k, image in enumerate(images) if image is None]
+        if failed:
+            if self._decode([_good_jpeg()], device)[0] is None:
+                raise RuntimeError(f"it fails on a known-good JPEG too ({len(failed)} of {len(jpegs)} failed)")
+            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of {len(jpegs)} JPEGs")
+        return [torch.from_dlpack(image) for image in images]
+
+    def _decode(self, jpegs: list[torch.Tensor], device: torch.device) -> list:
         codec = self.nvimgcodec
         cuda = device.type == "cuda"
         index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
@@ -188,12 +199,15 @@ class _NvImageCodec:
             self.decoders[index] = codec.Decoder(device_id=index if cuda else codec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                                  options=":fancy_upsampling=1")
         stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-        images = self.decoders[index].decode([codec.CodeStream(data.numpy()) for data in jpegs], params=self.params,
-                                             cuda_stream=stream)
-        failed = [k for k, image in enumerate(images) if image is None]
-        if failed:
-            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of {len(jpegs)} JPEGs")
-        return [torch.from_dlpack(image) for image in images]
+        return self.decoders[index].decode([codec.CodeStream(data.numpy()) for data in jpegs], params=self.params,
+                                           cuda_stream=stream)
+
+
+def _good_jpeg() -> torch.Tensor:
+    """A small colour JPEG that any JPEG decoder decodes (PIL's, 4:2:0)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 80, 30)).save(buffer, "JPEG")
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
 JPEG_DECODERS = _installed_decoders()
@@ -254,9 +268,10 @@ class _Undecodable(Exception):
 
 
 # decoders that cannot work on the device at all, whatever the file: a build without nvJPEG, or nvJPEG that does not
-# start (TorchCodec's nvJPEG is CUDA 13's, which a driver too old for it refuses); torchvision's image extension
+# start (TorchCodec's nvJPEG is CUDA 13's, which a driver too old for it refuses); torchvision's image extension;
+# nvImageCodec failing on a known-good JPEG (_NvImageCodec)
 _CANNOT_DECODE_HERE = re.compile(r"not compiled with nvJPEG|Failed to initialize nvjpeg|Couldn't load the image "
-                                 "extension", re.IGNORECASE)
+                                 "extension|fails on a known-good JPEG", re.IGNORECASE)
 # nvJPEG's own allocation failures carry a status code, not "out of memory": NVJPEG_STATUS_ALLOCATOR_FAILURE (5) after
 # an nvJPEG call, cudaErrorMemoryAllocation (2) after a CUDA call (both libraries end such messages ": <code>")
 _ALLOCATION_FAILURE = re.compile(r"(?<!CUDA stream): 5$|CUDA stream: 2$", re.MULTILINE)
