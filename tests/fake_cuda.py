@@ -60,8 +60,9 @@ ordering as one op that reads those and writes the captured ones).
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
-stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask, and the
-``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
+stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask,
+``torch.nested.to_padded_tensor`` of floating-point images (CUDA's one-kernel path copies the sizes over with a blocking
+copy; other dtypes are padded image by image on the device), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
 refused: its data is undefined on CUDA until the host waits, which the stand-in does not model.
 """
 
@@ -839,9 +840,12 @@ class _Autocast(torch.autocast):
 
 def _waits_for_host(func, args, device) -> bool:
     """Whether CUDA makes the host wait where this stand-in sees no copy: a factory of host data, an index held on
-    the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result)."""
+    the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result), floating-point nested
+    images padded (their sizes copied over synchronously)."""
     if func in _FROM_HOST:
         return _is_cuda(device) and not (args and isinstance(args[0], torch.Tensor))
+    if func is torch.nested.to_padded_tensor:  # aten's NestedTensor_to_padded_tensor_cuda: metadata.to(kCUDA, kInt)
+        return args[0].dtype in (torch.float16, torch.float32, torch.float64)
     if func in _CROSS_DEVICE and len(args) > 1:
         index = tree_flatten(args[1])[0]
         return any(isinstance(i, torch.Tensor) and (not isinstance(i, CudaTensor) and i.dim() > 0

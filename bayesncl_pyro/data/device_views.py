@@ -401,12 +401,13 @@ def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: 
 
 
 def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """uint8 ``C x H_i x W_i`` images of any sizes -> (one float16 ``N x C x H x W`` tensor of them, zero below and
-    right of each, its sides rounded up to multiples of ``BUCKET``, so that batches share a few shapes; the indices of the
-    images left out of it). An image with a side above ``OUTLIER`` times the batch's median side (ImageNet's rare
+    """uint8 ``C x H_i x W_i`` images of any sizes -> (one uint8 ``N x C x H x W`` tensor of them, zero below and
+    right of each, its sides rounded up to multiples of ``BUCKET``, so that batches share a few shapes; the indices of
+    the images left out of it). An image with a side above ``OUTLIER`` times the batch's median side (ImageNet's rare
     multi-megapixel photos) would multiply the batch's memory and arithmetic: it is left out (a 1 x 1 pixel stands
-    in) and resized alone (``resized_crop`` of a list). Two calls: the images go into one nested tensor, padded by
-    one kernel (float16 holds 0-255 exactly; for uint8 CUDA pads image by image)."""
+    in) and resized alone (``resized_crop`` of a list). Two calls: the images go into one nested tensor, padded on
+    the device image by image. Not in floating point: CUDA's one-kernel path for that copies the images' sizes to
+    the device with a blocking copy, a wait for the stream each batch."""
     sides = sorted(max(image.shape[-2:]) for image in images)
     cap = _bucket(OUTLIER * sides[len(sides) // 2])
     outliers = [k for k, image in enumerate(images) if max(image.shape[-2:]) > cap]
@@ -415,8 +416,7 @@ def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
              _bucket(max(image.shape[-1] for image in kept)))
     with warnings.catch_warnings():  # strided nested tensors are a prototype: that layout's two calls are all we use
         warnings.simplefilter("ignore", UserWarning)
-        nested = torch.nested.as_nested_tensor(kept, dtype=torch.float16)
-        return torch.nested.to_padded_tensor(nested, 0, shape), outliers
+        return torch.nested.to_padded_tensor(torch.nested.as_nested_tensor(kept), 0, shape), outliers
 
 
 def _bucket(side: float) -> int:
