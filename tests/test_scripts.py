@@ -111,6 +111,7 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "workers augmentation" in proc.stdout and "device augmentation" in proc.stdout
     assert "device/workers images/s" in proc.stdout
+    assert "views' producer per batch: CPU " in proc.stdout and "ms (thread_time)" in proc.stdout
 
 
 
