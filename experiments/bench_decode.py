@@ -1,6 +1,8 @@
-"""Images/s of the JPEG decoders the file path can use (``data/decode.py``), on the same batches: TorchCodec's and
-torchvision's batched ``decode_jpeg`` on ``--device``, and PIL (the worker path's reader, and the fallback where
-neither is installed) on the CPU; their ratios, taken within each interleaved repeat, then the median over repeats.
+"""Images/s of the JPEG decoders the file path can use (``data/decode.py``), on the same batches: nvImageCodec's,
+TorchCodec's and torchvision's batched decoders on ``--device``, and PIL (the worker path's reader, and the fallback
+where none is installed) on the CPU; their ratios, taken within each interleaved repeat, then the median over repeats.
+First each decoder's pixels against PIL's, beside those of the same JPEGs with their chroma replicated
+(``photos.replicated_chroma``: what a decoder without libjpeg's smooth upsampling gives).
 
     python experiments/bench_decode.py                      # CPU, photo-like JPEGs of about 450 x 340
     python experiments/bench_decode.py --device cuda --size 32
@@ -19,7 +21,7 @@ from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.decode import JPEG_DECODERS
-from bayesncl_pyro.data.photos import photo
+from bayesncl_pyro.data.photos import photo, replicated_chroma
 from bayesncl_pyro.device import pick_device
 
 
@@ -53,11 +55,13 @@ def main():
     variants = {d.name: (lambda d=d: d.decode(tensors, device)) for d in JPEG_DECODERS}
     variants["PIL (CPU)"] = pil
     reference = pil()
-    for name, decode in variants.items():  # warm-up, and the pixels: each decoder against PIL's
+    replicated = [torch.from_numpy(replicated_chroma(d)).permute(2, 0, 1) for d in data]
+    for name, decode in [("replicated chroma (reference)", lambda: replicated), *variants.items()]:  # warm-up, pixels
         images = decode()
         sync()
-        worst = max((a.cpu().int() - b.int()).abs().max().item() for a, b in zip(images, reference, strict=True))
-        print(f"{name}: largest difference from PIL {worst} of 255")
+        diff = [(a.cpu().int() - b.int()).abs() for a, b in zip(images, reference, strict=True)]
+        print(f"{name}: difference from PIL, mean {torch.stack([d.float().mean() for d in diff]).mean():.3f}, "
+              f"largest {max(d.max().item() for d in diff)} of 255")
     times = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, decode in variants.items():

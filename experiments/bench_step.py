@@ -4,6 +4,7 @@
     python experiments/bench_step.py --device cuda --dataset in100 --batch-size 512 --memory-batches 128,256,512
     python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \\
         --pipeline-batches 50                     # + data pipeline and end to end, views drawn in workers and on the GPU
+    python experiments/bench_step.py --count-ops  # the device views' aten calls and host time per batch, then stop
 
 Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
   cl, ncl, bayesncl   the learner as training runs it (Pyro program, MeanFieldELBO; ste gates)
@@ -19,6 +20,7 @@ repeats: on a shared machine the ratios are meaningful, absolute times less so.
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import statistics
@@ -215,11 +217,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--augment", choices=("workers", "device", "both"), default="both", help="where the pipeline "
                    "figures draw the views: loader workers, batched on the device, or both and their ratio "
                    "(default: %(default)s)")
+    p.add_argument("--count-ops", action="store_true", help="only count the device views' aten calls and time their "
+                   "host work per batch (count_view_ops), on the CPU")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.count_ops:
+        return count_view_ops()
     try:
         device = pick_device(args.device)
     except UserError as err:
@@ -336,9 +342,132 @@ def pipeline(cfg: Config, args, device: torch.device):
             print(f"\n{path} augmentation ({where}; {args.workers} workers): data pipeline only "
                   f"{figures[path][0]:.1f} images/s, end to end (BayesNCL) {figures[path][1]:.1f} images/s, "
                   f"end to end / pipeline {figures[path][1] / figures[path][0]:.2f}")
+            if trainer.input.views is not None:
+                with producer_costs(trainer) as costs:
+                    run(trainer, False)
+                print(costs[0])
     if len(figures) == 2:
         (pipe_w, end_w), (pipe_d, end_d) = figures["workers"], figures["device"]
         print(f"device/workers images/s: data pipeline only {pipe_d / pipe_w:.2f}, end to end {end_d / end_w:.2f}")
+
+
+# ------------------------------------------------------------------------------------------- the device views
+
+
+@contextlib.contextmanager
+def producer_costs(trainer):
+    """Within: the device views' producer timed per batch; after: ``[line]`` saying its median CPU time per batch
+    (``time.thread_time`` of the thread that draws them: the training thread for a set held on the GPU, whose
+    graphs it replays, the input pipeline's for files) and on CUDA its median GPU time per batch (events around its
+    work on the pipeline's stream: decoding, the views; for the graphs, the parameters' copy and the replay)."""
+    from bayesncl_pyro.data import pipeline as P
+
+    cuda = trainer.device.type == "cuda"
+    graphs = cuda and isinstance(trainer.input.views, P.ResidentViews)
+    owner, name = (P._GraphedViews, "launch") if graphs else (type(trainer.input.views), "__call__")
+    original = getattr(owner, name)
+    cpu, events = [], []
+
+    def timed(self, *args, **kwargs):
+        stream = (self.side if graphs else torch.cuda.current_stream()) if cuda else None
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            start.record(stream)
+        tic = time.thread_time()
+        out = original(self, *args, **kwargs)
+        cpu.append(time.thread_time() - tic)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            events.append((start, end))
+        return out
+
+    line = []
+    setattr(owner, name, timed)
+    try:
+        yield line
+    finally:
+        setattr(owner, name, original)
+    sync(trainer.device)
+    gpu = f", GPU {statistics.median(a.elapsed_time(b) for a, b in events):.2f} ms (events)" if events else ""
+    line.append(f"views' producer per batch: CPU {1e3 * statistics.median(cpu):.2f} ms (thread_time){gpu}, median of "
+                f"{len(cpu)}")
+
+
+def aten_calls(fn) -> int:
+    """The aten ops ``fn()`` calls, as the torch profiler records them, less those called by another aten op (what a
+    dispatcher mode sees; a compiled function's generated kernels are not aten calls, its library calls are)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += event.name.startswith("aten::") and parent is None
+    return count
+
+
+def count_view_ops() -> int:
+    """The device views' host work per batch, on the CPU, as the GPU pipeline issues it: aten calls (``aten_calls``),
+    counted at 4 and at 8 images (the same: the ops are whole-batch ops), and host microseconds per batch of 2 images
+    (median of 20) on one thread, whose arithmetic is small beside the calls (the files' views drawn at 40 px for
+    that: the same calls as at 224, blur included). Two recipes: CIFAR's 32 px views of a training set held on the device, and
+    ImageNet's 224 px views of decoded files of varied sizes. Each eager (the CPU's path; the GPU's without
+    ``--compile``), then as the GPU pipeline draws them: the set held on the device as a CUDA graph, whose replay
+    issues no aten call, so the host only draws the parameters into its pinned buffer and copies them over (one copy,
+    which the CPU does not make: added); the files with the chain compiled (``--compile``:
+    ``torch.compile(fullgraph=True, dynamic=False)``, compiled first). The last line gives the GPU pipeline's."""
+    from bayesncl_pyro.data.device_views import BatchViews, ViewParams
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # a GPU run's host issues the calls from one thread; more would split tiny ops
+    resident = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+
+    def recipes(n: int, size: int, graph: bool) -> dict:
+        """Per recipe, one batch of ``n`` images' views (``graph``: as the GPU pipeline draws them)."""
+        rows, g = torch.randint(0, 64, (n,)), torch.Generator()
+        # decoded files: ImageNet's sizes scaled to 1/8, to keep the CPU's arithmetic small
+        files = [torch.randint(0, 256, (3, torch.randint(38, 47, ()).item(), torch.randint(50, 63, ()).item()),
+                               dtype=torch.uint8) for _ in range(n)]
+        params = ViewParams(n, 32, 3, cpu, rows=True)
+        params.host[0]["sizes"].fill_(32)  # once: the set's images are of one size
+        resident_views = BatchViews(n, 32, 3, cpu, rows=True)
+        file_views = BatchViews(n, size, 3, cpu, compile=graph)
+        return {"views-resident-32": (lambda: params.draw(g, rows=rows)) if graph else (
+                    lambda: resident_views(resident, g, rows)),
+                "views-files-224": lambda: file_views(files, g)}
+
+    def warm(fns: dict) -> dict:
+        for fn in fns.values():
+            fn()  # and compile
+        return fns
+
+    calls = {}
+    for graph in (False, True):
+        counts = [{name: aten_calls(fn) for name, fn in warm(recipes(n, 224, graph)).items()} for n in (4, 8)]
+        if counts[0] != counts[1]:
+            raise SystemExit(f"error: the views' calls depend on the batch size: {counts}")
+        calls[graph] = counts[0]
+        if graph:
+            calls[graph]["views-resident-32"] += 1  # the copy of the parameters to the GPU (none on the CPU)
+        micros = {}
+        for name, fn in warm(recipes(2, 40, graph)).items():
+            times = []
+            for _ in range(20):
+                tic = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - tic)
+            micros[name] = 1e6 * statistics.median(times)
+        how = ("as the GPU pipeline (the set: parameters drawn, copied, a graph replayed; the files: compiled)" if graph
+               else "eager (the CPU's path, and the GPU's without --compile)")
+        print(f"{how}: aten calls per batch " + ", ".join(f"{k} {v}" for k, v in calls[graph].items())
+              + "; host us per batch of 2 images " + ", ".join(f"{k} {v:.0f}" for k, v in micros.items()))
+    print("aten calls per batch: " + " ".join(f"{k}={v}" for k, v in calls[True].items()))
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,9 +23,14 @@
 #    other (fails if off); images/s, Pyro/plain, BayesNCL/NCL (and its FLOPs floor), peak memory.
 # 2. decoding: generated JPEG folders (32 px; ImageNet-like photos of varied sizes around 450x340), then per folder the
 #    same 64 JPEGs decoded 5 times on the GPU on a side stream after queueing writes into freed blocks of the decoded
-#    images' sizes (the conditions of the decoder race): the decodes must be bit-identical, and their mean
-#    |difference| from the CPU decoder at most 2 of 255. Also printed, not judged: the same without the wait that
-#    data/decode.py makes (how many decodes differ shows whether this GPU races at all).
+#    images' sizes (the conditions of the decoder race): the decodes must be bit-identical; and against PIL (the
+#    worker path's reader) their mean |difference| at most that of the same pictures saved 4:4:4 (the control: no
+#    chroma to upsample) + 0.5, and below their difference from the same JPEGs with replicated chroma (what a decoder
+#    without smooth upsampling gives). Also printed, not judged: a decoder that writes from its own stream, called on
+#    the side stream with work queued (how many decodes differ shows whether this GPU races at all).
+# 2b. the device views: of a set held on the GPU (32 px), eager against the CPU's from the same draws, from the CUDA
+#    graphs against eager (float32, and bf16 channels_last); of padded files of varied sizes (224 px, blur) against
+#    the CPU's; each within float rounding, or it fails.
 # 3. end to end on the 224 px folder (images of varied sizes: not held on the GPU, so nvJPEG decodes every batch),
 #    batch 256: data pipeline alone and feeding BayesNCL steps, views drawn in the loader workers and on the GPU, and
 #    the ratios; fails unless the device path ran on files.
@@ -125,27 +130,32 @@ if [ -n "${GPU_CHECK_SMOKE:-}" ]; then  # CPU, tiny: every command runs, no figu
     DEV=cpu; N224=200; N32=400; W=2; PB=1; STEPS=6; DECODES=2; CHURN=64; GAP=50
     BIG=(--image-size 32 --encoder cnn --proj-hidden 32 --proj-dim 16 --batch-size 16)
     SMALL=(--encoder cnn --proj-hidden 32 --proj-dim 16 --batch-size 16); REP=(--repeats 1 --steps 1 --warmup 0)
-    BUDGET=900; T1=300; T2=300; T3=300; T4=300; T5=300; T6=60  # a loaded CPU: only the budget guards the test
+    VIEWS_BATCH=16
+    BUDGET=900; T1=300; T2=300; T2B=300; T3=300; T4=300; T5=300; T6=60  # a loaded CPU: only the budget guards the test
 else
     DEV=cuda; N224=6000; N32=20000; W=$(( $(nproc) - 2 )); PB=20; STEPS=300; DECODES=5; CHURN=4096; GAP=10
     BIG=(--batch-size 256); SMALL=(--batch-size 256); REP=(--repeats 3 --steps 10 --warmup 3)
     # smoke seconds x factor (docs/PERFORMANCE.md: what each allows per step); the sum stays under the budget
-    T1=$(( 12 * 4 )); T2=$(( 11 * 4 )); T3=$(( 36 * 16 / 10 )); T4=$(( 6 * 6 )); T5=$(( 18 * 6 )); T6=60
+    VIEWS_BATCH=256
+    T1=$(( 12 * 4 )); T2=$(( 11 * 4 )); T2B=$(( 10 * 3 )); T3=$(( 36 * 16 / 10 )); T4=$(( 6 * 6 )); T5=$(( 18 * 6 )); T6=60
 fi
 
 section "1. model only, ImageNet-100 recipe, batch 256"
 limited $T1 "$PY" experiments/bench_step.py --device $DEV --dataset in100 "${BIG[@]}" "${REP[@]}" || status=1
 
-section "2. generated JPEG folders; the decoder race; GPU vs CPU decoding"
+section "2. generated JPEG folders; the decoder race; GPU decoding against PIL"
 limited $T2 "$PY" - "$WORK" "$N224" "$N32" "$DEV" "$DECODES" "$CHURN" <<'EOF' || status=1
+import io
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, jpeg_decoders
-from bayesncl_pyro.data.photos import write_photo_folder
+from bayesncl_pyro.data.photos import replicated_chroma, write_photo_folder
 from bayesncl_pyro.device import pick_device
 
 out, n224, n32, device = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -161,10 +171,10 @@ device = pick_device(device)
 cuda = device.type == "cuda"
 if cuda:
     torch.cuda.set_device(device)
-side = torch.cuda.Stream(device) if cuda else None  # the input pipeline decodes on a stream of its own
+side = torch.cuda.Stream(device) if cuda else None  # the input pipeline decodes from a stream of its own
 decoders = jpeg_decoders(device)
-# the control: a decoder that writes from a stream of its own (torchvision's), called without the wait decode.py makes
-control = next((d for d in decoders if d.own_stream), None)
+# the control: a decoder that writes PyTorch's memory from a stream of its own, called on a stream with queued work
+control = next((d for d in decoders if d.torch_memory), None)
 print(f"JPEG decoder on {device}: {decoders[0].name if decoders else None}; control: {control and control.name}")
 
 
@@ -175,38 +185,117 @@ def churn(images):
     for _ in range(4):
         a = a @ a / churn_size
     for image in images:  # queued behind the products, so they run late; freed at once
-        torch.empty(image.numel(), dtype=torch.uint8, device=device).fill_(7)
+        torch.empty(image.size, dtype=torch.uint8, device=device).fill_(7)
     return a
+
+
+def mean_difference(a, b) -> float:
+    return float(np.mean([np.abs(x.astype(np.int16) - y.astype(np.int16)).mean() for x, y in zip(a, b, strict=True)]))
+
+
+def hwc(images):
+    return [image.cpu().permute(1, 2, 0).numpy() for image in images]
+
+
+def jpeg_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 failed = False
 for name in ("jpeg32", "jpeg224"):
     encoded = EncodedImages(load_dataset("imagefolder", out / name).train)
     batch = EncodedBatch([encoded[i] for i in range(64)])
-    cpu = encoded.decode(batch, torch.device("cpu"))
+    data = [bytes(item.numpy()) for item, _ in batch]
+    pil = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in data]  # the worker path's reader
     with torch.cuda.stream(side):
         decodes, raw = [], []
         for _ in range(repeats):
-            churn(cpu)
+            churn(pil)
             decodes.append(encoded.decode(batch, device))  # as the input pipeline decodes
         for _ in range(repeats if control else 0):
-            churn(cpu)
-            raw.append(control.decode([data for data, _ in batch], device))
+            churn(pil)
+            raw.append(control.decode([item for item, _ in batch], device))
     if cuda:
         torch.cuda.synchronize(device)
 
     def differing(runs):
         return sum(any(not torch.equal(a, b) for a, b in zip(runs[0], run)) for run in runs[1:])
 
-    diff = torch.cat([(c.float() - g.cpu().float()).abs().flatten() for c, g in zip(cpu, decodes[0])])
-    ok = differing(decodes) == 0 and diff.mean() <= 2
-    failed |= not ok
+    # the same pictures saved 4:4:4 (no chroma subsampling): a difference left there is not the chroma upsampling
+    full = []
+    for image in pil:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, "JPEG", quality=90, subsampling=0)
+        full.append(buffer.getvalue())
+    pil444 = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in full]
+    gpu444 = encoded.decode(EncodedBatch([(jpeg_tensor(d), j) for d, (_, j) in zip(full, batch)]), device)
+    gpu, replicated = hwc(decodes[0]), [replicated_chroma(d) for d in data]
+    to_pil, to_replicated = mean_difference(gpu, pil), mean_difference(gpu, replicated)
+    control444, reference = mean_difference(hwc(gpu444), pil444), mean_difference(replicated, pil)
+    worst = max(int(np.abs(a.astype(np.int16) - b).max()) for a, b in zip(gpu, pil))
+    same = differing(decodes) == 0
+    accurate = to_pil <= control444 + 0.5 and to_pil < to_replicated
+    failed |= not (same and accurate)
     print(f"{name}: 64 JPEGs decoded {repeats} times on {device} under allocator churn: "
-          f"{repeats - 1 - differing(decodes)} of {repeats - 1} repeats bit-identical to the first; mean |GPU - CPU| "
-          f"{diff.mean():.3f}, max {diff.max():.0f} (of 255; limit on the mean 2) {'ok' if ok else 'FAILED'}")
+          f"{repeats - 1 - differing(decodes)} of {repeats - 1} repeats bit-identical to the first "
+          f"{'ok' if same else 'FAILED'}")
+    print(f"{name}: mean |GPU - PIL| {to_pil:.3f} (max {worst}) of 255; the 4:4:4 control {control444:.3f}; mean "
+          f"|GPU - replicated chroma| {to_replicated:.3f} (PIL's {reference:.3f}); limit: the control + 0.5, and "
+          f"nearer PIL than replicated chroma {'ok' if accurate else 'FAILED'}")
     if control:
-        print(f"{name}: {control.name} without the wait (control, not judged): {differing(raw)} of {repeats - 1} "
-              "repeats differ")
+        print(f"{name}: {control.name} on a stream with queued work (control, not judged): {differing(raw)} of "
+              f"{repeats - 1} repeats differ")
+sys.exit(1 if failed else 0)
+EOF
+
+section "2b. the device views on $DEV: CUDA graphs against eager, and against the CPU's"
+limited $T2B "$PY" - "$DEV" "$VIEWS_BATCH" <<'EOF' || status=1
+import sys
+
+import torch
+
+from bayesncl_pyro.data import pipeline
+from bayesncl_pyro.data.device_views import BatchViews
+from bayesncl_pyro.device import pick_device
+
+device, n = pick_device(sys.argv[1]), int(sys.argv[2])
+cpu = torch.device("cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+g = torch.Generator().manual_seed(0)
+images = torch.randint(0, 256, (4 * n, 3, 32, 32), dtype=torch.uint8, generator=g)
+rows = [torch.randint(0, 4 * n, (n,), generator=g) for _ in range(4)]
+failed = False
+
+
+def report(what, got, expected, limit):
+    global failed
+    worst = max((a.float().cpu() - b.float().cpu()).abs().max().item() for a, b in zip(got, expected, strict=True))
+    failed |= not worst <= limit
+    print(f"{what}: largest difference {worst:.2e} (limit {limit:.0e}) {'ok' if worst <= limit else 'FAILED'}")
+
+
+# the set held on the device, 32 px: the graphs' replays (CUDA) and eager views there, against the CPU's (float32);
+# the same draws, so the only differences are float32 rounding in another order
+on_device = pipeline.ResidentViews(images.to(device), 32, seed=0)
+eager = [on_device(r, k) for k, r in enumerate(rows)]
+report(f"32 px views of a set held on {device}, eager, against the CPU's", eager,
+       [pipeline.ResidentViews(images, 32, seed=0)(r, k) for k, r in enumerate(rows)], 1e-3)
+if device.type == "cuda":
+    replayed = [x.clone() for x in on_device.replayed(rows, first=0)]
+    report("the same from CUDA graphs against eager", replayed, eager, 1e-3)
+    bf16 = pipeline.ResidentViews(images.to(device), 32, 0, dtype=torch.bfloat16, memory_format=torch.channels_last)
+    replayed = [x.clone() for x in bf16.replayed(rows, first=0)]
+    assert all(x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last) for x in replayed)
+    report("the same in bf16 channels_last against float32", replayed, eager, 3e-2)
+else:
+    print("no CUDA: the graphs are not run")
+# files, 224 px (blur): a padded batch of varied sizes on the device against the CPU's
+files = [torch.randint(0, 256, (3, 300 + 9 * k % 76, 400 + 13 * k % 101), dtype=torch.uint8, generator=g)
+         for k in range(n)]
+report(f"224 px views of {n} files of varied sizes on {device}, eager, against the CPU's",
+       [BatchViews(n, 224, 3, device)([f.to(device) for f in files], torch.Generator().manual_seed(1))],
+       [BatchViews(n, 224, 3, cpu)(files, torch.Generator().manual_seed(1))], 1e-3)
 sys.exit(1 if failed else 0)
 EOF
 

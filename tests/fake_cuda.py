@@ -15,8 +15,10 @@ the fake devices and checks what CUDA checks:
 - the RNG state functions take a device index below the count (``IndexError`` past it, as CUDA's per-device generators);
   each device has its own state;
 - an event records on a stream of its own device (after its first record); ``record_stream`` takes a stream, of a CUDA
-  tensor;
-- a forked worker process that touches CUDA raises, as CUDA's runtime cannot be used after a fork.
+  tensor; an event's ``query`` is True (the GPU keeps up: the host now knows its stream has passed it, which is no
+  wait) unless ``lagging`` is set, when it is True only for what the host has waited for;
+- a forked worker process that touches CUDA raises, as CUDA's runtime cannot be used after a fork;
+- ``torch.autocast("cuda")`` casts the stand-in's tensors as CPU autocast does (bf16 inputs meet bf16 weights).
 
 How memory is used across streams, as the caching allocator and the stream order decide it. Every op runs on its
 thread's current stream, which counts its ops (a logical clock); what each storage went through is kept in a
@@ -38,16 +40,29 @@ Stricter than CUDA, to catch what CUDA lets pass silently (and what this project
   where CUDA would let them run (nothing here does that);
 - torchvision's ``decode_jpeg`` on CUDA (stood in for by ``torchvision_decode``, which decodes on the CPU) requires the
   current stream of the target device (torchvision switches to that device itself, whatever the thread's current one)
-  to have no queued work the host has not waited for (nvJPEG writes the outputs from its own stream, which does not
-  wait for the current one), and refuses to run under the ``cudaMallocAsync`` backend; after a decode that failed
-  part-way, nothing may be allocated on that stream until ``torch.cuda.synchronize`` (the decoder's stream may still
-  write into the outputs it freed). TorchCodec's (``torchcodec_decode``) decodes on the current stream and the host
-  then waits for it, as TorchCodec does; ``use_decoders`` picks which ``data.decode`` uses.
+  to have no queued work the host has not waited for (nvJPEG writes the outputs, allocated on the current stream,
+  from a stream of its own, which does not wait for the current one; the current stream then waits for it), and
+  refuses to run under the ``cudaMallocAsync`` backend; after a decode that failed part-way, nothing may be allocated
+  on that stream until ``torch.cuda.synchronize`` (the decoder's stream may still write into the outputs it freed).
+  TorchCodec's (``torchcodec_decode``) does the same and the host waits for the current stream before and for its
+  own after, as TorchCodec 0.17 does. nvImageCodec's (``nvimgcodec_decode``) writes memory of its own in the current
+  stream's order. ``use_decoders`` picks which ``data.decode`` uses.
+
+Page-locked memory (``pin_memory``) is known by its storage, views of it included. A ``non_blocking`` copy from it is
+read when the copy runs, so the host must not write that memory until it knows the copy has run (a ``synchronize``,
+or an event after it that ``query`` found passed): an earlier write raises ``Race``.
+
+CUDA graphs (``torch.cuda.CUDAGraph``, ``torch.cuda.graph``): capture enters the stream it is given (a stream of the
+default stream refused, as PyTorch refuses it) after a device-wide synchronize, as PyTorch's context does; a host sync
+while capturing raises CUDA's error. The ops run during the capture are recorded; ``replay`` runs them again on the
+current stream into the same tensors, reading the tensors made before the capture as they are then (checked for
+ordering as one op that reads those and writes the captured ones).
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
-stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask, and the
-``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
+stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask,
+``torch.nested.to_padded_tensor`` of floating-point images (CUDA's one-kernel path copies the sizes over with a blocking
+copy; other dtypes are padded image by image on the device), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
 refused: its data is undefined on CUDA until the host waits, which the stand-in does not model.
 """
 
@@ -152,10 +167,14 @@ class Stream:
         _runtime().host_waits(self)
 
     def query(self) -> bool:
-        return True
+        return _runtime().passed(self, self.clock)
 
     def is_capturing(self) -> bool:  # what the optimizers' graph-capture check asks torch.accelerator's stream
-        return False
+        return _runtime().capturing is self
+
+    @property
+    def cuda_stream(self) -> int:
+        return id(self)
 
 
 class Block:
@@ -164,9 +183,10 @@ class Block:
     read it since, each with the clock of its last read; ``uses``, each stream's last use; ``recorded``, the streams
     ``record_stream`` marked. Freeing the storage calls ``FakeCuda.freed``."""
 
-    def __init__(self, stream: Stream, storage: torch.UntypedStorage, runtime: FakeCuda):
-        self.stream, self.writer, self.reads = stream, (stream, stream.clock), {}
-        self.uses, self.recorded = {stream: stream.clock}, set()
+    def __init__(self, stream: Stream, storage: torch.UntypedStorage, runtime: FakeCuda, writer: Stream | None = None):
+        writer = writer or stream
+        self.stream, self.writer, self.reads = stream, (writer, writer.clock), {}
+        self.uses, self.recorded = {writer: writer.clock}, set()
         weakref.finalize(storage, runtime.freed, storage.data_ptr()).atexit = False
 
 
@@ -187,7 +207,7 @@ class Event:
         (stream or _runtime().current_stream()).wait_event(self)
 
     def query(self) -> bool:
-        return True
+        return self.stream is None or _runtime().passed(self.stream, self.clock)
 
     def synchronize(self):
         if self.stream is not None:
@@ -216,6 +236,45 @@ class _StreamContext:
             runtime = _runtime()
             runtime.set_stream(self.previous[1])
             runtime.local.device = self.previous[0]
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph``: the ops recorded while it was captured (``graph``), replayed on the current stream."""
+
+    def __init__(self, keep_graph: bool = False):
+        self.tape, self.made = None, set()  # the ops; the storages made during the capture
+
+    def replay(self):
+        if self.tape is None:
+            raise RuntimeError("CUDA graph: replay() of a graph that was never captured")
+        _runtime().replay(self)
+
+    def reset(self):
+        self.tape = None
+
+
+class _GraphContext:
+    """``torch.cuda.graph(graph, pool=None, stream=None)``: synchronize, then capture on ``stream`` (a side stream)."""
+
+    def __init__(self, cuda_graph: CUDAGraph, pool=None, stream: Stream | None = None, capture_error_mode="global"):
+        self.graph, self.stream = cuda_graph, stream
+
+    def __enter__(self):
+        runtime = _runtime()
+        runtime.synchronize()
+        stream = self.stream or Stream(runtime.current_device())
+        if stream in runtime.default_streams:
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok "
+                               "to replay them on the default stream.)")
+        self.context = _StreamContext(stream)
+        self.context.__enter__()
+        self.graph.tape, self.graph.made = [], set()
+        runtime.capturing, runtime.captured = stream, self.graph
+
+    def __exit__(self, *exc):
+        runtime = _runtime()
+        runtime.capturing = runtime.captured = None
+        self.context.__exit__(*exc)
 
 
 def _is_cuda(device) -> bool:
@@ -270,10 +329,15 @@ class FakeCuda:
         self.faults: list[str] = []  # uses found wrong when a block was freed, raised at the next op (_raise_faults)
         self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
         self.decodes = 0  # JPEG decoder calls on CUDA
+        self.decoder_streams: dict[int, Stream] = {}  # device -> the stream TorchCodec's and torchvision's nvJPEG write from
         self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
         self.default_streams = []
         self.trace = None  # a list: where each host sync happened
+        self.lagging = False  # event and stream queries answer False for what the host has not waited for
+        self.pinned: dict[int, list[tuple[Stream, int]]] = {}  # page-locked storage -> the copies that read it
+        self.capturing: Stream | None = None  # the stream a CUDA graph is being captured on
+        self.captured: CUDAGraph | None = None
         self.rng_states = [self._seeded(0) for _ in range(count)]  # per device, as CUDA's default generators
         global RUNTIME
         RUNTIME = self
@@ -315,13 +379,24 @@ class FakeCuda:
         self.local.device = stream.device_index
 
     def host_waits(self, stream: Stream, clock: int | None = None, why: str = ""):
+        if self.capturing is not None:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({why or 'a host wait'})")
         stream.done = max(stream.done, stream.clock if clock is None else clock)
         self.syncs[threading.current_thread().name] += 1
         if self.trace is not None:
             import traceback
             self.trace.append((threading.current_thread().name, why, "".join(traceback.format_stack(limit=12)[:-2])))
 
+    def passed(self, stream: Stream, clock: int) -> bool:
+        """A query: whether the GPU has passed op ``clock`` of ``stream``; if so the host knows it from now on."""
+        if self.lagging and stream.done < clock:
+            return False
+        stream.done = max(stream.done, clock)
+        return True
+
     def synchronize(self, device=None):
+        if self.capturing is not None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (synchronize)")
         index = _get_device_index(device, optional=True)
         self.check_index(index)
         for stream in self.streams:
@@ -363,7 +438,7 @@ class FakeCuda:
         self.check_index(index)
         return index
 
-    def wrap(self, out, index: int, stream: Stream, inputs: list):
+    def wrap(self, out, index: int, stream: Stream, inputs: list, writer: Stream | None = None):
         """The op's tensor results as tensors on ``cuda:index`` (results that are inputs, as in-place ops return, are
         the same objects). A result in memory the stand-in has not seen is allocated and written by ``stream`` now;
         a view of known memory is only a view."""
@@ -380,7 +455,9 @@ class FakeCuda:
                     raise Race(f"fake CUDA: memory allocated on {stream} after decode_jpeg failed part-way: "
                                        "the decoder's stream may still write into the outputs it freed there; "
                                        "torch.cuda.synchronize(device) first")
-                self.blocks[storage.data_ptr()] = Block(stream, storage, self)
+                self.blocks[storage.data_ptr()] = Block(stream, storage, self, writer)
+                if self.captured is not None:
+                    self.captured.made.add(storage.data_ptr())
             return t
 
         return tree_map(one, out)
@@ -441,6 +518,8 @@ class FakeCuda:
             indices.add(self.index_of(device))
             kwargs = {**kwargs, "device": "cpu"}
         if not indices:
+            if self.pinned:
+                self.check_host_writes(func, args, kwargs)
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and threading.current_thread() is threading.main_thread():
                 self.largest_host_tensor = max(self.largest_host_tensor, out.nbytes)
@@ -478,7 +557,43 @@ class FakeCuda:
                 self.host_waits(stream, why=getattr(func, "__name__", str(func)))
             if _is_cpu_device(device):
                 return out
-            return self.wrap(out, index, stream, tensors)
+            out = self.wrap(out, index, stream, tensors)
+            if self.capturing is stream:
+                self.captured.tape.append((func, args, kwargs, out, bool(written) or _views_of(out, tensors)))
+            return out
+
+    def check_host_writes(self, func, args, kwargs):
+        """A host op that writes page-locked memory a queued copy may still read raises ``Race``."""
+        written = tree_flatten(args[0])[0] if args and (func is torch.Tensor.__setitem__ or _in_place(func)) else []
+        written += [kwargs["out"]] if isinstance(kwargs.get("out"), torch.Tensor) else []
+        for t in written:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for stream, clock in self.pinned.get(t.untyped_storage().data_ptr(), ()):
+                if stream.done < clock:
+                    raise Race(f"fake CUDA: the host writes page-locked memory that a non_blocking copy queued on "
+                               f"{stream} (its op {clock}) still reads: wait for an event recorded after that copy "
+                               f"(query or synchronize) first")
+
+    def replay(self, graph: CUDAGraph):
+        """Run ``graph``'s recorded ops again on the current stream, into the tensors they made when captured."""
+        index = self.current_device()
+        stream = self.current_stream(index)
+        with self.lock:
+            reads, writes = [], []
+            for func, args, kwargs, out, in_place in graph.tape:
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, CudaTensor) and t.untyped_storage().data_ptr() not in graph.made:
+                        reads.append(t)
+                writes += [t for t in tree_flatten(out)[0] if isinstance(t, CudaTensor)]
+            self.access(stream, reads, writes)
+            with torch._C.DisableTorchFunction():
+                for func, args, kwargs, out, in_place in graph.tape:
+                    fresh = func(*args, **kwargs)
+                    if not in_place:
+                        for old, new in zip(tree_flatten(out)[0], tree_flatten(fresh)[0]):
+                            if isinstance(old, torch.Tensor):
+                                old.copy_(new)
 
     # ------------------------------------------------------------------------------------- what moves between devices
     def _copy(self, src: torch.Tensor, index: int | None, non_blocking: bool, into: torch.Tensor | None = None,
@@ -502,7 +617,8 @@ class FakeCuda:
                     self.host_waits(self.current_stream(source), why="to the CPU")
                 return out
             stream = self.current_stream(index)
-            if source is None and non_blocking and not isinstance(src, PinnedTensor):
+            pinned = None if source is not None else self.pinned.get(src.untyped_storage().data_ptr())
+            if source is None and non_blocking and pinned is None:
                 # CUDA stages pageable memory synchronously: the host waits for the stream, then the copy is queued
                 self.host_waits(stream, why="pageable to the GPU")
             with torch._C.DisableTorchFunction():
@@ -517,6 +633,10 @@ class FakeCuda:
                 out = into
             if source is None and not non_blocking:
                 self.host_waits(stream, why="to the GPU")  # memcpy_and_sync: the host waits for the copy
+            elif pinned is not None:
+                pinned.append((stream, stream.clock))  # read when the copy runs
+            if self.capturing is stream:
+                raise RuntimeError("fake CUDA: a copy from the host inside a CUDA graph capture is not modelled")
             return out
 
     def copy_(self, dst: torch.Tensor, src, non_blocking: bool = False) -> torch.Tensor:
@@ -556,10 +676,14 @@ class FakeCuda:
         if isinstance(tensor, CudaTensor):
             raise RuntimeError(f"cannot pin '{tensor.type()}' only dense CPU tensors can be pinned")
         with torch._C.DisableTorchFunction():
-            return tensor.clone().as_subclass(PinnedTensor)
+            pinned = tensor.clone().as_subclass(PinnedTensor)
+        address = pinned.untyped_storage().data_ptr()
+        self.pinned[address] = []
+        weakref.finalize(pinned.untyped_storage(), self.pinned.pop, address, None).atexit = False
+        return pinned
 
     def is_pinned(self, tensor, device=None) -> bool:
-        return isinstance(tensor, PinnedTensor)
+        return not isinstance(tensor, CudaTensor) and tensor.untyped_storage().data_ptr() in self.pinned
 
     def record_stream(self, tensor, stream):
         if not isinstance(stream, Stream):
@@ -581,46 +705,61 @@ class FakeCuda:
 
     # ------------------------------------------------------------------------------------------------- JPEG decoders
     def use_decoders(self, *names: str):
-        """Have ``data.decode`` decode JPEGs with these stand-ins, preferred in this order: "TorchCodec", "torchvision"."""
+        """Have ``data.decode`` decode JPEGs with these stand-ins, preferred in this order: "nvImageCodec",
+        "TorchCodec", "torchvision"."""
         from bayesncl_pyro.data import decode
 
-        fakes = {"TorchCodec": decode.JpegDecoder("TorchCodec (fake)", self.torchcodec_decode, own_stream=False),
-                 "torchvision": decode.JpegDecoder("torchvision (fake)", self.torchvision_decode, own_stream=True)}
+        fakes = {"nvImageCodec": decode.JpegDecoder("nvImageCodec (fake)", self.nvimgcodec_decode, torch_memory=False),
+                 "TorchCodec": decode.JpegDecoder("TorchCodec (fake)", self.torchcodec_decode, torch_memory=True),
+                 "torchvision": decode.JpegDecoder("torchvision (fake)", self.torchvision_decode, torch_memory=True)}
         self.monkeypatch.setattr(decode, "JPEG_DECODERS", [fakes[name] for name in names])
 
     def torchvision_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
         """torchvision's ``decode_jpeg``: on CUDA after the checks above (nvJPEG on a stream of its own)."""
         if not _is_cuda(device):
             return self.cpu_decode(jpegs, device)
+        return self._own_stream_decode(jpegs, device)
+
+    def torchcodec_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """TorchCodec's ``decode_jpeg`` (0.17): torchvision's, with the host waiting for the current stream before and
+        for its own stream after."""
+        if not _is_cuda(device):
+            return self.cpu_decode(jpegs, device)
+        self.host_waits(self.current_stream(self.index_of(device)), why="TorchCodec's decode_jpeg, before")
+        return self._own_stream_decode(jpegs, device, wait_after=True)
+
+    def _own_stream_decode(self, jpegs, device, wait_after: bool = False) -> list[torch.Tensor]:
         index = self._check_jpegs(jpegs, device)
         if self.backend != "native":
-            raise Race("fake CUDA: torchvision's nvJPEG under the cudaMallocAsync backend: its outputs may get "
-                               "memory other streams still use")
+            raise Race("fake CUDA: nvJPEG writing PyTorch's memory from its own stream under the cudaMallocAsync "
+                       "backend: its outputs may get memory other streams still use")
         stream = self.current_stream(index)
         if stream.clock > stream.done:
-            raise Race(f"fake CUDA: torchvision's decode_jpeg with work queued on {stream} that the host has not "
-                               "waited for: nvJPEG writes its outputs from its own stream, into memory that work may still "
-                               "use")
+            raise Race(f"fake CUDA: a JPEG decoder that writes from its own stream called with work queued on {stream} "
+                       "that the host has not waited for: nvJPEG writes its outputs, allocated on that stream, into "
+                       "memory that work may still use")
         try:
             images = self.cpu_decode(jpegs, "cpu")
         except RuntimeError as err:  # decoding started: the decoder's stream may still write into what it freed
             self.dirty[index] = stream
             raise RuntimeError(f"Error while decoding JPEG images: {err}") from None
-        self.access(stream, [])  # torchvision then makes the current stream wait for its own
-        return [self.wrap(image, index, stream, []) for image in images]
+        own = self.decoder_streams.setdefault(index, Stream(index, name=f"a JPEG decoder's own stream on cuda:{index}"))
+        self.access(own, [])
+        images = [self.wrap(image, index, stream, [], writer=own) for image in images]
+        if wait_after:
+            self.host_waits(own, why="a JPEG decoder's own stream, after")
+        stream.wait_stream(own)  # the current stream then waits for the decoder's
+        return images
 
-    def torchcodec_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
-        """TorchCodec's ``decode_jpeg``: on CUDA nvJPEG decodes on the current stream, and the host waits for that
-        stream before the call returns."""
+    def nvimgcodec_decode(self, jpegs: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """nvImageCodec's batched decode: its own memory, written in the current stream's order."""
         if not _is_cuda(device):
             return self.cpu_decode(jpegs, device)
         index = self._check_jpegs(jpegs, device)
         stream = self.current_stream(index)
         images = self.cpu_decode(jpegs, "cpu")
         self.access(stream, [])
-        images = [self.wrap(image, index, stream, []) for image in images]
-        self.host_waits(stream, why="TorchCodec's decode_jpeg")
-        return images
+        return [self.wrap(image, index, stream, []) for image in images]
 
     def _check_jpegs(self, jpegs, device) -> int:
         index = self.index_of(device)
@@ -652,7 +791,8 @@ class FakeCuda:
             get_allocator_backend=lambda: self.backend, get_device_name=lambda device=None: "fake CUDA device",
             memory_allocated=lambda device=None: 0, max_memory_allocated=lambda device=None: 0,
             reset_peak_memory_stats=lambda device=None: None, is_bf16_supported=lambda *a, **k: True,
-            is_current_stream_capturing=lambda: False, is_initialized=lambda: True, _lazy_init=lambda: None,
+            is_current_stream_capturing=lambda: self.capturing is not None and self.current_stream() is self.capturing,
+            CUDAGraph=CUDAGraph, graph=_GraphContext, is_initialized=lambda: True, _lazy_init=lambda: None,
             get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
             get_rng_state_all=lambda: [self.get_rng_state(i) for i in range(self.count)],
             set_rng_state_all=lambda states: [self.set_rng_state(state, i) for i, state in enumerate(states)] and None,
@@ -668,6 +808,8 @@ class FakeCuda:
         monkeypatch.setattr(acc, "set_device_index", self.set_device)
         monkeypatch.setattr(acc, "device_count", lambda: self.count)
         monkeypatch.setattr(acc, "current_stream", self.current_stream)  # the optimizers' graph-capture check
+        # autocast "cuda" casts what CUDA kernels get; the stand-in's tensors are CPU tensors, which CPU autocast casts
+        monkeypatch.setattr(torch, "autocast", _Autocast)
         # nn.Module.to replaces each parameter by the moved tensor (a CudaTensor), instead of setting .data
         monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
         from bayesncl_pyro.data import decode
@@ -675,6 +817,8 @@ class FakeCuda:
         self.monkeypatch, self.installed_decoders = monkeypatch, decode.JPEG_DECODERS
         self.use_decoders("TorchCodec", "torchvision")
         monkeypatch.setattr(decode, "_CANNOT", {})
+        monkeypatch.setattr(decode, "_DECODE_STREAMS", {})
+        monkeypatch.setattr(decode, "_HELD", collections.deque())
         from bayesncl_pyro.data import pipeline
 
         monkeypatch.setattr(pipeline, "_STREAMS", {})  # a stream of an earlier test's runtime is not one of ours
@@ -687,11 +831,21 @@ class FakeCuda:
         monkeypatch.setattr(threading.Thread, "run", run_with_fake_cuda)
 
 
+class _Autocast(torch.autocast):
+    """``torch.autocast``, with "cuda" autocasting the CPU tensors that stand in for CUDA tensors."""
+
+    def __init__(self, device_type: str, *args, **kwargs):
+        super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def _waits_for_host(func, args, device) -> bool:
     """Whether CUDA makes the host wait where this stand-in sees no copy: a factory of host data, an index held on
-    the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result)."""
+    the CPU (copied over synchronously), a boolean mask (its ``nonzero`` sizes the result), floating-point nested
+    images padded (their sizes copied over synchronously)."""
     if func in _FROM_HOST:
         return _is_cuda(device) and not (args and isinstance(args[0], torch.Tensor))
+    if func is torch.nested.to_padded_tensor:  # aten's NestedTensor_to_padded_tensor_cuda: metadata.to(kCUDA, kInt)
+        return args[0].dtype in (torch.float16, torch.float32, torch.float64)
     if func in _CROSS_DEVICE and len(args) > 1:
         index = tree_flatten(args[1])[0]
         return any(isinstance(i, torch.Tensor) and (not isinstance(i, CudaTensor) and i.dim() > 0

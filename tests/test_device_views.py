@@ -1,12 +1,15 @@
 """The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
 
+import io
 import subprocess
 import sys
+import types
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
@@ -84,6 +87,141 @@ def test_views_of_an_image_tensor_and_of_its_list_agree():
     torch.testing.assert_close(batched, listed, rtol=0, atol=1e-4)  # the same draws, float32 rounding apart
 
 
+def _gather_scatter_views(images, size, generator, channels=3):
+    """The views as they were drawn before they were whole-batch ops (the same draws, each op on its rows gathered
+    and scattered back, the blur a grouped convolution): what ``simclr_views`` must still give."""
+    n = 2 * len(images)
+    sizes = torch.tensor([images.shape[-2:]]).expand(n // 2, 2).repeat(2, 1)
+    boxes = D.crop_boxes(sizes, generator, scale=(0.08, 1.0) if channels == 3 else (0.5, 1.0))
+
+    def uniform(low, high):
+        return torch.empty(n).uniform_(low, high, generator=generator)
+
+    def rows(p):
+        return (torch.rand(n, generator=generator) < p).nonzero().squeeze(1)
+
+    ops = (D.adjust_brightness, D.adjust_contrast, D.adjust_saturation, D.adjust_hue)[:4 if channels == 3 else 2]
+    factors = torch.stack([uniform(0.2, 1.8), uniform(0.2, 1.8), uniform(0.2, 1.8), uniform(-0.2, 0.2)][:len(ops)], 1)
+    order = torch.randperm(len(ops), generator=generator).tolist()
+    jitter, kernel, none = rows(0.8), D.blur_kernel(size), torch.zeros(0, dtype=torch.long)
+    gray = rows(0.2) if channels == 3 else none
+    blur, sigma = (rows(0.5), uniform(0.1, 2.0)) if kernel is not None else (none, none)
+    flip = rows(0.5) if channels == 3 else none
+    x = D.resized_crop(images, boxes, size).div_(255).clamp_(0, 1)
+
+    def apply_at(r, x, op, *params):
+        if len(r):
+            x[r] = op(x[r], *params)
+        return x
+
+    def colour(v, f):
+        for k in order:
+            v = ops[k](v, f[:, k])
+        return v
+
+    def conv_blur(v, sg):
+        b, c, h, w = v.shape
+        taps = D.blur_taps(sg, kernel).repeat_interleave(c, 0)
+        y = F.pad(v, (kernel // 2,) * 4, mode="reflect").view(1, b * c, h + kernel - 1, w + kernel - 1)
+        y = F.conv2d(F.conv2d(y, taps.view(b * c, 1, kernel, 1), groups=b * c), taps.view(b * c, 1, 1, kernel),
+                     groups=b * c)
+        return y.view(b, c, h, w)
+
+    x = apply_at(jitter, x, colour, factors[jitter])
+    x = apply_at(gray, x, lambda v: D.grayscale(v).expand_as(v))
+    x = apply_at(blur, x, conv_blur, sigma[blur])
+    x = apply_at(flip, x, lambda v: v.flip(-1))
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
+    return x.sub_(torch.tensor(mean).view(-1, 1, 1)).div_(torch.tensor(std).view(-1, 1, 1))
+
+
+@pytest.mark.parametrize("channels, size, side", [(3, 32, 32), (1, 8, 8), (3, 24, 40), (3, 48, 64)])
+def test_whole_batch_views_are_the_gathered_ones_bit_for_bit_the_blur_within_rounding(channels, size, side):
+    """Masked blends with identity factors, grayscale and hue through torch.where, the parameters from one buffer:
+    on the CPU the same float32 operations on every pixel as the gathered rows had, so the same bits (the default
+    first run's figures depend on it); the blur, now two band-matrix products, within float32 rounding."""
+    images = torch.randint(0, 256, (12, channels, side, side - 4), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(side))
+    for seed in range(2):
+        expected = _gather_scatter_views(images, size, torch.Generator().manual_seed(seed), channels)
+        got = D.simclr_views(images, size, torch.Generator().manual_seed(seed), channels)
+        views = D.BatchViews(len(images), size, channels, torch.device("cpu"), compile=False)
+        views.chain.static = True  # the jitter order read from a tensor, in fixed slots (graphs, compile)
+        slots = views(images, torch.Generator().manual_seed(seed))
+        if D.blur_kernel(size) is None:
+            assert torch.equal(got, expected) and torch.equal(slots, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+            assert torch.equal(slots, got)
+
+
+def test_views_come_out_in_the_dtype_and_layout_asked_for():
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    views = D.BatchViews(6, 32, 3, torch.device("cpu"), dtype=torch.bfloat16, memory_format=torch.channels_last)
+    x = views(images, torch.Generator().manual_seed(0))
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(x, D.simclr_views(images, 32, torch.Generator().manual_seed(0)).to(torch.bfloat16))
+
+
+def test_a_padded_batch_resizes_as_each_image_alone_and_an_outlier_is_resized_alone():
+    """Images of different sizes, padded to one tensor (sides rounded up to 64) and resized by two products, equal the
+    per-image interpolation within float32 rounding; an image far larger than the others is left out of the padding
+    and resized alone, in its rows."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 30 + 7 * i, 50 - 4 * i), dtype=torch.uint8, generator=g) for i in range(5)]
+    padded, outliers = D.padded_batch(images)
+    assert padded.shape == (5, 3, 64, 64) and outliers == [] and padded.dtype == torch.uint8
+    for k, image in enumerate(images):
+        assert torch.equal(padded[k, :, :image.shape[1], :image.shape[2]], image)
+        assert padded[k, :, image.shape[1]:].eq(0).all() and padded[k, :, :, image.shape[2]:].eq(0).all()
+    boxes = D.crop_boxes(torch.tensor([im.shape[-2:] for im in images]).repeat(2, 1), g)
+    # aten's float32 resize of the crop against the padded product: pixel values up to 255
+    torch.testing.assert_close(D.resized_crop(padded, boxes, 16), D.resized_crop(images, boxes, 16), rtol=0, atol=2e-3)
+
+    huge = torch.randint(0, 256, (3, 400, 300), dtype=torch.uint8, generator=g)
+    batch = images + [huge]
+    padded, outliers = D.padded_batch(batch)
+    assert outliers == [5] and padded.shape == (6, 3, 64, 64)
+    x = D.simclr_views(batch, 16, torch.Generator().manual_seed(1))
+    alone = D.simclr_views([huge] * 6, 16, torch.Generator().manual_seed(1))  # no outlier: the padded path
+    torch.testing.assert_close(x[[5, 11]], alone[[5, 11]], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow  # compiling the chain's two parts for three shapes takes minutes on two CPU cores
+def test_the_chain_compiles_whole_with_static_shapes_and_draws_the_same_views():
+    """torch.compile(fullgraph=True, dynamic=False) of the chain succeeds on the CPU (no graph break: nothing waits
+    for the device, no shape depends on data), for a set of one size and for padded files, and draws the eager views
+    within float32 rounding (Inductor fuses and reorders the arithmetic)."""
+    cpu = torch.device("cpu")
+    images = torch.randint(0, 256, (8, 3, 64, 60), dtype=torch.uint8)
+    files = [torch.randint(0, 256, (3, 30 + 7 * i, 50 - 4 * i), dtype=torch.uint8) for i in range(8)]
+    for batch, size in ((images, 32), (images, 48), (files, 48)):
+        compiled = D.BatchViews(8, size, 3, cpu, compile=True)
+        for seed in range(2):
+            torch.testing.assert_close(compiled(batch, torch.Generator().manual_seed(seed)),
+                                       D.simclr_views(batch, size, torch.Generator().manual_seed(seed)),
+                                       rtol=0, atol=5e-5)
+
+
+def test_replicated_chroma_is_the_reference_a_gpu_decoder_is_told_apart_from():
+    """``photos.replicated_chroma``: a 4:2:0 JPEG with its chroma repeated 2 x 2, as nvJPEG's default decodes it; PIL
+    interpolates. Equal on a picture without colour; 10-20 of 255 apart on 32 px colour photos (gpu_check's)."""
+    import io
+
+    from bayesncl_pyro.data.photos import photo, replicated_chroma
+
+    def jpeg(image):
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=90)
+        return buffer.getvalue()
+
+    gray = photo(0, (32, 32)).convert("L").convert("RGB")
+    data = jpeg(gray)
+    assert np.abs(replicated_chroma(data).astype(int) - np.asarray(Image.open(io.BytesIO(data)))).max() <= 1
+    data = jpeg(photo(1, (32, 32)))
+    assert 10 < np.abs(replicated_chroma(data).astype(int) - np.asarray(Image.open(io.BytesIO(data)))).mean() < 20
+
+
 def test_one_channel_views_follow_the_gentle_recipe():
     images = torch.randint(0, 256, (64, 1, 8, 8), dtype=torch.uint8)
     x = D.simclr_views(images, 8, torch.Generator().manual_seed(0), channels=1)
@@ -152,12 +290,19 @@ def test_a_rotated_jpeg_is_decoded_by_the_worker_as_pil_reads_it(tmp_path):
 
 
 def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, monkeypatch, capsys):
-    """torchvision 0.29 deprecates its decoder, to be removed: TorchCodec's is preferred, torchvision's is used without
-    it, and with neither the loader workers decode the JPEGs (PIL), as on the worker path."""
+    """nvImageCodec's decoder is preferred (PIL's chroma upsampling), then TorchCodec's (torchvision 0.29 deprecates
+    its own, to be removed), then torchvision's; with none the loader workers decode the JPEGs (PIL), as on the worker
+    path."""
     import torchvision.io
 
     from bayesncl_pyro.data import decode
 
+    nvidia = types.ModuleType("nvidia")
+    nvidia.nvimgcodec = _FakeNvImageCodec(working=True)
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)  # nvImageCodec installed: preferred
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", nvidia.nvimgcodec)
+    assert [d.name.split()[0] for d in decode._installed_decoders()] == ["nvImageCodec", "TorchCodec", "torchvision"]
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # not installed
     assert [d.name.split()[0] for d in decode._installed_decoders()] == ["TorchCodec", "torchvision"]
     monkeypatch.setitem(sys.modules, "torchcodec", None)  # not installed
     assert [d.name.split()[0] for d in decode._installed_decoders()] == ["torchvision"]
@@ -172,6 +317,88 @@ def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, m
     assert "note: no JPEG decoder is installed" in capsys.readouterr().err
     assert all(trainer.input.views.encoded[i][0].ndim == 3 for i in range(len(trainer.input.views.encoded)))
     trainer.train(2)
+
+
+class _FakeNvImageCodec:
+    """nvImageCodec's Python API as ``decode._NvImageCodec`` calls it, decoding with PIL (planar RGB, None for a JPEG it
+    cannot decode); ``working=False``: as where it cannot decode at all (0.9 on a machine without a GPU logs 'Unable to
+    get device count' and answers None for every image, just as for corrupt files)."""
+
+    __version__ = "0.9 (fake)"
+    NVIMGCODEC_DEVICE_CPU_ONLY = -99
+
+    class ColorSpec:
+        SRGB = "sRGB"
+
+    class SampleFormat:
+        P_RGB = "planar RGB"
+
+    def __init__(self, working: bool):
+        self.working, self.calls = working, 0
+
+    def DecodeParams(self, **params):  # noqa: N802 -- the library's names
+        return params
+
+    def CodeStream(self, array):  # noqa: N802
+        return bytes(array)
+
+    def Decoder(self, device_id, options):  # noqa: N802
+        assert ":fancy_upsampling=1" in options
+        return self
+
+    def decode(self, streams, params, cuda_stream):
+        self.calls += 1
+        images = []
+        for data in streams:
+            try:
+                rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")) if self.working else None
+            except OSError:
+                rgb = None
+            images.append(None if rgb is None else np.ascontiguousarray(rgb.transpose(2, 0, 1)))
+        return images
+
+
+def _jpeg_batch(encoded):
+    return EncodedBatch([encoded[i] for i in range(len(encoded)) if encoded[i][0].ndim == 1])
+
+
+def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(tmp_path, monkeypatch, capsys):
+    """A batch nvImageCodec fails on is tried against a JPEG known to be good: where that fails too, nvImageCodec cannot
+    decode on this device at all; the next decoder takes over, once, and no file is decoded one by one or blamed."""
+    from bayesncl_pyro.data import decode
+
+    broken, cpu = _FakeNvImageCodec(working=False), torch.device("cpu")
+    fallback = decode.JpegDecoder("PIL", lambda jpegs, device: [TF.pil_to_tensor(Image.open(io.BytesIO(bytes(d.numpy()))))
+                                                               for d in jpegs], True)
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("nvImageCodec (fake)",
+                                                                     decode._NvImageCodec(broken), False), fallback])
+    monkeypatch.setattr(decode, "_CANNOT", {})
+    encoded = EncodedImages(load_dataset("imagefolder", photo_tree(tmp_path)).train)
+    batch = _jpeg_batch(encoded)
+    for _ in range(2):
+        images = encoded.decode(batch, cpu)
+    assert broken.calls == 2  # the first batch and the known-good JPEG, then never again
+    assert "note: nvImageCodec (fake) cannot decode JPEGs on cpu" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(images, fallback.decode([d for d, _ in batch], cpu), strict=True))
+
+
+def test_a_corrupt_jpeg_in_an_nvimagecodec_batch_is_still_the_files_fault(tmp_path, monkeypatch):
+    """nvImageCodec that decodes the known-good JPEG failed on the batch's data: the batch is decoded one by one and the
+    corrupt file named, as with any decoder; nvImageCodec stays in use."""
+    from bayesncl_pyro.data import decode
+
+    working = _FakeNvImageCodec(working=True)
+    monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("nvImageCodec (fake)",
+                                                                     decode._NvImageCodec(working), False)])
+    monkeypatch.setattr(decode, "_CANNOT", {})
+    root = photo_tree(tmp_path)
+    bad = truncate(root / "train" / "a" / "3.jpg")
+    encoded = EncodedImages(load_dataset("imagefolder", root).train)
+    batch = _jpeg_batch(encoded)
+    with pytest.raises(UserError, match=str(bad)):
+        encoded.decode(batch, torch.device("cpu"))
+    # the batch and the known-good JPEG, then one by one, the known-good JPEG again after the one that fails alone
+    assert working.calls == 1 + 1 + len(batch) + 1 and not decode._CANNOT
 
 
 def test_the_file_loader_sends_a_batch_over_one_file_descriptor_under_a_low_open_file_limit(tmp_path):

@@ -120,7 +120,21 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "workers augmentation" in proc.stdout and "device augmentation" in proc.stdout
     assert "device/workers images/s" in proc.stdout
+    assert "views' producer per batch: CPU " in proc.stdout and "ms (thread_time)" in proc.stdout
 
+
+
+@pytest.mark.slow  # compiles the files' views (torch.compile) for two batch sizes: 40 s on two cores, 4 min under load
+def test_bench_step_counts_the_device_views_aten_calls_within_their_goals():
+    """--count-ops: the views' aten calls per batch, the same at two batch sizes (whole-batch ops), eager and as the GPU
+    pipeline issues them; its last line within the goals (a set held on the GPU: 40, from 312; files: 60, from 2,766)."""
+    proc = run("bench_step.py", "--count-ops", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("aten calls per batch: ")
+    counts = dict(item.split("=") for item in last.removeprefix("aten calls per batch: ").split())
+    assert counts.keys() == {"views-resident-32", "views-files-224"}
+    assert 0 < int(counts["views-resident-32"]) <= 40 and 0 < int(counts["views-files-224"]) <= 60
 
 @pytest.mark.slow
 def test_compare_trains_every_method_and_writes_the_table(tmp_path):

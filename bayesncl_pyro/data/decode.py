@@ -1,9 +1,14 @@
 """Image files as the training device decodes them (``--augment device``): DataLoader workers read a batch's files
-into one tensor (``EncodedBatch``), the training process decodes its JPEGs together on its device (nvJPEG on CUDA)
-with TorchCodec's decoder, or torchvision's where TorchCodec is not installed (``JPEG_DECODERS``)."""
+into one tensor (``EncodedBatch``), the training process decodes its JPEGs together on its device with the first
+installed decoder that works there (``JPEG_DECODERS``): nvImageCodec's (with libjpeg's smooth chroma upsampling, so
+its pixels are PIL's), TorchCodec's, torchvision's.
+
+On CUDA nothing here waits for the GPU: the decoders run on a stream of their own (``decode_stream``), and the
+caller's stream waits for it with an event (``_on_decode_stream`` says how each decoder's memory is kept safe)."""
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import re
@@ -80,8 +85,7 @@ class EncodedImages(Dataset):
         path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
         it, or with ``skip_bad`` is skipped and logged alike."""
         items = list(batch)
-        # a blocking copy: it waits for the current stream only, which on CUDA is the input pipeline's own
-        images = [data.to(device) if data.ndim == 3 else None for data, _ in items]
+        images = [_to_device(data, device) if data.ndim == 3 else None for data, _ in items]
         jpegs = [k for k, image in enumerate(images) if image is None]
         decoded, failure = _decode_jpegs([items[k][0] for k in jpegs], device)
         if failure is not None and device.type == "cuda" and not self.warned:
@@ -118,29 +122,43 @@ def _read_decoded(path: Path) -> torch.Tensor:
     return pil_to_tensor(open_rgb(path))
 
 
+def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A worker-decoded image on ``device``: on CUDA from pinned memory, so the copy is queued, not waited for (the
+    caching host allocator keeps that memory until the copy has run)."""
+    return image.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else image.to(device)
+
+
 class JpegDecoder(NamedTuple):
     """A library's JPEG decoder: ``decode(jpegs, device)``, a list of 1-D uint8 CPU tensors -> their RGB images, uint8
-    ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches)."""
+    ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches, on the current stream's device)."""
 
     name: str  # the library and its version
     decode: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
-    # on CUDA it writes the images from a stream of its own, not the calling thread's current stream (_decode)
-    own_stream: bool
+    # on CUDA the images are PyTorch's memory, allocated on the current stream and written from a stream of the
+    # library's own (TorchCodec, torchvision); else the library's own memory, written in the current stream's order
+    # (nvImageCodec)
+    torch_memory: bool
 
 
 def _installed_decoders() -> list[JpegDecoder]:
-    """The JPEG decoders installed, preferred first: TorchCodec's (from 0.16), to which torchvision's moved, then
-    torchvision's (deprecated by torchvision 0.29, to be removed)."""
+    """The JPEG decoders installed, preferred first: nvImageCodec's (smooth chroma upsampling, as PIL's libjpeg),
+    TorchCodec's (from 0.16), to which torchvision's moved, then torchvision's (deprecated by torchvision 0.29, to be
+    removed). TorchCodec's writes from a stream of its own whatever its version says (0.17 does)."""
     found = []
+    try:
+        from nvidia import nvimgcodec
+    except (ImportError, OSError, RuntimeError):
+        pass
+    else:
+        found.append(JpegDecoder(f"nvImageCodec {nvimgcodec.__version__}", _NvImageCodec(nvimgcodec), False))
     try:
         import torchcodec
         from torchcodec.decoders import decode_jpeg as codec_decode
     except (ImportError, OSError, RuntimeError):  # missing, older than 0.16, or its libraries do not load here
         pass
     else:
-        # nvJPEG decodes on the current stream (the outputs' own) and the host waits for that stream before it returns
         found.append(JpegDecoder(f"TorchCodec {torchcodec.__version__}",
-                                 lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), False))
+                                 lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), True))
     try:
         from torchvision.io import ImageReadMode, decode_jpeg as vision_decode
     except ImportError:
@@ -151,21 +169,63 @@ def _installed_decoders() -> list[JpegDecoder]:
     return found
 
 
+class _NvImageCodec:
+    """nvImageCodec's batched decode: planar RGB, EXIF rotations not applied (as PIL, the worker path's reader), and
+    ``fancy_upsampling``: 4:2:0 chroma interpolated as libjpeg does (nvJPEG's default replicates it, 2 of 255 off
+    PIL's on photos, 16 on 32 px images). On CUDA in the current stream's order; a JPEG it cannot decode fails the
+    batch (``_decode_jpegs`` then finds which). It answers None for an image whether the file is bad or it cannot
+    decode on the device at all (0.9 without a GPU: 'Unable to get device count'), so a failed batch is told apart by a
+    JPEG known to be good: failing too, it raises what ``_decode`` takes for a decoder that cannot work there."""
+
+    def __init__(self, nvimgcodec):
+        self.nvimgcodec, self.decoders = nvimgcodec, {}
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
+                                              sample_format=nvimgcodec.SampleFormat.P_RGB)
+
+    def __call__(self, jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        images = self._decode(jpegs, device)
+        failed = [k for k, image in enumerate(images) if image is None]
+        if failed:
+            if self._decode([_good_jpeg()], device)[0] is None:
+                raise RuntimeError(f"it fails on a known-good JPEG too ({len(failed)} of {len(jpegs)} failed)")
+            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of {len(jpegs)} JPEGs")
+        return [torch.from_dlpack(image) for image in images]
+
+    def _decode(self, jpegs: list[torch.Tensor], device: torch.device) -> list:
+        codec = self.nvimgcodec
+        cuda = device.type == "cuda"
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        if index not in self.decoders:
+            self.decoders[index] = codec.Decoder(device_id=index if cuda else codec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                                 options=":fancy_upsampling=1")
+        stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+        return self.decoders[index].decode([codec.CodeStream(data.numpy()) for data in jpegs], params=self.params,
+                                           cuda_stream=stream)
+
+
+def _good_jpeg() -> torch.Tensor:
+    """A small colour JPEG that any JPEG decoder decodes (PIL's, 4:2:0)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 80, 30)).save(buffer, "JPEG")
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
 JPEG_DECODERS = _installed_decoders()
 _CANNOT = {}  # (device, decoder name) -> why that decoder cannot decode on that device (_decode)
 
 _ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF "
                         "backend:cudaMallocAsync), under which memory that other CUDA streams still use can be handed "
-                        "to the outputs of torchvision's nvJPEG decoder")
+                        "to the outputs of its nvJPEG decoder, which writes them from a stream of its own")
 
 
 def jpeg_decoders(device: torch.device) -> list[JpegDecoder]:
     """The decoders that may decode JPEGs on ``device``, preferred first: those installed, less any found unable to
-    there (``_decode``), and on CUDA under the cudaMallocAsync backend less those that write from a stream of their
-    own: that backend's pool may give the decoding stream a block that another stream frees, with a dependency on
-    that stream inserted into the decoding stream only, which the decoder's own stream does not follow."""
+    there (``_decode``), and on CUDA under the cudaMallocAsync backend less those that write PyTorch's memory from a
+    stream of their own: that backend's pool may give the decoding stream a block that another stream frees, with a
+    dependency on that stream inserted into the decoding stream only, which the decoder's own stream does not
+    follow."""
     async_pool = device.type == "cuda" and torch.cuda.get_allocator_backend() != "native"
-    return [d for d in JPEG_DECODERS if (device, d.name) not in _CANNOT and not (async_pool and d.own_stream)]
+    return [d for d in JPEG_DECODERS if (device, d.name) not in _CANNOT and not (async_pool and d.torch_memory)]
 
 
 def no_jpeg_decoder(device: torch.device) -> str | None:
@@ -174,7 +234,7 @@ def no_jpeg_decoder(device: torch.device) -> str | None:
     if jpeg_decoders(device):
         return None
     if not JPEG_DECODERS:
-        return "no JPEG decoder is installed (TorchCodec, or torchvision before it removes its own)"
+        return "no JPEG decoder is installed (nvImageCodec, TorchCodec, or torchvision before it removes its own)"
     return "; ".join(f"{d.name} cannot decode JPEGs on {device}: {_CANNOT[device, d.name]}"
                      if (device, d.name) in _CANNOT else f"{d.name}: {_ASYNC_ALLOCATOR_NOTE}" for d in JPEG_DECODERS)
 
@@ -208,9 +268,10 @@ class _Undecodable(Exception):
 
 
 # decoders that cannot work on the device at all, whatever the file: a build without nvJPEG, or nvJPEG that does not
-# start (TorchCodec's nvJPEG is CUDA 13's, which a driver too old for it refuses); torchvision's image extension
+# start (TorchCodec's nvJPEG is CUDA 13's, which a driver too old for it refuses); torchvision's image extension;
+# nvImageCodec failing on a known-good JPEG (_NvImageCodec)
 _CANNOT_DECODE_HERE = re.compile(r"not compiled with nvJPEG|Failed to initialize nvjpeg|Couldn't load the image "
-                                 "extension", re.IGNORECASE)
+                                 "extension|fails on a known-good JPEG", re.IGNORECASE)
 # nvJPEG's own allocation failures carry a status code, not "out of memory": NVJPEG_STATUS_ALLOCATOR_FAILURE (5) after
 # an nvJPEG call, cudaErrorMemoryAllocation (2) after a CUDA call (both libraries end such messages ": <code>")
 _ALLOCATION_FAILURE = re.compile(r"(?<!CUDA stream): 5$|CUDA stream: 2$", re.MULTILINE)
@@ -221,25 +282,12 @@ _TORCH_CALL_FAILED = "API call failed at"
 
 def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``encoded`` (a non-empty list) decoded on ``device`` by the first of ``jpeg_decoders(device)`` that can decode
-    there (``_decode_jpegs``); its failures on the data are ``_Undecodable``.
-
-    On CUDA torchvision's decoder allocates the images on the current stream of ``device`` (it switches to ``device``
-    itself, whatever the calling thread's current device) and nvJPEG writes them from torchvision's own stream without
-    waiting for the current one; the caching allocator hands out a block as soon as it is freed on the stream that
-    owns it, so nvJPEG could overwrite memory that queued kernels still read (NaNs in training at 32 px, wrong pixels).
-    So the host first waits until the current stream has run all its queued work: in the input pipeline's thread that
-    is the pipeline's stream, and the wait holds the thread until the previous batch's view kernels have run, before
-    this batch's decoding starts (the training stream is never waited for, and a step finds its batch drawn ahead
-    while the prefetcher keeps up). Only blocks of the current stream are at risk under the native allocator (other
-    streams' blocks are not handed to it, and a block used on another stream via ``record_stream`` comes back only
-    after that use has run); under cudaMallocAsync the reasoning fails (``jpeg_decoders``). TorchCodec's decoder runs
-    nvJPEG on the current stream, after its queued work, and the host waits for that stream before it returns: no
-    wait is needed before it, and none is made."""
+    there (``_decode_jpegs``), on CUDA on the decoding stream (``_on_decode_stream``); its failures on the data are
+    ``_Undecodable``."""
     for decoder in jpeg_decoders(device):
-        if device.type == "cuda" and decoder.own_stream:
-            torch.cuda.current_stream(device).synchronize()
         try:
-            return decoder.decode(encoded, device)
+            return _on_decode_stream(decoder, encoded, device) if device.type == "cuda" else decoder.decode(encoded,
+                                                                                                             device)
         except RuntimeError as err:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # before anything allocates where the decoder may still write
@@ -263,5 +311,52 @@ def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Ten
             if jpeg_decoders(device):
                 print(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
                       f"{jpeg_decoders(device)[0].name} decodes them instead", file=sys.stderr, flush=True)
-    raise UserError(f"{no_jpeg_decoder(device)}; install a TorchCodec (or torchvision) build made for torch "
-                    f"{torch.__version__} with nvJPEG, or pass --augment workers")
+    raise UserError(f"{no_jpeg_decoder(device)}; install nvImageCodec (nvidia-nvimgcodec-cu13 and nvidia-nvjpeg), or a "
+                    f"TorchCodec (or torchvision) build made for torch {torch.__version__} with nvJPEG, or pass "
+                    "--augment workers")
+
+
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_HELD: collections.deque = collections.deque()  # (event, images): a library's memory, released once the GPU passes
+HELD_BATCHES = 2
+"""Batches of a library's own decoded memory kept before the host waits for the oldest to be copied out."""
+
+
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream JPEGs are decoded on, one per device: nothing else runs on it."""
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    return _DECODE_STREAMS[device]
+
+
+def _on_decode_stream(decoder: JpegDecoder, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``decoder`` on ``encoded`` with ``decode_stream(device)`` current, its images handed to the caller's current
+    stream, which waits for the decoding stream with an event (on the GPU; the host waits for nothing).
+
+    The race this avoids (seen on the GPU machine: NaNs in training, decoded pixels off by up to 85/255):
+    TorchCodec's and torchvision's nvJPEG allocate their images on the current stream and write them from a stream
+    of their own, which waits for nothing; the caching allocator hands a block to that stream's next allocation as
+    soon as it is freed there, so the decoder could overwrite memory that queued kernels of the current stream still
+    read. Here the current stream is the decoding stream, on which no kernel ever runs, and the caller's stream marks
+    the images as its own (``record_stream``): a block of theirs goes back to the decoding stream only after the
+    caller's uses of it have run. nvImageCodec writes memory of its own in the decoding stream's order: its images are
+    copied into PyTorch's memory on the caller's stream and kept (``_HELD``) until the GPU has passed that copy
+    (an event the host queries; past ``HELD_BATCHES`` batches it waits for the oldest)."""
+    caller, stream = torch.cuda.current_stream(device), decode_stream(device)
+    with torch.cuda.stream(stream):
+        images = decoder.decode(encoded, device)
+    caller.wait_stream(stream)
+    if decoder.torch_memory:
+        for image in images:
+            image.record_stream(caller)
+        return images
+    owned = [image.clone() for image in images]
+    _HELD.append((caller.record_event(), images))
+    while _HELD:
+        event, _ = _HELD[0]
+        if not event.query():
+            if len(_HELD) <= HELD_BATCHES:
+                break
+            event.synchronize()
+        _HELD.popleft()
+    return owned

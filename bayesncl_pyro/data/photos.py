@@ -1,6 +1,7 @@
 """Generated photo-like images, for the decoders' benchmark, the GPU check and the tests: smooth random colour
 with noise, which JPEG compresses about as it does a photograph (a flat colour it would compress to nothing)."""
 
+import io
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -34,3 +35,17 @@ def write_photo_folder(root: Path, n: int, size: tuple[int, int] | None = None) 
     with ProcessPoolExecutor(mp_context=multiprocessing.get_context("fork")) as pool:
         list(pool.map(_write, [(root, i, size) for i in range(n)], chunksize=100))
     return root
+
+
+def replicated_chroma(jpeg: bytes) -> np.ndarray:
+    """A 4:2:0 JPEG decoded as a decoder that replicates its chroma does (libjpeg's fast upsampling; nvJPEG's
+    default), ``H x W x 3`` uint8: the luma at full size, the chroma at its own half size (libjpeg's DCT scaling by
+    1/2 decodes chroma without upsampling it), each chroma pixel repeated 2 x 2, then PIL's YCbCr -> RGB. PIL's own
+    decode interpolates the chroma ("fancy" upsampling): the reference a check of a GPU decoder tells apart from it."""
+    full = Image.open(io.BytesIO(jpeg))
+    full.draft("YCbCr", full.size)
+    half = Image.open(io.BytesIO(jpeg))
+    half.draft("YCbCr", (full.size[0] // 2, full.size[1] // 2))
+    luma = np.asarray(full)[..., 0]
+    chroma = np.asarray(half)[..., 1:].repeat(2, 0).repeat(2, 1)[:luma.shape[0], :luma.shape[1]]
+    return np.array(Image.fromarray(np.dstack([luma, chroma]), "YCbCr").convert("RGB"))

@@ -12,15 +12,20 @@ The views are drawn in DataLoader workers (per image, on the CPU: ``views.TwoVie
 - ``FileViews``: DataLoader workers read the files' bytes into one ``EncodedBatch``, ``EncodedImages.decode``
   decodes the batch (nvJPEG on CUDA).
 
-Both draw the views with ``device_views.simclr_views`` from a generator seeded by (seed, step, rank):
-a resumed run draws the views it would have drawn, prefetched or not.
+Both draw the views with ``device_views.BatchViews`` from a generator seeded by (seed, step, rank): a resumed run
+draws the views it would have drawn, prefetched or not. On CUDA they come out in the step's dtype (bf16 under
+autocast) and memory format (channels_last).
 
-``prefetch`` runs them a batch or two ahead in a background thread with its own CUDA stream. The handover
-follows CUDA's stream semantics: the training stream waits for an event recorded after the batch's
-last kernel (``wait_event``: on the GPU, the host does not wait), and the batch is marked as used on the
-training stream (``record_stream``) so the caching allocator does not give its memory back to the
-pipeline's stream before the step that reads it has run. The pipeline's thread may wait for its own
-stream (decoding does, ``decode._decode``); the training thread never waits for the pipeline's.
+On CUDA the views are drawn a batch or two ahead, on the input pipeline's own CUDA stream. The handover follows
+CUDA's stream semantics: the training stream waits for an event recorded after the batch's last kernel
+(``wait_event``: on the GPU, the host does not wait). Neither the training thread nor the pipeline waits for the GPU.
+
+- ``ResidentViews.replayed``: the views of a set held on the device are two CUDA graphs, replayed in turn on the
+  pipeline's stream from the training thread itself (no thread: drawing a batch's parameters on the CPU is all the
+  host does); each graph's output is rewritten only after the steps that read it (an event on the training stream).
+- ``prefetch`` (files): a background thread decodes and draws; each batch is marked as used on the training
+  stream (``record_stream``) so the caching allocator does not give its memory back to the pipeline's stream before
+  the step that reads it has run.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages, no_jpeg_decoder
-from bayesncl_pyro.data.device_views import _to_device, simclr_views
+from bayesncl_pyro.data.device_views import BatchViews, ViewChain, ViewParams
 from bayesncl_pyro.data.images import DataSpec, image_files
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
@@ -62,15 +67,18 @@ class TrainingInput:
         self.views: ResidentViews | FileViews | None = None
         files = image_files(data.train)
         if cfg.augment == "device" or (cfg.augment == "auto" and (device.type == "cuda" or files is None)):
+            # what the step takes: bf16 under its autocast, which would convert float32 views in a pass of its own
+            form = dict(dtype=torch.bfloat16 if device.type == "cuda" and cfg.amp else torch.float32,
+                        memory_format=memory_format, compile=cfg.compile)
             resident = resident_images(data.train, device, cfg.workers)
             if resident is not None:
-                self.views = ResidentViews(resident, cfg.image_size, cfg.seed, rank)
+                self.views = ResidentViews(resident, cfg.image_size, cfg.seed, rank, **form)
             elif files is not None:
                 why_not = no_jpeg_decoder(device)
                 if why_not is not None and rank == 0:
                     print(f"note: {why_not}; JPEGs are decoded in the loader workers instead", file=sys.stderr)
                 self.views = FileViews(EncodedImages(data.train, why_not is None), cfg.image_size, cfg.seed, rank,
-                                       device)
+                                       device, **form)
             elif cfg.augment == "device":
                 raise UserError(f"--augment device: {cfg.dataset}'s training set does not fit in a quarter of the "
                                 f"{device.type} memory free; use --augment workers")
@@ -78,7 +86,8 @@ class TrainingInput:
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]:
         """The inputs of steps ``first`` + 1 to ``last``, on the device: 2B rows [view 1; view 2] each. Views drawn
         on the device depend on (seed, step, rank) alone, so a resumed run draws the same ones; on CUDA they are
-        drawn a batch ahead, in the input pipeline's thread."""
+        drawn a batch ahead: for a set held there by CUDA graphs replayed from this thread, for files in the input
+        pipeline's thread."""
         batch_size, per_epoch = self.cfg.batch_size, len(self.data.train) // self.cfg.batch_size
         sampler = EpochSampler(len(self.data.train), batch_size, self.cfg.seed, self.rank, self.world)
         loader = self.loader(sampler)
@@ -115,11 +124,10 @@ class TrainingInput:
         """The steps' inputs from ``loader``'s items, its k-th the input of step ``first`` + k + 1."""
         if self.views is None:
             return (batch.to(self.device, non_blocking=True, memory_format=self.memory_format) for batch in loader)
-
-        def views(batch, k: int) -> torch.Tensor:
-            return self.views(batch, first + k).contiguous(memory_format=self.memory_format)
-
-        return prefetch(loader, views, self.device, AHEAD if self.device.type == "cuda" else 0)
+        if isinstance(self.views, ResidentViews) and self.device.type == "cuda":
+            return self.views.replayed(loader, first)
+        return prefetch(loader, lambda batch, k: self.views(batch, first + k), self.device,
+                        AHEAD if self.device.type == "cuda" else 0)
 
 
 class EpochSampler(Sampler):
@@ -160,18 +168,103 @@ def view_generator(seed: int, step: int, rank: int) -> torch.Generator:
 
 
 class ResidentViews:
-    """Views of a training set held on the device: ``views(indices, step)``, ``indices`` a CPU long tensor."""
+    """Views of a training set held on the device: ``views(indices, step)``, ``indices`` a CPU long tensor; on CUDA
+    ``replayed`` draws a whole epoch's from CUDA graphs. Out in ``dtype`` and ``memory_format``; ``compile``: the
+    views' chain is compiled (``torch.compile``) before it is captured."""
 
-    def __init__(self, images: torch.Tensor, image_size: int, seed: int, rank: int = 0):
+    def __init__(self, images: torch.Tensor, image_size: int, seed: int, rank: int = 0,
+                 dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.preserve_format,
+                 compile: bool = False):
         self.images, self.image_size, self.seed, self.rank = images, image_size, seed, rank
+        self.form = dict(dtype=dtype, memory_format=memory_format)
+        self.compile = compile
+        self.drawn: dict[int, BatchViews] = {}  # batch size -> its views
+        self.graphed: dict[int, _GraphedViews] = {}  # batch size -> its graphs (CUDA)
 
     def batches(self, sampler: Iterable[int], batch_size: int) -> IndexBatches:
         return IndexBatches(sampler, batch_size, len(self.images))
 
     def __call__(self, indices: torch.Tensor, step: int) -> torch.Tensor:
-        (rows,) = _to_device([indices], self.images.device)
-        return simclr_views(self.images.index_select(0, rows), self.image_size,
-                            view_generator(self.seed, step, self.rank), self.images.shape[1])
+        if len(indices) not in self.drawn:
+            self.drawn[len(indices)] = BatchViews(len(indices), self.image_size, self.images.shape[1],
+                                                  self.images.device, rows=True, compile=self.compile, **self.form)
+        return self.drawn[len(indices)](self.images, view_generator(self.seed, step, self.rank), indices)
+
+    def _sizes(self, n: int) -> torch.Tensor:
+        return torch.tensor([self.images.shape[-2:]], dtype=torch.float64).expand(n, 2)
+
+    def replayed(self, batches: Iterable[torch.Tensor], first: int) -> Iterator[torch.Tensor]:
+        """On CUDA, the views of ``batches`` (index rows), the k-th those of step ``first`` + k + 1 (the same draws as
+        ``views(indices, step)``): each batch is the replay of one of two CUDA graphs on the pipeline's stream, queued
+        a batch ahead of the step that takes it, from this thread. A batch's tensor is rewritten two batches later:
+        it is valid until the batch after it has been taken. When the iteration ends, each stream waits for the other
+        (on the GPU): the last replays read the set, maybe never taken; the last steps read the graphs' memory, which
+        goes back to the pipeline's stream when the graphs are freed."""
+        training = torch.cuda.current_stream(self.images.device)
+        side = _stream(self.images.device)
+        ahead = None
+        try:
+            for k, indices in enumerate(batches):
+                if len(indices) not in self.graphed:  # captured once, for every epoch
+                    self.graphed[len(indices)] = _GraphedViews(self, len(indices), side)
+                graphs = self.graphed[len(indices)]
+                # every step so far has been queued, the one that read this graph's output two batches ago included
+                ready = graphs.launch(k % 2, indices, view_generator(self.seed, first + k, self.rank),
+                                      training.record_event())
+                if ahead is not None:
+                    yield _taken(*ahead, training)
+                ahead = graphs.outputs[k % 2], ready
+            if ahead is not None:
+                yield _taken(*ahead, training)
+        finally:
+            training.wait_stream(side)
+            side.wait_stream(training)
+
+
+def _taken(x: torch.Tensor, ready: torch.cuda.Event, training: torch.cuda.Stream) -> torch.Tensor:
+    training.wait_event(ready)  # the GPU waits, not the host
+    return x
+
+
+class _GraphedViews:
+    """The views of ``n`` rows of ``resident``'s set as two CUDA graphs, each writing its own output; their parameters
+    drawn on the CPU (``ViewParams``), their jitter order read on the device (a static chain)."""
+
+    def __init__(self, resident: ResidentViews, n: int, side: torch.cuda.Stream):
+        images = resident.images
+        self.side = side
+        self.params = ViewParams(n, resident.image_size, images.shape[1], images.device, rows=True)
+        for host in self.params.host:  # once: the set's images are all of its size
+            host["sizes"].copy_(resident._sizes(n))
+        chain = ViewChain(resident.image_size, images.shape[1], images.device, static=True, **resident.form)
+        p = self.params.device
+
+        def views():
+            return chain(images.index_select(0, p["rows"]), p)
+
+        run = torch.compile(views, fullgraph=True, dynamic=False) if resident.compile else views
+        side.wait_stream(torch.cuda.current_stream(images.device))  # the set was written on the training stream
+        with torch.cuda.stream(side):
+            self.params.draw(torch.Generator().manual_seed(0), rows=torch.zeros(n, dtype=torch.long))
+            self.params.to_device()
+            run()  # once outside the capture: libraries' handles and workspaces, the compilation
+            self.graphs, self.outputs = [], []
+            for _ in range(2):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
+                    self.outputs.append(run())
+                self.graphs.append(graph)
+
+    def launch(self, slot: int, indices: torch.Tensor, generator: torch.Generator, after: torch.cuda.Event
+               ) -> torch.cuda.Event:
+        """Replay graph ``slot`` on the views of rows ``indices`` once the GPU has passed ``after``: the parameters
+        drawn here, on the CPU, and copied over on the pipeline's stream; an event recorded after the replay."""
+        self.params.draw(generator, rows=indices)
+        self.side.wait_event(after)
+        with torch.cuda.stream(self.side):
+            self.params.to_device()
+            self.graphs[slot].replay()
+            return self.side.record_event()
 
 
 class IndexBatches:
@@ -190,14 +283,23 @@ class IndexBatches:
 
 
 class FileViews:
-    """Views of image files: ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items."""
+    """Views of image files: ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items, decoded
+    on the device and drawn from one padded batch (``device_views.padded_batch``). Out in ``dtype`` and
+    ``memory_format``; ``compile``: the views' chain is compiled (``torch.compile``, static shapes: one compilation
+    per padded shape)."""
 
-    def __init__(self, encoded: EncodedImages, image_size: int, seed: int, rank: int, device: torch.device):
+    def __init__(self, encoded: EncodedImages, image_size: int, seed: int, rank: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.preserve_format,
+                 compile: bool = False):
         self.encoded, self.image_size, self.seed, self.rank, self.device = encoded, image_size, seed, rank, device
+        self.form = dict(dtype=dtype, memory_format=memory_format, compile=compile)
+        self.drawn: dict[int, BatchViews] = {}  # batch size -> its views
 
     def __call__(self, batch: EncodedBatch, step: int) -> torch.Tensor:
-        return simclr_views(self.encoded.decode(batch, self.device), self.image_size,
-                            view_generator(self.seed, step, self.rank))
+        if len(batch) not in self.drawn:
+            self.drawn[len(batch)] = BatchViews(len(batch), self.image_size, 3, self.device, **self.form)
+        return self.drawn[len(batch)](self.encoded.decode(batch, self.device),
+                                      view_generator(self.seed, step, self.rank))
 
 
 def prefetch(batches: Iterable, make: Callable[[Any, int], torch.Tensor], device: torch.device,

@@ -101,20 +101,11 @@ class SimCLRColour:
 
 def gaussian_blur(x: torch.Tensor, sigma: float, kernel_size: int) -> torch.Tensor:
     """torchvision's ``gaussian_blur`` of float images ``... x H x W`` (``kernel_size`` taps of a Gaussian of
-    std ``sigma``, reflected at the borders), as two products with band matrices that fold the reflection in.
-    For one 224 px image on a CPU core this is twice as fast as separable grouped convolutions and 10x faster
-    than torchvision's 2-D convolution (BLAS does the work)."""
-    taps = blur_taps(sigma, kernel_size)
-    return _band(x.shape[-2], taps) @ x @ _band(x.shape[-1], taps).T
-
-
-def _band(n: int, taps: torch.Tensor) -> torch.Tensor:
-    """``n x n`` matrix of the 1-D convolution with ``taps`` (centred) of a length-``n`` signal reflected at
-    its ends (``n`` > half the taps, as ``blur_kernel`` makes sure)."""
-    k = len(taps)
-    j = (torch.arange(n)[:, None] + torch.arange(k) - k // 2).abs()  # reflect at 0 ...
-    j = torch.where(j > n - 1, 2 * (n - 1) - j, j)  # ... and at n - 1
-    return torch.zeros(n, n).scatter_add_(1, j, taps.expand(n, k))
+    std ``sigma``, reflected at the borders), as two products with band matrices that fold the reflection in
+    (``device_views.band_matrices``). For one 224 px image on a CPU core this is twice as fast as separable grouped
+    convolutions and 10x faster than torchvision's 2-D convolution (BLAS does the work)."""
+    taps = blur_taps(sigma, kernel_size)[None]
+    return D.band_matrices(taps, x.shape[-2])[0] @ x @ D.band_matrices(taps, x.shape[-1])[0].T
 
 
 def eval_transform(
