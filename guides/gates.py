@@ -41,6 +41,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.nn import PyroModule
+from pyro.nn.module import to_pyro_module_
 
 from bayesncl_pyro.models.bayesncl import rows_plate
 from bayesncl_pyro.nn.encoders import mlp
@@ -121,7 +122,10 @@ class GateGuide(PyroModule):
                  family: type[BernoulliGates] = BernoulliGates, temperature: float = 1.0, logit_bound: float = 5.0,
                  kl_weight: float = 3e-5, rate_guide: PyroModule | None = None):
         super().__init__()
+        # a PyroModule itself: read here as a plain module, each step would register its parameters in Pyro's param
+        # store (pyro.module, a param statement per tensor) for nothing, the caller's optimizer training them
         self.head = mlp(in_dim, hidden, num_features, depth)
+        to_pyro_module_(self.head, recurse=False)
         self.family = family
         self.num_rows = num_rows
         self.register_buffer("temperature", torch.tensor(float(temperature)))

@@ -81,6 +81,36 @@ def test_head_stats_are_its_return_values_and_match_the_formula():
     assert set(head.pulls(s1)) == {"gate_nce_pull", "gate_prior_pull"}
 
 
+@pytest.mark.parametrize("gate", ["ste", "leg", "gs-reference-kl"])
+def test_the_monitoring_values_change_no_bit_of_the_loss_and_are_computed_from_their_own_step(gate):
+    """The head's loss and every gradient are the ELBO's alone, bit for bit; the summary figures, computed when read,
+    are those of the step that returned them even when read after the next step has run."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, gate=gate, kl_weight=0.05)
+    h = torch.randn(R, D)
+    pyro.set_rng_seed(1)
+    loss, stats = head(h)
+    loss.backward()
+    grads = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    pyro.set_rng_seed(1)
+    alone = head.elbo_terms(head.projector(h), h).loss
+    alone.backward()
+    assert torch.equal(loss, alone) and all(torch.equal(p.grad, g) for p, g in zip(head.parameters(), grads, strict=True))
+
+    assert set(stats) == {"nce", "kl", "features", "probs", "kl_probs", "gates", "prior_rate", "kl_weight", "active",
+                          "gate_rate", "incl_min", "incl_max", "gates_open"}
+    with pytest.raises(KeyError):
+        stats["density_target"]
+    head(torch.randn(R, D))  # the next step, before the figures are read
+    u, probs = stats["features"], stats["probs"]
+    mask = (stats["kl_probs"] > 0.5) if gate == "gs-reference-kl" else (probs > 0.5)
+    assert torch.equal(stats["active"], (u.abs() > 1e-5).float().mean())
+    assert torch.equal(stats["gate_rate"], probs.mean())
+    assert torch.equal(stats["incl_min"], probs.mean(0).min()) and torch.equal(stats["incl_max"], probs.mean(0).max())
+    assert torch.equal(stats["gates_open"], mask.float().mean())
+
+
 @pytest.mark.parametrize("nonneg", ["rep_relu", "none"])
 def test_without_a_prior_the_head_is_ncl_or_simclr(nonneg):
     head = BayesNCLHead(D, K, H, num_train=500, prior=None, nonneg=nonneg)

@@ -24,6 +24,7 @@ not need.
 
 import functools
 import weakref
+from collections.abc import Callable, Mapping
 
 import pyro
 import torch
@@ -85,6 +86,26 @@ def own_params():
 
 def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
+
+
+class StepValues(Mapping):
+    """The values a step of the head computed, by name (:meth:`BayesNCLHead.forward` lists them): a read-only mapping
+    whose summary figures are computed from the step's tensors when first read, then kept. Read them before anything
+    writes into the tensors they come from (the head never does)."""
+
+    def __init__(self, values: dict[str, torch.Tensor], lazy: dict[str, Callable[[], torch.Tensor]]):
+        self._values, self._lazy = values, lazy
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._values:
+            self._values[name] = self._lazy.pop(name)()  # a KeyError for a name it does not hold
+        return self._values[name]
+
+    def __iter__(self):
+        return iter([*self._values, *self._lazy])
+
+    def __len__(self) -> int:
+        return len(self._values) + len(self._lazy)
 
 
 class BayesNCLHead(nn.Module):
@@ -165,11 +186,11 @@ class BayesNCLHead(nn.Module):
     def num_rows(self) -> int:
         return self.model.num_rows
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, "StepValues"]:
         """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
 
         Returns the loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for ``ste`` and
-        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a dict of detached values:
+        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a mapping of detached values (:class:`StepValues`):
         0-d ``nce`` (mean InfoNCE at the gates training used), ``kl`` (the KL term per row: summed over the gates
         and averaged over the rows, plus for a prior with global latents their KL / 2N), ``active`` (share of
         feature entries that take part in the loss) and with gates ``gate_rate``, ``incl_min``, ``incl_max`` (mean
@@ -191,26 +212,28 @@ class BayesNCLHead(nn.Module):
             loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
             nodes = model_trace.nodes
             u = nodes["features"]["value"]
-            stats = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(),
-                         features=u)
+            values = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, features=u)
+            lazy = dict(active=lambda: (u.abs() > ACTIVE_EPS).float().mean())
             if self.gated:
                 site = guide_trace.nodes["g"]
                 trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
                 q = trained.q
                 probs = q.probs.detach()
-                per_dim = probs.mean(0)
-                gates_open = self.estimator.mask(q).float().mean()
+                per_dim = functools.cache(lambda: probs.mean(0))
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
                 gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
-                stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             kl_probs=trained.kl_probs.detach(), gates=gates,
-                             prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
-                             gates_open=gates_open, kl_weight=self.model.kl_weight)
+                values.update(probs=probs, kl_probs=trained.kl_probs.detach(), gates=gates,
+                              prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
+                              kl_weight=self.model.kl_weight)
+                lazy.update(gate_rate=lambda: probs.mean(), incl_min=lambda: per_dim().min(),
+                            incl_max=lambda: per_dim().max(), gates_open=lambda: self.estimator.mask(q).float().mean())
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
-                    self.density.update(gates_open)
-                    stats["density_target"] = self.density.target.clone()
+                    values["gates_open"] = lazy.pop("gates_open")()
+                    self.density.update(values["gates_open"])
+                    values["density_target"] = self.density.target.clone()
+            stats = StepValues(values, lazy)
         return loss, stats
 
     @property
