@@ -412,3 +412,24 @@ def test_the_evaluation_mask_is_the_mode_but_for_gs_reference_kl_the_references(
     mask = (alpha > 0.5).float()
     torch.testing.assert_close(head.gate_mask(h), mask)
     torch.testing.assert_close(head.representation(h), normalize(head.model.features(head.projector(h)) * mask))
+
+
+def test_the_gating_mlp_runs_under_the_callers_autocast_and_keeps_the_loss_to_float64():
+    """Under its caller's autocast (bf16 on the CPU here, as the learner's on a GPU) the gating head's MLP runs in
+    bf16, as the projector, and the rest of the program in float32: the loss and the inclusion probabilities stay within
+    bf16's rounding of a float64 copy's; outside the head's forward (evaluation) the MLP runs in its inputs' dtype."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(64, 32, 128, num_train=500, gate="leg", kl_weight=0.05)  # leg: no mode, no gate on the edge
+    h = torch.randn(32, 64)
+    dtypes = []
+    head.guide.head[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    pyro.set_rng_seed(0)
+    expected_loss, expected = copy.deepcopy(head).double()(h.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pyro.set_rng_seed(0)
+        loss, stats = head(h)
+    assert dtypes[-1] == torch.bfloat16 and loss.dtype == stats["probs"].dtype == torch.float32
+    assert abs(loss.item() - expected_loss.item()) <= 2e-2 * abs(expected_loss.item())
+    assert (stats["probs"].double() - expected["probs"]).abs().max() < 2e-2
+    head.gate_probs(h)
+    assert dtypes[-1] == torch.float32 and head.guide.mlp_autocast is None

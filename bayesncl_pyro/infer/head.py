@@ -22,6 +22,7 @@ on, every step also computes each site's log-density and runs Pyro's checks of t
 not need.
 """
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Mapping
@@ -207,7 +208,9 @@ class BayesNCLHead(nn.Module):
         self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
-        with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss in full precision
+        # the exp and log of the loss in full precision; the gating head's MLP, a matmul of the projector's size, under
+        # the caller's autocast as the projector
+        with self._gating_mlp_autocast(h.device.type), torch.autocast(h.device.type, enabled=False):
             gather = distributed.gather_rows if self.gather_distributed else None
             loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
             nodes = model_trace.nodes
@@ -235,6 +238,18 @@ class BayesNCLHead(nn.Module):
                     values["density_target"] = self.density.target.clone()
             stats = StepValues(values, lazy)
         return loss, stats
+
+    @contextlib.contextmanager
+    def _gating_mlp_autocast(self, device_type: str):
+        """Within: the guide's gating MLP runs under the autocast active where this is entered (none: as its inputs)."""
+        if not self.gated or not torch.is_autocast_enabled(device_type):
+            yield
+            return
+        self.guide.mlp_autocast = torch.get_autocast_dtype(device_type)
+        try:
+            yield
+        finally:
+            self.guide.mlp_autocast = None
 
     @property
     def objective(self) -> str:
