@@ -64,6 +64,7 @@ import pytest
 import torch
 from torch.cuda._utils import _get_device_index
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 RUNTIME: FakeCuda | None = None  # the installed stand-in
@@ -155,7 +156,7 @@ class Stream:
         return True
 
     def is_capturing(self) -> bool:  # what the optimizers' graph-capture check asks torch.accelerator's stream
-        return False
+        return _runtime().capturing
 
 
 class Block:
@@ -195,6 +196,89 @@ class Event:
 
     def elapsed_time(self, end: Event) -> float:
         return 0.0
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph``: its capture (``torch.cuda.graph``, :class:`_GraphCapture`) records the aten ops that run,
+    what would be the graph's kernels, with the tensors they read and write; ``replay`` runs the same ops again on the
+    same tensors, writing each result into the tensor the capture got, as a graph's kernels rewrite its memory. What
+    Python computed during the capture is replayed as a constant, as on a GPU: a learning rate passed as a float, an
+    index that moves from step to step."""
+
+    def __init__(self, keep_graph: bool = False):
+        self.ops: list[tuple] = []
+        self.captured = False
+
+    def replay(self):
+        runtime = _runtime()
+        if not self.captured:
+            raise RuntimeError("CUDA graph replayed before it was captured")
+        with torch._C.DisableTorchFunction(), torch.no_grad():  # a graph's kernels: no autograd
+            for func, args, kwargs, out in self.ops:
+                result = func(*args, **kwargs)
+                for kept, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                    if isinstance(kept, torch.Tensor) and not _same_memory(kept, new):
+                        kept.copy_(new)
+        runtime.access(runtime.current_stream(), [])  # one launch on the current stream
+        runtime.replays += 1
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+class _Recorder(TorchDispatchMode):
+    """The aten ops of a capture, into ``graph.ops``. A capture runs nothing on a GPU, so the tensors made before it that
+    these ops take are kept as they were (``saved``) and put back when it ends."""
+
+    def __init__(self, graph: CUDAGraph):
+        super().__init__()
+        self.graph, self.made, self.saved = graph, set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (a host sync)")
+        # every tensor made before the capture that an op takes, as it was: an op's schema does not always say what it
+        # writes (native_batch_norm's running statistics)
+        for t in (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if key[0] not in self.made and key not in self.saved:
+                self.saved[key] = (t, t.clone())
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        self.made.update(t.untyped_storage().data_ptr() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def restore(self):
+        for t, before in reversed(list(self.saved.values())):
+            t.copy_(before)
+
+
+class _GraphCapture:
+    """``torch.cuda.graph(g)``: the host waits for the device first (as torch's does), then records ``g``; a host sync
+    inside raises, as CUDA refuses one during a capture. Random ops draw nothing from the generator while captured (a
+    graph reserves its draws, and each replay takes the next ones): its state is put back when the capture ends."""
+
+    def __init__(self, cuda_graph: CUDAGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+        self.graph = cuda_graph
+
+    def __enter__(self):
+        runtime = _runtime()
+        runtime.synchronize()
+        self.rng_state = torch.get_rng_state()  # the stand-in's CUDA tensors draw from the CPU generator
+        runtime.capturing = True
+        self.recorder = _Recorder(self.graph)
+        self.recorder.__enter__()
+
+    def __exit__(self, *exc):
+        self.recorder.__exit__(*exc)
+        _runtime().capturing = False
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            self.recorder.restore()
+        torch.set_rng_state(self.rng_state)
+        self.graph.captured = True
 
 
 class _StreamContext:
@@ -270,6 +354,8 @@ class FakeCuda:
         self.faults: list[str] = []  # uses found wrong when a block was freed, raised at the next op (_raise_faults)
         self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
         self.decodes = 0  # JPEG decoder calls on CUDA
+        self.capturing = False  # inside torch.cuda.graph
+        self.replays = 0  # CUDA graph replays
         self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
         self.default_streams = []
@@ -315,6 +401,8 @@ class FakeCuda:
         self.local.device = stream.device_index
 
     def host_waits(self, stream: Stream, clock: int | None = None, why: str = ""):
+        if self.capturing:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({why or 'a host sync'})")
         stream.done = max(stream.done, stream.clock if clock is None else clock)
         self.syncs[threading.current_thread().name] += 1
         if self.trace is not None:
@@ -328,6 +416,8 @@ class FakeCuda:
             if stream.device_index == index:
                 stream.done = stream.clock
         self.dirty.pop(index, None)
+        if self.capturing:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (synchronize)")
         self.syncs[threading.current_thread().name] += 1
 
     # -------------------------------------------------------------------------------------------------- RNG states
@@ -652,7 +742,8 @@ class FakeCuda:
             get_allocator_backend=lambda: self.backend, get_device_name=lambda device=None: "fake CUDA device",
             memory_allocated=lambda device=None: 0, max_memory_allocated=lambda device=None: 0,
             reset_peak_memory_stats=lambda device=None: None, is_bf16_supported=lambda *a, **k: True,
-            is_current_stream_capturing=lambda: False, is_initialized=lambda: True, _lazy_init=lambda: None,
+            is_current_stream_capturing=lambda: self.capturing, CUDAGraph=CUDAGraph, graph=_GraphCapture,
+            is_initialized=lambda: True, _lazy_init=lambda: None,
             get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
             get_rng_state_all=lambda: [self.get_rng_state(i) for i in range(self.count)],
             set_rng_state_all=lambda states: [self.set_rng_state(state, i) for i, state in enumerate(states)] and None,

@@ -91,11 +91,17 @@ def _no_guide(z, h):
 
 class StepValues(Mapping):
     """The values a step of the head computed, by name (:meth:`BayesNCLHead.forward` lists them): a read-only mapping
-    whose summary figures are computed from the step's tensors when first read, then kept. Read them before anything
-    writes into the tensors they come from (the head never does)."""
+    whose summary figures are computed from the step's tensors when first read, then kept: each a function of those
+    tensors alone, so :meth:`unread` can compute them again. Read them before anything writes into the tensors they
+    come from (the head never does)."""
 
     def __init__(self, values: dict[str, torch.Tensor], lazy: dict[str, Callable[[], torch.Tensor]]):
-        self._values, self._lazy = values, lazy
+        self._values, self._lazy, self._made = values, dict(lazy), lazy
+
+    def unread(self) -> "StepValues":
+        """The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
+        graph's outputs, ``train/graph.py``)."""
+        return StepValues({k: v for k, v in self._values.items() if k not in self._made}, self._made)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._values:
@@ -222,7 +228,6 @@ class BayesNCLHead(nn.Module):
                 trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
                 q = trained.q
                 probs = q.probs.detach()
-                per_dim = functools.cache(lambda: probs.mean(0))
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
                 gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
                 if gates.requires_grad:
@@ -230,8 +235,8 @@ class BayesNCLHead(nn.Module):
                 values.update(probs=probs, kl_probs=trained.kl_probs.detach(), gates=gates,
                               prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
                               kl_weight=self.model.kl_weight)
-                lazy.update(gate_rate=lambda: probs.mean(), incl_min=lambda: per_dim().min(),
-                            incl_max=lambda: per_dim().max(), gates_open=lambda: self.estimator.mask(q).float().mean())
+                lazy.update(gate_rate=lambda: probs.mean(), incl_min=lambda: probs.mean(0).min(),
+                            incl_max=lambda: probs.mean(0).max(), gates_open=lambda: self.estimator.mask(q).float().mean())
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
                     values["gates_open"] = lazy.pop("gates_open")()
                     self.density.update(values["gates_open"])

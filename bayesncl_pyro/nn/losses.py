@@ -40,7 +40,8 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
     self_col = idx + offset
     # columns hold [view 1 of all images; view 2 of all images] per rank: the partner is in the same rank block
     pos_col = offset + partner_rows(rows, u.device)
-    logits = logits.masked_fill(F.one_hot(self_col, total).bool(), float("-inf"))
+    # the row's own column, by comparison: F.one_hot would check its indices on the host (on a CPU; CUDA's doesn't)
+    logits = logits.masked_fill(self_col[:, None] == torch.arange(total, device=u.device), float("-inf"))
     return torch.logsumexp(logits, dim=1) - logits[idx, pos_col]
 
 

@@ -31,10 +31,12 @@ from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.diagnostics import CONFLICT_FILE, conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.infer.density import shortfall
+from bayesncl_pyro.infer.head import StepValues
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import BAD_IMAGES, CHECKPOINT, CONFIG, EVAL, append_line, atomic_save, write_json
+from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
 from bayesncl_pyro.train.monitor import Monitor
 from bayesncl_pyro.train.resolve import resolve
@@ -81,8 +83,14 @@ class Trainer:
             pyro.set_rng_seed(cfg.seed + 1_000_003 * self.rank)
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
         self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.cuda_graphs and self.device.type != "cuda":
+            raise UserError(f"--cuda-graphs captures the training step on a CUDA GPU, and this run is on "
+                            f"{self.device}: drop --cuda-graphs")
+        if cfg.cuda_graphs and self.world > 1:
+            raise UserError("--cuda-graphs runs on one GPU (DDP's gradient all-reduce and SyncBatchNorm's host syncs "
+                            "are not captured): drop it under torchrun")
         self.optimizer = build_optimizer(cfg.optimizer, self.learner.param_groups(), cfg.momentum,
-                                         cfg.weight_decay)
+                                         cfg.weight_decay, lr_on_device=cfg.cuda_graphs)
         self.scheduler = build_scheduler(self.optimizer, round(cfg.warmup_epochs * self.steps_per_epoch),
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
@@ -102,6 +110,7 @@ class Trainer:
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
+        self._step = StepGraph(self._eager_step) if cfg.cuda_graphs else self._eager_step
         self.log, self.monitor = None, None
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
             write_json(cfg.to_dict(), self.out / CONFIG)
@@ -243,20 +252,27 @@ class Trainer:
             raise Stopped(f"{signal.Signals(stopping).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
-    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict]:
+    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, StepValues]:
         """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values). The divergence guard
         (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the GPU only when its
         verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
-        self.guard.begin()
-        loss, stats = self.net(x)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        with self.guard.judge(self.step + 1, loss, stats["nce"]):  # with --on-nan skip, a bad step is undone
-            self.optimizer.step()
+        loss, stats = self._step(x)
+        self.guard.keep(self.step + 1)
         self.scheduler.step()
         self.step += 1
         if self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step:
             self._check_divergence()
+        return loss, stats
+
+    def _eager_step(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+        """What a CUDA graph captures of a step (``--cuda-graphs``; ``train/graph.py``): the forward and backward passes,
+        the divergence guard's verdict and the optimizer step, the same work at every call."""
+        self.guard.begin()
+        loss, stats = self.net(x)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        with self.guard.judge(loss, stats["nce"]):  # with --on-nan skip, a bad step is undone
+            self.optimizer.step()
         return loss, stats
 
     def _log(self, loss: torch.Tensor, stats: dict, last_step: int):
@@ -322,7 +338,7 @@ class Trainer:
         that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
         learner = self.learner
         epoch = (self.step - 1) // self.steps_per_epoch  # the epoch of the step's batch
-        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
+        rec = dict(step=self.step, epoch=epoch, lr=float(self.optimizer.param_groups[0]["lr"]), loss=loss.item(),
                    nce=stats["nce"].item(), kl=stats["kl"].item(),
                    grad_norm=self._grad_norm(), images_per_s=images_per_s,
                    active=stats["active"].item())
