@@ -3,7 +3,9 @@ stream hand-off, nvJPEG decoding and its fallback, the training set held on the 
 and divergence guard (which these tests also run on the CPU), and the step as a CUDA graph."""
 
 import gc
+import runpy
 import threading
+from pathlib import Path
 
 import pyro
 import pytest
@@ -19,6 +21,7 @@ from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir import read_log
+from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
 from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
 from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
@@ -702,4 +705,17 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(fake_cuda, tmp_path):
         Trainer(_digits(tmp_path, device="cpu", optimizer="lars", cuda_graphs=True), progress=False)
     with pytest.raises(UserError, match="--optimizer lars or adamw"):
         Trainer(_digits(tmp_path, name="sgd", cuda_graphs=True), progress=False)
+
+
+def test_bench_steps_trainer_figure_replays_the_captured_step_and_reads_the_gpu_time_from_events(fake_cuda, capsys):
+    """bench_step.py's "trainer step, no pipeline" on CUDA with --cuda-graphs: 3 eager steps and the capture first,
+    then each timed batch one replay, the GPU's time read between two events on the training stream."""
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "experiments" / "bench_step.py"))
+    args = bench["parser"]().parse_args(["--device", "cuda:0", "--optimizer", "lars", "--cuda-graphs", "--warmup", "0",
+                                         "--trainer-batches", "3"])
+    cfg = resolve(Config(dataset="digits", batch_size=32, proj_hidden=16, proj_dim=8, device="cuda:0", optimizer="lars"))
+    with pyro.validation_enabled(False):
+        bench["trainer_steps"](cfg, args, 1, torch.device("cuda:0"))
+    assert fake_cuda.replays == 1 + 3
+    assert "trainer step, no pipeline (BayesNCL, cuda_graphs=True, 3 batches)" in capsys.readouterr().out
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bayesncl_pyro import distributed, rundir
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import image_files, load_dataset
+from bayesncl_pyro.data import DataSpec, image_files, load_dataset
 from bayesncl_pyro.data.pipeline import TrainingInput
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import Stopped, UserError
@@ -45,10 +45,11 @@ from bayesncl_pyro.train.resolve import resolve
 class Trainer:
     """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict."""
 
-    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False):
+    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False, data: DataSpec | None = None):
         """``progress``: a bar on stderr rather than printed lines (default: when stderr is a terminal).
         ``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
-        start afresh, instead of resuming the run there or refusing one with another config."""
+        start afresh, instead of resuming the run there or refusing one with another config. ``data``: the images to
+        train on, in place of the config's dataset (``bench_step.py``'s steps on generated images of any recipe)."""
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
         self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
@@ -60,8 +61,8 @@ class Trainer:
             self._lock = rundir.claim(self.out, cfg, overwrite)
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
-                                 train_subset=cfg.train_subset)
+        self.data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
+                                         train_subset=cfg.train_subset)
         # the rows every rank gathers each step follow from these, and the steps and checkpoints of all
         distributed.check_agreement(dict(cfg.identity(), max_steps=cfg.max_steps, ckpt_every=cfg.ckpt_every,
                                          training_images=len(self.data.train)))
