@@ -27,6 +27,7 @@ SCRIPTS = {
     "gate_gradient_bias.py": lambda tmp, run: [run, "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
     "report.py": lambda tmp, run: [run, "--out", str(tmp / "report")],
     "bench_report.py": lambda tmp, run: ["--images", "64", "--dims", "32", "--classes", "4"],
+    "bench_pyro_parts.py": lambda tmp, run: ["--repeats", "1", "--calls", "2", "--steps", "1"],
 }
 
 

@@ -38,7 +38,7 @@ from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
-from bayesncl_pyro.models.bayesncl import ContrastiveModel
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
@@ -214,29 +214,28 @@ class BayesNCLHead(nn.Module):
         self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
-        # the exp and log of the loss in full precision; the gating head's MLP, a matmul of the projector's size, under
-        # the caller's autocast as the projector
-        with self._gating_mlp_autocast(h.device.type), torch.autocast(h.device.type, enabled=False):
+        with self._program_precision(h.device.type):
             gather = distributed.gather_rows if self.gather_distributed else None
             loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
-            nodes = model_trace.nodes
-            u = nodes["features"]["value"]
-            values = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, features=u)
+            made = computed(model_trace)
+            u = made["features"]
+            values = dict(nce=made["row_nce"].mean(), kl=kl, features=u)
+            # what only a log step reads, computed then (the trainer logs every --log-every steps)
             lazy = dict(active=lambda: (u.abs() > ACTIVE_EPS).float().mean())
             if self.gated:
                 site = guide_trace.nodes["g"]
                 trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
-                q = trained.q
-                probs = q.probs.detach()
+                q, prior = trained.q, model_trace.nodes["g"]["fn"].base_dist
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
-                gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
+                gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
-                values.update(probs=probs, kl_probs=trained.kl_probs.detach(), gates=gates,
-                              prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
-                              kl_weight=self.model.kl_weight)
-                lazy.update(gate_rate=lambda: probs.mean(), incl_min=lambda: probs.mean(0).min(),
-                            incl_max=lambda: probs.mean(0).max(), gates_open=lambda: self.estimator.mask(q).float().mean())
+                values.update(gates=gates, kl_weight=self.model.kl_weight)
+                lazy.update(probs=lambda: q.probs.detach(), kl_probs=lambda: trained.kl_probs.detach(),
+                            prior_rate=lambda: prior.probs[0].detach(),  # the rates p(g | rate) took
+                            gate_rate=lambda: q.probs.detach().mean(), incl_min=lambda: q.probs.detach().mean(0).min(),
+                            incl_max=lambda: q.probs.detach().mean(0).max(),
+                            gates_open=lambda: self.estimator.mask(q).float().mean())
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
                     values["gates_open"] = lazy.pop("gates_open")()
                     self.density.update(values["gates_open"])
@@ -245,16 +244,22 @@ class BayesNCLHead(nn.Module):
         return loss, stats
 
     @contextlib.contextmanager
-    def _gating_mlp_autocast(self, device_type: str):
-        """Within: the guide's gating MLP runs under the autocast active where this is entered (none: as its inputs)."""
-        if not self.gated or not torch.is_autocast_enabled(device_type):
+    def _program_precision(self, device_type: str):
+        """Within, under the caller's autocast: autocast off, so the Pyro program's exps and logs run in full
+        precision, but the guide's gating MLP, a matmul of the projector's size, under the caller's autocast as the
+        projector. Without one, nothing is entered (a CPU step: entering autocast costs more than the program's small
+        ops)."""
+        if not torch.is_autocast_enabled(device_type):
             yield
             return
-        self.guide.mlp_autocast = torch.get_autocast_dtype(device_type)
+        if self.gated:
+            self.guide.mlp_autocast = torch.get_autocast_dtype(device_type)
         try:
-            yield
+            with torch.autocast(device_type, enabled=False):
+                yield
         finally:
-            self.guide.mlp_autocast = None
+            if self.gated:
+                self.guide.mlp_autocast = None
 
     @property
     def objective(self) -> str:
@@ -265,9 +270,9 @@ class BayesNCLHead(nn.Module):
         """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
         outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
         against every rank's. Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws
-        from q, and Pyro's ELBOs take the score function through it. The model records what it computed as
-        deterministic sites (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside
-        :func:`own_params`, as :meth:`elbo_terms` does."""
+        from q, and Pyro's ELBOs take the score function through it. The model returns what it computed
+        (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside :func:`own_params`, as
+        :meth:`elbo_terms` does."""
         model = self.model if gather is None else functools.partial(self.model, gather=gather)
         return model, self.guide if self.gated else _no_guide
 
@@ -306,7 +311,7 @@ class BayesNCLHead(nn.Module):
         with own_params():
             loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
-        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl)
+        return dict(neg_elbo=loss / self.num_rows, nce=computed(model_trace)["row_nce"].mean(), kl=kl)
 
     @torch.no_grad()
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
