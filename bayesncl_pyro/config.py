@@ -93,6 +93,7 @@ class Config:
     device: str = "auto"
     amp: bool = True
     compile: bool = False
+    cuda_graphs: bool = False  # the training step captured once as a CUDA graph and replayed (train/graph.py)
     log_every: int = 10
     ckpt_every: int = 500
     ckpt_minutes: float | None = None  # also checkpoint every this many minutes (rank 0's clock); None = off
@@ -123,7 +124,7 @@ class Config:
     def identity(self) -> dict:
         d = self.to_dict()
         for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "ckpt_minutes", "conflict_every",
-                  "data_dir", "max_steps", "compile", "skip_bad_images", "on_nan", "tensorboard", "wandb",
+                  "data_dir", "max_steps", "compile", "cuda_graphs", "skip_bad_images", "on_nan", "tensorboard", "wandb",
                   "monitor_every"):
             d.pop(k)
         return d

@@ -16,24 +16,31 @@ step (matmuls and convolutions, counted on the meta device, so any recipe is cou
 printed with the leg estimator's own work, which is elementwise (its flip differences: see leg_flops).
 
 Every repeat runs each variant once, in turn, and ratios are taken within a repeat, then the median over
-repeats: on a shared machine the ratios are meaningful, absolute times less so.
+repeats; that is one run, and ``--runs`` (3) runs, each but the first a process of its own, give the median over runs:
+on a shared machine the ratios are meaningful, absolute times less so.
+
+Then the trainer's own step without the data pipeline (``--trainer-batches``, 50: the divergence guard and the schedule
+included; ``--cuda-graphs`` captures it): wall and host CPU time per batch, and on a GPU its time between two events.
 """
 
 import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pyro
 import torch
 from pyro.infer import TraceMeanField_ELBO
 from torch.utils.flop_counter import FlopCounterMode
 
-from bayesncl_pyro.config import Config
+from bayesncl_pyro.config import OPTIMIZERS, Config
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.head import own_params
@@ -110,13 +117,13 @@ def check_equal(fns: dict, x: torch.Tensor):
 
 
 def check_float64(cfg: Config, channels: int, x: torch.Tensor):
-    """The BayesNCL loss on the device, in float32 and under the autocast training uses, against a float64
-    CPU reference on the same weights and the first 16 images of the batch (STE gates: deterministic on
-    every device)."""
+    """The BayesNCL loss and gate probabilities on the device, in float32 and under the autocast training uses (the
+    backbone, the projector and the gating head's MLP in bf16), against a float64 CPU reference on the same weights
+    and the first 16 images of the batch (STE gates: deterministic on every device)."""
     b, n = x.shape[0] // 2, min(x.shape[0] // 2, 16)
     x = torch.cat([x[:n], x[b:b + n]])
     learner = ContrastiveLearner(resolve(dataclasses.replace(cfg, method="bayesncl", gate="ste")), channels, 50_000)
-    expected = copy.deepcopy(learner).double()(x.cpu().double())[0].item()
+    expected, expected_stats = copy.deepcopy(learner).double()(x.cpu().double())
     learner.to(x.device)
     # float32 on a GPU uses TF32 convolutions (cuDNN's default; matmuls stay float32): about 1e-3 relative
     tolerances = {"float32": 1e-5 if x.device.type == "cpu" else 5e-3}
@@ -124,12 +131,14 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
         tolerances["bf16 autocast"] = 5e-2
     for name, tol in tolerances.items():
         learner.cfg = dataclasses.replace(learner.cfg, amp=name != "float32")
-        got = learner(x)[0].item()
-        rel = abs(got - expected) / abs(expected)
-        print(f"check: {x.device.type} {name} loss {got:.6f} vs CPU float64 {expected:.6f}: relative difference "
-              f"{rel:.1e} (tolerance {tol:.0e})")
-        if not rel <= tol:
-            raise SystemExit(f"error: the {x.device.type} {name} loss is off the float64 reference")
+        got, stats = learner(x)
+        rel = abs(got.item() - expected.item()) / abs(expected.item())
+        probs = (stats["probs"].cpu().double() - expected_stats["probs"]).abs().max().item()
+        print(f"check: {x.device.type} {name} loss {got.item():.6f} vs CPU float64 {expected.item():.6f}: relative "
+              f"difference {rel:.1e}; gate probabilities differ by at most {probs:.1e} (tolerance {tol:.0e} for both)")
+        if not (rel <= tol and probs <= tol):
+            raise SystemExit(f"error: the {x.device.type} {name} loss or gate probabilities are off the float64 "
+                             "reference")
 
 
 def sync(device: torch.device):
@@ -208,6 +217,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the encoders (CUDA)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant and repeat (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="timing runs, each a process of its own (one CPU run's ratios "
+                   "move by a few %%): the figures are the median over runs (default: %(default)s)")
+    p.add_argument("--times-to", help=argparse.SUPPRESS)  # a run of --runs: its times, as JSON, to this file
+    p.add_argument("--trainer-batches", type=int, default=50, help="batches through the trainer's own step (guard, "
+                   "schedule, --cuda-graphs) without the pipeline, timed on the host and the GPU, 0 = skip "
+                   "(default: %(default)s)")
+    p.add_argument("--cuda-graphs", action="store_true", help="the trainer step as a CUDA graph (with --optimizer "
+                   "lars or adamw)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="the trainer step's; default: the dataset's")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default: %(default)s)")
     p.add_argument("--memory-batches", default="", help="comma-separated batch sizes: peak GPU memory of a "
                    "BayesNCL step at each (CUDA)")
@@ -235,7 +253,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     cfg = resolve(Config(dataset=args.dataset, encoder=args.encoder, image_size=args.image_size,
                          batch_size=args.batch_size, proj_hidden=args.proj_hidden, proj_dim=args.proj_dim,
-                         amp=args.amp, device=args.device, workers=args.workers))
+                         amp=args.amp, device=args.device, workers=args.workers, optimizer=args.optimizer))
     channels = 1 if cfg.dataset == "digits" else 3
     torch.manual_seed(0)
     x = torch.randn(2 * cfg.batch_size, channels, cfg.image_size, cfg.image_size, device=device)
@@ -247,20 +265,21 @@ def main(argv=None) -> int:
           f"amp={cfg.amp and device.type == 'cuda'}, compile={args.compile}")
 
     with pyro.validation_enabled(False):
+        if args.times_to:  # one of the timing runs of --runs
+            Path(args.times_to).write_text(json.dumps(measure(fns, x, args)))
+            return 0
         check_float64(cfg, channels, x)
         check_equal(fns, x)
         print("check: BayesNCL loss and gradients equal for MeanFieldELBO, TraceMeanField_ELBO and plain PyTorch")
-        if args.compile:
-            for _, learner in fns.values():
-                learner.backbone.compile()
+        runs = [measure(fns, x, args)]
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(1, args.runs):  # each a process of its own: the first run's memory and state stay here
+                out = Path(tmp) / f"run{i}.json"
+                subprocess.run([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--runs", "1",
+                                "--times-to", str(out)], check=True, stdout=subprocess.DEVNULL)
+                runs.append(json.loads(out.read_text()))
         opts = {name: torch.optim.SGD(learner.parameters(), lr=1e-3) for name, (_, learner) in fns.items()}
-        for name, (fn, _) in fns.items():
-            time_steps(fn, opts[name], x, args.warmup)
-        times = {name: [] for name in fns}
-        for _ in range(args.repeats):
-            for name, (fn, _) in fns.items():
-                times[name].append(time_steps(fn, opts[name], x, args.steps))
-        report(times, cfg.batch_size)
+        report(runs, cfg.batch_size)
         flops = recipe_flops(cfg, channels)
         # the time ratio cannot go below this: the gating head's own matmuls
         print(f"BayesNCL/NCL FLOPs per step:                     {flops['bayesncl'] / flops['ncl']:.3f}")
@@ -275,9 +294,69 @@ def main(argv=None) -> int:
                     memory_format=torch.channels_last)
                 gib = peak_memory(fns["bayesncl"][0], opts["bayesncl"], xb)
                 print(f"peak GPU memory, BayesNCL, batch {b}: {gib:.2f} GiB")
+        if args.trainer_batches:
+            trainer_steps(cfg, args, channels, device)
         if args.pipeline_batches:
             pipeline(cfg, args, device)
     return 0
+
+
+def measure(fns: dict, x: torch.Tensor, args) -> dict[str, list[float]]:
+    """Seconds per step of each variant in each of ``--repeats`` rounds, the variants interleaved within a round."""
+    if args.compile:
+        for _, learner in fns.values():
+            learner.backbone.compile()
+    opts = {name: torch.optim.SGD(learner.parameters(), lr=1e-3) for name, (_, learner) in fns.items()}
+    for name, (fn, _) in fns.items():
+        time_steps(fn, opts[name], x, args.warmup)
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):
+        for name, (fn, _) in fns.items():
+            times[name].append(time_steps(fn, opts[name], x, args.steps))
+    return times
+
+
+def trainer_steps(cfg: Config, args, channels: int, device: torch.device):
+    """The trainer's own step (``Trainer.train_step``: the divergence guard, the schedule, and with ``--cuda-graphs``
+    the step's CUDA graph) without the data pipeline: ``--trainer-batches`` steps of BayesNCL at the recipe on one batch
+    of generated images held on the device, after ``--warmup`` steps (with --cuda-graphs, at least its 3 eager steps
+    and the capture). Per batch: wall time, the host's CPU time (the training thread's), and on a GPU the time
+    between two events on its stream."""
+    from bayesncl_pyro.data import DataSpec, TensorImages
+    from bayesncl_pyro.train.graph import WARMUP_STEPS
+    from bayesncl_pyro.train.trainer import Trainer
+
+    images = torch.randint(0, 256, (2 * cfg.batch_size, channels, cfg.image_size, cfg.image_size), dtype=torch.uint8)
+    data = DataSpec(TensorImages(images, [0] * len(images)), TensorImages(images[:2], [0, 0]), ["generated"], channels)
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            trainer = Trainer(Config(**{**cfg.to_dict(), "method": "bayesncl", "out": out, "log_every": 10**9,
+                                        "ckpt_every": 10**9, "monitor_every": 0, "conflict_every": 0,
+                                        "compile": args.compile, "cuda_graphs": args.cuda_graphs}),
+                              progress=False, data=data)
+        except UserError as err:
+            print(f"\n(the trainer step: {err})")
+            return
+        x = next(iter(trainer.input.batches(0, 1)))
+        for _ in range(max(args.warmup, WARMUP_STEPS + 1 if args.cuda_graphs else 0)):
+            trainer.train_step(x)
+        n = args.trainer_batches
+        sync(device)
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if device.type == \
+            "cuda" else (None, None)
+        if start:
+            start.record()
+        wall, host = time.perf_counter(), time.thread_time()
+        for _ in range(n):
+            trainer.train_step(x)
+        host = time.thread_time() - host
+        if end:
+            end.record()
+        sync(device)
+        wall = time.perf_counter() - wall
+        gpu = f", GPU {start.elapsed_time(end) / n:.2f} ms (events)" if start else ""
+        print(f"\ntrainer step, no pipeline (BayesNCL, cuda_graphs={args.cuda_graphs}, {n} batches): {1e3 * wall / n:.2f}"
+              f" ms per batch, host CPU {1e3 * host / n:.2f} ms{gpu}; {n * cfg.batch_size / wall:.1f} images/s")
 
 
 def device_name(device: torch.device) -> str:
@@ -286,21 +365,29 @@ def device_name(device: torch.device) -> str:
     return f"CPU, {torch.get_num_threads()} threads"
 
 
-def report(times: dict, batch: int):
-    """Median images/s per variant and the ratios, each taken within a repeat."""
-    def ratio(a, b):
+RATIOS = {"Pyro/plain step time, MeanFieldELBO (training):  ": ("bayesncl", "bayesncl_plain"),
+          "Pyro/plain step time, stock TraceMeanField_ELBO:": ("bayesncl_tmf", "bayesncl_plain"),
+          "BayesNCL/NCL step time:                         ": ("bayesncl", "ncl"),
+          "st-sampled/ste step time:                       ": ("bayesncl_st-sampled", "bayesncl"),
+          "leg/ste step time:                              ": ("bayesncl_leg", "bayesncl"),
+          "NCL/CL step time:                               ": ("ncl", "cl")}
+
+
+def report(runs: list[dict], batch: int):
+    """Per variant, the median over runs of each run's median time; each ratio, the median over runs of each run's
+    median over its repeats of the ratio within a repeat (with several runs, each run's figure follows)."""
+    def ratio(times, a, b):
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}")
-    for name, ts in times.items():
-        t = statistics.median(ts)
+    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}" + (f"   (median of {len(runs)} runs)" if len(runs) > 1 else ""))
+    for name in runs[0]:
+        t = statistics.median(statistics.median(times[name]) for times in runs)
         print(f"{name:16} {1e3 * t:9.2f} {batch / t:10.1f}")
-    print(f"\nPyro/plain step time, MeanFieldELBO (training):   {ratio('bayesncl', 'bayesncl_plain'):.3f}")
-    print(f"Pyro/plain step time, stock TraceMeanField_ELBO: {ratio('bayesncl_tmf', 'bayesncl_plain'):.3f}")
-    print(f"BayesNCL/NCL step time:                          {ratio('bayesncl', 'ncl'):.3f}")
-    print(f"st-sampled/ste step time:                        {ratio('bayesncl_st-sampled', 'bayesncl'):.3f}")
-    print(f"leg/ste step time:                               {ratio('bayesncl_leg', 'bayesncl'):.3f}")
-    print(f"NCL/CL step time:                                {ratio('ncl', 'cl'):.3f}")
+    print()
+    for label, (a, b) in RATIOS.items():
+        each = [ratio(times, a, b) for times in runs]
+        print(f"{label} {statistics.median(each):.3f}" + (f"  (runs: {', '.join(f'{r:.3f}' for r in each)})"
+                                                          if len(runs) > 1 else ""))
 
 
 def pipeline(cfg: Config, args, device: torch.device):

@@ -41,6 +41,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.nn import PyroModule
+from pyro.nn.module import to_pyro_module_
 
 from bayesncl_pyro.models.bayesncl import rows_plate
 from bayesncl_pyro.nn.encoders import mlp
@@ -115,13 +116,22 @@ class GateGuide(PyroModule):
             gradient and never come back.
         kl_weight: lambda, applied here and in the model (a mean-field ELBO scales the KL by the guide's scale).
         rate_guide: the prior's variational posterior for its global latents, or None.
+
+    ``mlp_autocast``: None, or the dtype in which the gating head's MLP runs under autocast (its matmuls; the logits
+    and everything after them in the inputs' dtype): ``BayesNCLHead.forward`` sets it, for the step, to its caller's
+    autocast, under which the backbone and the projector run.
     """
+
+    mlp_autocast: torch.dtype | None = None
 
     def __init__(self, in_dim: int, hidden: int, num_features: int, num_rows: int, *, depth: int = 2,
                  family: type[BernoulliGates] = BernoulliGates, temperature: float = 1.0, logit_bound: float = 5.0,
                  kl_weight: float = 3e-5, rate_guide: PyroModule | None = None):
         super().__init__()
+        # a PyroModule itself: read here as a plain module, each step would register its parameters in Pyro's param
+        # store (pyro.module, a param statement per tensor) for nothing, the caller's optimizer training them
         self.head = mlp(in_dim, hidden, num_features, depth)
+        to_pyro_module_(self.head, recurse=False)
         self.family = family
         self.num_rows = num_rows
         self.register_buffer("temperature", torch.tensor(float(temperature)))
@@ -131,7 +141,12 @@ class GateGuide(PyroModule):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone."""
         b = self.logit_bound
-        return b * torch.tanh(self.head(h.detach()) / b)
+        if self.mlp_autocast is None:
+            raw = self.head(h.detach())
+        else:
+            with torch.autocast(h.device.type, dtype=self.mlp_autocast):
+                raw = self.head(h.detach()).to(h.dtype)
+        return b * torch.tanh(raw / b)
 
     def posterior(self, h: torch.Tensor) -> BernoulliGates:
         """q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws."""

@@ -91,9 +91,11 @@ class ContrastiveModel(PyroModule):
         this rank's rows -> (every rank's rows, the offset of ours), for global negatives
         (``bayesncl_pyro.distributed.gather_rows``). Rows are ``[view 1 of B images; view 2 of the same B images]``.
 
-        Besides the gate site ``g`` and the factor ``nce``, it records what it computed, detached, as deterministic
-        sites (no term of the ELBO) for whoever reads the trace: ``row_nce``, the per-row InfoNCE (R);
-        ``features``, the rows it saw (R x K); and with gates ``ungated``, the same rows before gating (R x K)."""
+        Besides the gate site ``g`` and the factor ``nce``, it returns what it computed, detached, for whoever reads
+        the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw (R x K); and
+        with gates ``ungated``, the same rows before gating (R x K). A return value, not ``pyro.deterministic`` sites:
+        each such site is a sample statement through every handler, a tenth of the Pyro layer's cost per step on a
+        CPU (``docs/PERFORMANCE.md``), for values no term of the ELBO uses."""
         u = ungated = self.features(z)
         rows = u.shape[0]
         if self.prior is not None:
@@ -101,15 +103,22 @@ class ContrastiveModel(PyroModule):
                 rate = self.prior.rate()
                 with rows_plate(self.num_rows, rows, u.device):
                     g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
-            pyro.deterministic("ungated", ungated.detach())
             u = normalize(u * g)
         if gather is None:
             nce = info_nce_rows(u, self.temperature)
         else:
             columns, offset = gather(u)
             nce = info_nce_rows(u, self.temperature, columns, offset)
-        pyro.deterministic("row_nce", nce.detach())
-        pyro.deterministic("features", u.detach())
         # one factor for the batch: InfoNCE couples the rows (module docstring), scaled as the plate scales
         with poutine.scale(scale=self.num_rows / rows):
             pyro.factor("nce", -nce.sum())
+        values = dict(row_nce=nce.detach(), features=u.detach())
+        if self.prior is not None:
+            values["ungated"] = ungated.detach()
+        return values
+
+
+def computed(model_trace) -> dict[str, torch.Tensor]:
+    """What a trace of :class:`ContrastiveModel` computed (its return value): ``row_nce``, ``features`` and with gates
+    ``ungated`` (:meth:`ContrastiveModel.forward`)."""
+    return model_trace.nodes["_RETURN"]["value"]

@@ -54,8 +54,9 @@ or an event after it that ``query`` found passed): an earlier write raises ``Rac
 
 CUDA graphs (``torch.cuda.CUDAGraph``, ``torch.cuda.graph``): capture enters the stream it is given (a stream of the
 default stream refused, as PyTorch refuses it) after a device-wide synchronize, as PyTorch's context does; a host sync
-while capturing raises CUDA's error. The ops run during the capture are recorded; ``replay`` runs them again on the
-current stream into the same tensors, reading the tensors made before the capture as they are then (checked for
+while capturing raises CUDA's error. The aten ops run during the capture are recorded (backward's included), and the
+tensors made before it are put back when it ends, since a capture computes nothing; ``replay`` runs the ops again on
+the current stream into the same tensors, reading the tensors made before the capture as they are then (checked for
 ordering as one op that reads those and writes the captured ones).
 
 Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, ``nonzero``, ``torch.equal``, copies to
@@ -79,6 +80,7 @@ import pytest
 import torch
 from torch.cuda._utils import _get_device_index
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 RUNTIME: FakeCuda | None = None  # the installed stand-in
@@ -217,6 +219,39 @@ class Event:
         return 0.0
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+class _Recorder(TorchDispatchMode):
+    """The aten ops of a capture, into ``graph.ops``. A capture runs nothing on a GPU, so the tensors made before it that
+    these ops take are kept as they were (``saved``) and put back when it ends."""
+
+    def __init__(self, graph: CUDAGraph):
+        super().__init__()
+        self.graph, self.made, self.saved = graph, set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (a host sync)")
+        # every tensor made before the capture that an op takes, as it was: an op's schema does not always say what it
+        # writes (native_batch_norm's running statistics)
+        for t in (t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if key[0] not in self.made and key not in self.saved:
+                self.saved[key] = (t, t.clone())
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        self.made.update(t.untyped_storage().data_ptr() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def restore(self):
+        for t, before in reversed(list(self.saved.values())):
+            t.copy_(before)
+
+
 class _StreamContext:
     """``torch.cuda.stream(s)``: ``s`` is the current stream of its device, and its device the current one, inside."""
 
@@ -239,10 +274,17 @@ class _StreamContext:
 
 
 class CUDAGraph:
-    """``torch.cuda.CUDAGraph``: the ops recorded while it was captured (``graph``), replayed on the current stream."""
+    """``torch.cuda.CUDAGraph``. Its capture (``torch.cuda.graph``, :class:`_GraphCapture`) records the aten ops that
+    run, what would be the graph's kernels, backward's and the optimizer's included (``ops``), and the stream ops the
+    stand-in orders (``tape``) with the storages made during the capture (``made``). ``replay`` is ordered as one op on
+    the current stream that reads the tensors made before the capture and writes the captured ones, and runs the aten
+    ops again on the same tensors, writing each result into the tensor the capture got, as a graph's kernels rewrite
+    its memory. What Python computed during the capture is replayed as a constant, as on a GPU: a learning rate passed
+    as a float, an index that moves from step to step."""
 
     def __init__(self, keep_graph: bool = False):
-        self.tape, self.made = None, set()  # the ops; the storages made during the capture
+        self.tape, self.made, self.ops = None, set(), []
+        self.replays = 0
 
     def replay(self):
         if self.tape is None:
@@ -250,11 +292,15 @@ class CUDAGraph:
         _runtime().replay(self)
 
     def reset(self):
-        self.tape = None
+        self.tape, self.ops = None, []
 
 
-class _GraphContext:
-    """``torch.cuda.graph(graph, pool=None, stream=None)``: synchronize, then capture on ``stream`` (a side stream)."""
+class _GraphCapture:
+    """``torch.cuda.graph(graph, pool=None, stream=None)``: the host waits for the device (as PyTorch's context does),
+    then captures on ``stream``, a side stream (the default stream refused, as PyTorch refuses it); a host sync inside
+    raises, as CUDA refuses one during a capture. A capture runs nothing on a GPU: the tensors made before it that its
+    ops wrote are put back as they were when it ends, and random ops draw nothing from the generator (a graph reserves
+    its draws, and each replay takes the next ones)."""
 
     def __init__(self, cuda_graph: CUDAGraph, pool=None, stream: Stream | None = None, capture_error_mode="global"):
         self.graph, self.stream = cuda_graph, stream
@@ -268,12 +314,19 @@ class _GraphContext:
                                "to replay them on the default stream.)")
         self.context = _StreamContext(stream)
         self.context.__enter__()
-        self.graph.tape, self.graph.made = [], set()
+        self.graph.tape, self.graph.made, self.graph.ops = [], set(), []
+        self.rng_state = torch.get_rng_state()  # the stand-in's CUDA tensors draw from the CPU generator
         runtime.capturing, runtime.captured = stream, self.graph
+        self.recorder = _Recorder(self.graph)
+        self.recorder.__enter__()
 
     def __exit__(self, *exc):
+        self.recorder.__exit__(*exc)
         runtime = _runtime()
         runtime.capturing = runtime.captured = None
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            self.recorder.restore()
+        torch.set_rng_state(self.rng_state)
         self.context.__exit__(*exc)
 
 
@@ -330,6 +383,7 @@ class FakeCuda:
         self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
         self.decodes = 0  # JPEG decoder calls on CUDA
         self.decoder_streams: dict[int, Stream] = {}  # device -> the stream TorchCodec's and torchvision's nvJPEG write from
+        self.replays = 0  # CUDA graph replays
         self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
         self.default_streams = []
@@ -549,7 +603,8 @@ class FakeCuda:
             stream = self.current_stream(index)
             out = func(*args, **kwargs)
             written = [t for t in written if isinstance(t, CudaTensor)]
-            if written or not _views_of(out, tensors):  # a view runs no kernel: it neither reads nor writes
+            # a view runs no kernel: it neither reads nor writes; a captured op runs nothing until replayed
+            if (written or not _views_of(out, tensors)) and self.capturing is not stream:
                 only_written = [kwargs.get("out"), *(args[:1] if getattr(func, "__name__", "") in _FILLS else ())]
                 self.access(stream, [t for t in tensors if isinstance(t, CudaTensor)
                                      and not any(t is w for w in only_written)], written)
@@ -587,13 +642,14 @@ class FakeCuda:
                         reads.append(t)
                 writes += [t for t in tree_flatten(out)[0] if isinstance(t, CudaTensor)]
             self.access(stream, reads, writes)
-            with torch._C.DisableTorchFunction():
-                for func, args, kwargs, out, in_place in graph.tape:
-                    fresh = func(*args, **kwargs)
-                    if not in_place:
-                        for old, new in zip(tree_flatten(out)[0], tree_flatten(fresh)[0]):
-                            if isinstance(old, torch.Tensor):
-                                old.copy_(new)
+            with torch._C.DisableTorchFunction(), torch.no_grad():  # a graph's kernels: no autograd
+                for func, args, kwargs, out in graph.ops:
+                    result = func(*args, **kwargs)
+                    for kept, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                        if isinstance(kept, torch.Tensor) and not _same_memory(kept, new):
+                            kept.copy_(new)
+            self.replays += 1
+            graph.replays += 1
 
     # ------------------------------------------------------------------------------------- what moves between devices
     def _copy(self, src: torch.Tensor, index: int | None, non_blocking: bool, into: torch.Tensor | None = None,
@@ -792,7 +848,7 @@ class FakeCuda:
             memory_allocated=lambda device=None: 0, max_memory_allocated=lambda device=None: 0,
             reset_peak_memory_stats=lambda device=None: None, is_bf16_supported=lambda *a, **k: True,
             is_current_stream_capturing=lambda: self.capturing is not None and self.current_stream() is self.capturing,
-            CUDAGraph=CUDAGraph, graph=_GraphContext, is_initialized=lambda: True, _lazy_init=lambda: None,
+            CUDAGraph=CUDAGraph, graph=_GraphCapture, is_initialized=lambda: True, _lazy_init=lambda: None,
             get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
             get_rng_state_all=lambda: [self.get_rng_state(i) for i in range(self.count)],
             set_rng_state_all=lambda states: [self.set_rng_state(state, i) for i, state in enumerate(states)] and None,

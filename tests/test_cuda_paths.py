@@ -1,14 +1,19 @@
 """The CUDA-only lines, run on a CPU through the stand-in of tests/fake_cuda.py: the training device, the prefetcher's
 stream hand-off, the views of a set held on the GPU as CUDA graphs, the parameters' pinned buffers, GPU decoding and
-its fallback, the training set held on the GPU, and the training step's host syncs and divergence guard (which these
-tests also run on the CPU)."""
+its fallback, the training set held on the GPU, the training step's host syncs and divergence guard (which these
+tests also run on the CPU), and the step as a CUDA graph."""
 
 import collections
 import gc
+import runpy
 import threading
+from pathlib import Path
 
+import pyro
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
@@ -17,6 +22,9 @@ from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir import read_log
+from bayesncl_pyro.train.graph import StepGraph
+from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
 from bayesncl_pyro.data.device_views import ViewParams
 from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
@@ -759,8 +767,9 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
         loss = net.guide(net.backbone(torch.ones(1, 3))).sum() + extra
         opt.zero_grad()
         loss.backward()
-        with guard.judge(number, loss, torch.tensor(nce)):
+        with guard.judge(loss, torch.tensor(nce)):
             opt.step()
+        guard.keep(number)
 
     step(1)
     step(2, extra=float("inf"))  # the KL term is loss - InfoNCE
@@ -787,3 +796,119 @@ def test_the_guard_names_each_bad_step_and_follows_the_other_ranks(monkeypatch):
     step(8)
     assert guard.bad_steps() == [(8, "a loss or gradient on another process is not finite")]
     assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+
+
+# ------------------------------------------------------------------------------------ the step as a CUDA graph
+
+
+def test_the_stand_in_replays_a_capture_as_a_graph_does(fake_cuda):
+    """A capture runs nothing and refuses a host sync; a replay reruns its kernels on the same memory, with what
+    Python computed during the capture as constants."""
+    w, x = torch.zeros(3, device="cuda:0"), torch.ones(3, device="cuda:0")
+    lr = torch.tensor(0.5, device="cuda:0")
+    graph = torch.cuda.CUDAGraph()
+    scale = 2.0
+    with torch.cuda.graph(graph):
+        y = x * scale  # a float: part of the graph
+        w.add_(y * lr)  # a tensor: read at each replay
+    assert torch.equal(w.cpu(), torch.zeros(3))  # captured, not run
+    scale = 3.0
+    graph.replay()
+    lr.fill_(1.0)
+    graph.replay()
+    assert torch.equal(w.cpu(), torch.full((3,), 3.0)) and torch.equal(y.cpu(), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            (x.sum() > 0).item()
+
+
+def _op_log(fn, *args) -> tuple:
+    """``fn(*args)``, and the aten ops it issued, each with its non-tensor arguments and its tensors' shapes and
+    dtypes."""
+    ops = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = tree_flatten((args, kwargs or {}))[0]
+            ops.append((str(func), *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
+                                     a if isinstance(a, (int, float, str, type(None), torch.dtype, torch.device))
+                                     else type(a).__name__ for a in flat)))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        return fn(*args), ops
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_consecutive_steps_issue_the_same_ops_when_the_learning_rate_is_on_the_device(fake_cuda, tmp_path, cuda_graphs):
+    """What a CUDA graph captures of a step (``Trainer._eager_step``: forward, backward, the guard's verdict, LARS's
+    step) issues the same ops with the same arguments at every step once warm, when the learning rates are tensors
+    (``--cuda-graphs``); with the schedule's floats, each step's differ, and a graph would replay the first's."""
+    trainer = Trainer(_digits(tmp_path, optimizer="lars", cuda_graphs=cuda_graphs, on_nan="skip"), progress=False)
+    x = next(iter(trainer.input.batches(0, 8)))
+    logs = []
+
+    def logged(x):
+        out, ops = _op_log(trainer._eager_step, x)
+        logs.append(ops)
+        return out
+
+    trainer._step = logged  # the eager step, whether --cuda-graphs would capture it or not
+    with pyro.validation_enabled(False):  # as Trainer.train runs its steps
+        for _ in range(5):
+            trainer.train_step(x)
+    assert len(logs[3]) > 100 and (logs[3] == logs[4]) == cuda_graphs
+
+
+@pytest.mark.parametrize("on_nan, gate", [("stop", "ste"), ("skip", "st-sampled")])
+def test_a_cuda_graph_trains_as_its_eager_steps_and_waits_for_the_gpu_only_at_checks(fake_cuda, tmp_path, on_nan, gate,
+                                                                                    monkeypatch):
+    """--cuda-graphs: 3 eager steps, a capture, replays: the same log records (every monitored figure, read from the
+    graph's outputs after each replay) and weights, bit for bit, as the same steps run eagerly, gates drawn at random
+    included (st-sampled), and the same host syncs (the checks' reads) but the one before the capture."""
+    steps = _step_graphs(monkeypatch)
+    runs = {}
+    for graphs in (True, False):
+        trainer = Trainer(_digits(tmp_path, name=f"graphs{graphs}", optimizer="lars", cuda_graphs=True, log_every=4,
+                                  conflict_every=0, on_nan=on_nan, gate=gate), progress=False)
+        if not graphs:
+            trainer._step = trainer._eager_step
+        before = fake_cuda.syncs["MainThread"]
+        trainer.train(6)
+        runs[graphs] = (fake_cuda.syncs["MainThread"] - before,
+                        [{k: v for k, v in r.items() if k != "images_per_s"} for r in read_log(trainer.out)],
+                        [p.detach().cpu() for p in trainer.learner.parameters()])
+    assert steps[0].graph.replays == 3 and steps[1].graph is None  # the second trainer's steps were eager
+    (syncs, records, weights), (eager_syncs, eager_records, eager_weights) = runs[True], runs[False]
+    assert syncs == eager_syncs + 1 and records == eager_records and [r["step"] for r in records] == [4, 6]
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(fake_cuda, tmp_path):
+    with pytest.raises(UserError, match="--cuda-graphs captures the training step on a CUDA GPU"):
+        Trainer(_digits(tmp_path, device="cpu", optimizer="lars", cuda_graphs=True), progress=False)
+    with pytest.raises(UserError, match="--optimizer lars or adamw"):
+        Trainer(_digits(tmp_path, name="sgd", cuda_graphs=True), progress=False)
+
+
+def _step_graphs(monkeypatch) -> list[StepGraph]:
+    """Every StepGraph made from now on (the resident set's views are CUDA graphs too, replayed every batch)."""
+    made, init = [], StepGraph.__init__
+    monkeypatch.setattr(StepGraph, "__init__", lambda self, step: (init(self, step), made.append(self))[0])
+    return made
+
+
+def test_bench_steps_trainer_figure_replays_the_captured_step_and_reads_the_gpu_time_from_events(fake_cuda, capsys,
+                                                                                                monkeypatch):
+    """bench_step.py's "trainer step, no pipeline" on CUDA with --cuda-graphs: 3 eager steps and the capture first,
+    then each timed batch one replay, the GPU's time read between two events on the training stream."""
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "experiments" / "bench_step.py"))
+    args = bench["parser"]().parse_args(["--device", "cuda:0", "--optimizer", "lars", "--cuda-graphs", "--warmup", "0",
+                                         "--trainer-batches", "3"])
+    cfg = resolve(Config(dataset="digits", batch_size=32, proj_hidden=16, proj_dim=8, device="cuda:0", optimizer="lars"))
+    steps = _step_graphs(monkeypatch)
+    with pyro.validation_enabled(False):
+        bench["trainer_steps"](cfg, args, 1, torch.device("cuda:0"))
+    assert [step.graph.replays for step in steps] == [1 + 3]
+    assert "trainer step, no pipeline (BayesNCL, cuda_graphs=True, 3 batches)" in capsys.readouterr().out
+

@@ -81,6 +81,36 @@ def test_head_stats_are_its_return_values_and_match_the_formula():
     assert set(head.pulls(s1)) == {"gate_nce_pull", "gate_prior_pull"}
 
 
+@pytest.mark.parametrize("gate", ["ste", "leg", "gs-reference-kl"])
+def test_the_monitoring_values_change_no_bit_of_the_loss_and_are_computed_from_their_own_step(gate):
+    """The head's loss and every gradient are the ELBO's alone, bit for bit; the summary figures, computed when read,
+    are those of the step that returned them even when read after the next step has run."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, gate=gate, kl_weight=0.05)
+    h = torch.randn(R, D)
+    pyro.set_rng_seed(1)
+    loss, stats = head(h)
+    loss.backward()
+    grads = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    pyro.set_rng_seed(1)
+    alone = head.elbo_terms(head.projector(h), h).loss
+    alone.backward()
+    assert torch.equal(loss, alone) and all(torch.equal(p.grad, g) for p, g in zip(head.parameters(), grads, strict=True))
+
+    assert set(stats) == {"nce", "kl", "features", "probs", "kl_probs", "gates", "prior_rate", "kl_weight", "active",
+                          "gate_rate", "incl_min", "incl_max", "gates_open"}
+    with pytest.raises(KeyError):
+        stats["density_target"]
+    head(torch.randn(R, D))  # the next step, before the figures are read
+    u, probs = stats["features"], stats["probs"]
+    mask = (stats["kl_probs"] > 0.5) if gate == "gs-reference-kl" else (probs > 0.5)
+    assert torch.equal(stats["active"], (u.abs() > 1e-5).float().mean())
+    assert torch.equal(stats["gate_rate"], probs.mean())
+    assert torch.equal(stats["incl_min"], probs.mean(0).min()) and torch.equal(stats["incl_max"], probs.mean(0).max())
+    assert torch.equal(stats["gates_open"], mask.float().mean())
+
+
 @pytest.mark.parametrize("nonneg", ["rep_relu", "none"])
 def test_without_a_prior_the_head_is_ncl_or_simclr(nonneg):
     head = BayesNCLHead(D, K, H, num_train=500, prior=None, nonneg=nonneg)
@@ -382,3 +412,24 @@ def test_the_evaluation_mask_is_the_mode_but_for_gs_reference_kl_the_references(
     mask = (alpha > 0.5).float()
     torch.testing.assert_close(head.gate_mask(h), mask)
     torch.testing.assert_close(head.representation(h), normalize(head.model.features(head.projector(h)) * mask))
+
+
+def test_the_gating_mlp_runs_under_the_callers_autocast_and_keeps_the_loss_to_float64():
+    """Under its caller's autocast (bf16 on the CPU here, as the learner's on a GPU) the gating head's MLP runs in
+    bf16, as the projector, and the rest of the program in float32: the loss and the inclusion probabilities stay within
+    bf16's rounding of a float64 copy's; outside the head's forward (evaluation) the MLP runs in its inputs' dtype."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(64, 32, 128, num_train=500, gate="leg", kl_weight=0.05)  # leg: no mode, no gate on the edge
+    h = torch.randn(32, 64)
+    dtypes = []
+    head.guide.head[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    pyro.set_rng_seed(0)
+    expected_loss, expected = copy.deepcopy(head).double()(h.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pyro.set_rng_seed(0)
+        loss, stats = head(h)
+    assert dtypes[-1] == torch.bfloat16 and loss.dtype == stats["probs"].dtype == torch.float32
+    assert abs(loss.item() - expected_loss.item()) <= 2e-2 * abs(expected_loss.item())
+    assert (stats["probs"].double() - expected["probs"]).abs().max() < 2e-2
+    head.gate_probs(h)
+    assert dtypes[-1] == torch.float32 and head.guide.mlp_autocast is None

@@ -110,3 +110,19 @@ def test_flip_differences_in_float32_hold_to_float64_at_imagenet100s_width():
     assert torch.equal(ours[f == 0], torch.zeros_like(ours[f == 0]))
     chunked = info_nce_flip_differences(f, g, 0.2, max_elements=64 * 1000, every_flip=True)
     torch.testing.assert_close(chunked, ours, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # two Inductor compiles, 20-60 s on 2 cores
+def test_fused_flip_differences_equal_the_eager_ones():
+    """The compiled chunks (a GPU's default) give the eager differences, to float32's rounding, with flips of zero
+    features skipped or computed, in chunks of any size, and in float64 below temperature 0.025."""
+    torch.manual_seed(0)
+    f = normalize(F.relu(torch.randn(48, 40)))
+    g = (torch.rand(48, 40) < 0.7).float()
+    eager = info_nce_flip_differences(f, g, 0.2, fused=False)
+    for every_flip, max_elements in ((False, 2**24), (True, 48 * 333)):  # 333 flips a chunk: a short last chunk
+        fused = info_nce_flip_differences(f, g, 0.2, max_elements, every_flip, fused=True)
+        torch.testing.assert_close(fused, eager, rtol=0, atol=1e-6)
+        assert torch.equal(fused[f == 0], torch.zeros_like(fused[f == 0]))
+    torch.testing.assert_close(info_nce_flip_differences(f, g, 0.02, fused=True),
+                               info_nce_flip_differences(f, g, 0.02, fused=False), rtol=0, atol=1e-6)

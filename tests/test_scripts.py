@@ -21,12 +21,13 @@ SCRIPTS = {
     "bench_decode.py": lambda tmp, run: ["--batch", "4", "--repeats", "1", "--size", "32"],
     "bench_step.py": lambda tmp, run: ["--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "32",
                                        "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1",
-                                       "--workers", "0"],
+                                       "--workers", "0", "--runs", "2", "--trainer-batches", "2"],
     "compare.py": lambda tmp, run: TINY_COMPARE + ["--methods", "ncl", "--out", str(tmp / "cmp")],
     "export.py": lambda tmp, run: [run, "--out", str(tmp / "weights" / "backbone.pt")],
     "gate_gradient_bias.py": lambda tmp, run: [run, "--draws", "2", "--reference-draws", "2", "--batch-size", "8"],
     "report.py": lambda tmp, run: [run, "--out", str(tmp / "report")],
     "bench_report.py": lambda tmp, run: ["--images", "64", "--dims", "32", "--classes", "4"],
+    "bench_pyro_parts.py": lambda tmp, run: ["--repeats", "1", "--calls", "2", "--steps", "1"],
 }
 
 
@@ -116,7 +117,8 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
         write_photo(tmp_path / "data" / ("val" if i % 9 == 8 else "train") / f"c{i % 2}" / f"{i}.jpg", seed=i)
     proc = run("bench_step.py", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--encoder", "cnn",
                "--image-size", "40", "--steps", "1", "--repeats", "1", "--warmup", "0", "--batch-size", "16",
-               "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1", "--workers", "0")
+               "--proj-hidden", "32", "--proj-dim", "16", "--pipeline-batches", "1", "--workers", "0", "--runs", "1",
+               "--trainer-batches", "0")
     assert proc.returncode == 0, proc.stderr
     assert "workers augmentation" in proc.stdout and "device augmentation" in proc.stdout
     assert "device/workers images/s" in proc.stdout

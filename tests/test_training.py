@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.learner import load_learner
-from bayesncl_pyro.nn.optim import LARS, WARMUP_START_LR, warmup_cosine
+from bayesncl_pyro.nn.optim import (LARS, WARMUP_START_LR, build_optimizer, build_scheduler, load_optimizer_state,
+                                    warmup_cosine)
 from bayesncl_pyro.rundir import load_checkpoint, read_log
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
@@ -150,18 +152,19 @@ def _lars_step_one_parameter_at_a_time(params, groups, state):
             p.add_(state[p], alpha=-lr)
 
 
-@pytest.mark.parametrize("clip_lr", [True, False])
-def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr):
+@pytest.mark.parametrize("clip_lr, lr_on_device", [(True, False), (False, False), (True, True)])
+def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr, lr_on_device):
     torch.manual_seed(0)
     shapes = [(8, 4, 3, 3), (8,), (8,), (16, 8), (16,), (5, 16), (3, 3)]
     made = [torch.randn(s) for s in shapes]
     made[-1].zero_()  # a zero weight: the plain gradient
     ours, theirs = [[torch.nn.Parameter(t.clone()) for t in made] for _ in range(2)]
 
-    def groups(params):  # a decayed group with a large lr (clipping bites), and one without decay
-        return [dict(params=params[:5], lr=2.0, weight_decay=1e-4), dict(params=params[5:], lr=0.05, weight_decay=0.0)]
+    def groups(params, lr=float):  # a decayed group with a large lr (clipping bites), and one without decay
+        return [dict(params=params[:5], lr=lr(2.0), weight_decay=1e-4),
+                dict(params=params[5:], lr=lr(0.05), weight_decay=0.0)]
 
-    opt = LARS(groups(ours), lr=0.1, momentum=0.9, clip_lr=clip_lr)
+    opt = LARS(groups(ours, torch.tensor if lr_on_device else float), lr=0.1, momentum=0.9, clip_lr=clip_lr)
     reference = [dict(g, momentum=0.9, eta=0.02, clip_lr=clip_lr, eps=1e-8) for g in groups(theirs)]
     buffers = {}
     for step in range(3):
@@ -176,6 +179,33 @@ def test_lars_foreach_step_is_the_per_parameter_formula(clip_lr):
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(opt.state[a]["momentum_buffer"], buffers[b], rtol=1e-6, atol=1e-7)
+
+
+def test_learning_rates_on_the_device_follow_the_schedule_and_resume_as_either_kind():
+    """--cuda-graphs' learning rates: tensors the schedule writes in place (what a CUDA graph of the step reads), with
+    the values of the floats of a run without it; a checkpoint of either kind resumes into an optimizer of the other,
+    which keeps its own kind."""
+    def made(lr_on_device):
+        groups = [dict(params=[torch.nn.Parameter(torch.ones(3, 2))], lr=0.4),
+                  dict(params=[torch.nn.Parameter(torch.ones(2))], lr=0.1)]
+        optimizer = build_optimizer("lars", groups, 0.9, 1e-6, lr_on_device=lr_on_device)
+        return optimizer, build_scheduler(optimizer, 3, 10)
+
+    (floats, floats_schedule), (tensors, tensors_schedule) = made(False), made(True)
+    held = [g["lr"] for g in tensors.param_groups]
+    for _ in range(5):
+        for optimizer, schedule in ((floats, floats_schedule), (tensors, tensors_schedule)):
+            optimizer.step()  # no gradients: no update
+            schedule.step()
+        assert [float(g["lr"]) for g in tensors.param_groups] == pytest.approx(
+            [g["lr"] for g in floats.param_groups], rel=1e-6)
+    assert all(g["lr"] is t for g, t in zip(tensors.param_groups, held, strict=True))
+    for saved, lr_on_device in ((floats, True), (tensors, False)):
+        optimizer, _ = made(lr_on_device)
+        load_optimizer_state(optimizer, copy.deepcopy(saved.state_dict()))
+        for group, their in zip(optimizer.param_groups, saved.param_groups, strict=True):
+            assert torch.is_tensor(group["lr"]) == lr_on_device
+            assert float(group["lr"]) == pytest.approx(float(their["lr"]), rel=1e-7)
 
 
 def test_training_writes_the_conflict_diagnostic(tmp_path):

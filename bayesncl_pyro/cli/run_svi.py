@@ -149,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
     g.add_argument("--compile", action="store_true", help="torch.compile the encoder (worth it for long GPU runs; "
                    "the first steps wait for compilation)")
+    g.add_argument("--cuda-graphs", action="store_true", help="capture the training step (forward, backward, "
+                   "divergence check, optimizer step) as one CUDA graph after 3 eager steps and replay it: one launch "
+                   "a step instead of hundreds, for steps the host holds up (small images); one GPU, --optimizer lars "
+                   "or adamw")
     g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
     g.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
                    help="steps between checkpoints (default: %(default)s)")

@@ -70,6 +70,7 @@ from pyro.infer.reparam.reparam import Reparam
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.models.bayesncl import computed
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
@@ -250,7 +251,7 @@ def local_expectation_term(model_trace, guide_trace, temperature: float) -> torc
     site = guide_trace.nodes["g"]
     probs = site["fn"].base_dist.q.probs * 1.0  # a node of its own (LocalExpectationELBO)
     site["infer"]["local_expectation_probs"] = probs
-    features = model_trace.nodes["ungated"]["value"]
+    features = computed(model_trace)["ungated"]
     dtype = torch.promote_types(features.dtype, torch.float32)
     d = info_nce_flip_differences(features.to(dtype), model_trace.nodes["g"]["value"], temperature).to(probs.dtype)
     return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"]

@@ -29,6 +29,7 @@ import torch
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.estimators import GATES, Draw, gate_class
+from bayesncl_pyro.models.bayesncl import computed
 from bayesncl_pyro.nn.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
@@ -138,4 +139,4 @@ def _score_loss(head, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     finally:
         head.estimator = trained
     q, gates = guide_trace.nodes["g"]["fn"].base_dist.q, model_trace.nodes["g"]["value"]
-    return loss + model_trace.nodes["row_nce"]["value"].mean() * q.log_prob(gates).sum()
+    return loss + computed(model_trace)["row_nce"].mean() * q.log_prob(gates).sum()

@@ -22,9 +22,11 @@ on, every step also computes each site's log-density and runs Pyro's checks of t
 not need.
 """
 
+import contextlib
 import functools
 import os
 import weakref
+from collections.abc import Callable, Mapping
 
 import pyro
 import torch
@@ -37,7 +39,7 @@ from bayesncl_pyro.guides.gates import GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
-from bayesncl_pyro.models.bayesncl import ContrastiveModel
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
@@ -106,6 +108,32 @@ def own_params():
 
 def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
+
+
+class StepValues(Mapping):
+    """The values a step of the head computed, by name (:meth:`BayesNCLHead.forward` lists them): a read-only mapping
+    whose summary figures are computed from the step's tensors when first read, then kept: each a function of those
+    tensors alone, so :meth:`unread` can compute them again. Read them before anything writes into the tensors they
+    come from (the head never does)."""
+
+    def __init__(self, values: dict[str, torch.Tensor], lazy: dict[str, Callable[[], torch.Tensor]]):
+        self._values, self._lazy, self._made = values, dict(lazy), lazy
+
+    def unread(self) -> "StepValues":
+        """The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
+        graph's outputs, ``train/graph.py``)."""
+        return StepValues({k: v for k, v in self._values.items() if k not in self._made}, self._made)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._values:
+            self._values[name] = self._lazy.pop(name)()  # a KeyError for a name it does not hold
+        return self._values[name]
+
+    def __iter__(self):
+        return iter([*self._values, *self._lazy])
+
+    def __len__(self) -> int:
+        return len(self._values) + len(self._lazy)
 
 
 class BayesNCLHead(nn.Module):
@@ -186,11 +214,11 @@ class BayesNCLHead(nn.Module):
     def num_rows(self) -> int:
         return self.model.num_rows
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, "StepValues"]:
         """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
 
         Returns the loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for ``ste`` and
-        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a dict of detached values:
+        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a mapping of detached values (:class:`StepValues`):
         0-d ``nce`` (mean InfoNCE at the gates training used), ``kl`` (the KL term per row: summed over the gates
         and averaged over the rows, plus for a prior with global latents their KL / 2N), ``active`` (share of
         feature entries that take part in the loss) and with gates ``gate_rate``, ``incl_min``, ``incl_max`` (mean
@@ -207,32 +235,52 @@ class BayesNCLHead(nn.Module):
         self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
-        with torch.autocast(h.device.type, enabled=False):  # the exp and log of the loss in full precision
+        with self._program_precision(h.device.type):
             gather = distributed.gather_rows if self.gather_distributed else None
             loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
-            nodes = model_trace.nodes
-            u = nodes["features"]["value"]
-            stats = dict(nce=nodes["row_nce"]["value"].mean(), kl=kl, active=(u.abs() > ACTIVE_EPS).float().mean(),
-                         features=u)
+            made = computed(model_trace)
+            u = made["features"]
+            values = dict(nce=made["row_nce"].mean(), kl=kl, features=u)
+            # what only a log step reads, computed then (the trainer logs every --log-every steps)
+            lazy = dict(active=lambda: (u.abs() > ACTIVE_EPS).float().mean())
             if self.gated:
                 site = guide_trace.nodes["g"]
                 trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
-                q = trained.q
-                probs = q.probs.detach()
-                per_dim = probs.mean(0)
-                gates_open = self.estimator.mask(q).float().mean()
+                q, prior = trained.q, model_trace.nodes["g"]["fn"].base_dist
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
-                gates = site["infer"].get("local_expectation_probs", nodes["g"]["value"])
+                gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
-                stats.update(gate_rate=probs.mean(), incl_min=per_dim.min(), incl_max=per_dim.max(), probs=probs,
-                             kl_probs=trained.kl_probs.detach(), gates=gates,
-                             prior_rate=nodes["g"]["fn"].base_dist.probs[0].detach(),  # the rates p(g | rate) took
-                             gates_open=gates_open, kl_weight=self.model.kl_weight)
+                values.update(gates=gates, kl_weight=self.model.kl_weight)
+                lazy.update(probs=lambda: q.probs.detach(), kl_probs=lambda: trained.kl_probs.detach(),
+                            prior_rate=lambda: prior.probs[0].detach(),  # the rates p(g | rate) took
+                            gate_rate=lambda: q.probs.detach().mean(), incl_min=lambda: q.probs.detach().mean(0).min(),
+                            incl_max=lambda: q.probs.detach().mean(0).max(),
+                            gates_open=lambda: self.estimator.mask(q).float().mean())
                 if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
-                    self.density.update(gates_open)
-                    stats["density_target"] = self.density.target.clone()
+                    values["gates_open"] = lazy.pop("gates_open")()
+                    self.density.update(values["gates_open"])
+                    values["density_target"] = self.density.target.clone()
+            stats = StepValues(values, lazy)
         return loss, stats
+
+    @contextlib.contextmanager
+    def _program_precision(self, device_type: str):
+        """Within, under the caller's autocast: autocast off, so the Pyro program's exps and logs run in full
+        precision, but the guide's gating MLP, a matmul of the projector's size, under the caller's autocast as the
+        projector. Without one, nothing is entered (a CPU step: entering autocast costs more than the program's small
+        ops)."""
+        if not torch.is_autocast_enabled(device_type):
+            yield
+            return
+        if self.gated:
+            self.guide.mlp_autocast = torch.get_autocast_dtype(device_type)
+        try:
+            with torch.autocast(device_type, enabled=False):
+                yield
+        finally:
+            if self.gated:
+                self.guide.mlp_autocast = None
 
     @property
     def objective(self) -> str:
@@ -243,9 +291,9 @@ class BayesNCLHead(nn.Module):
         """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
         outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
         against every rank's. Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws
-        from q, and Pyro's ELBOs take the score function through it. The model records what it computed as
-        deterministic sites (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside
-        :func:`own_params`, as :meth:`elbo_terms` does."""
+        from q, and Pyro's ELBOs take the score function through it. The model returns what it computed
+        (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside :func:`own_params`, as
+        :meth:`elbo_terms` does."""
         model = self.model if gather is None else functools.partial(self.model, gather=gather)
         return model, self.guide if self.gated else _no_guide
 
@@ -284,7 +332,7 @@ class BayesNCLHead(nn.Module):
         with own_params():
             loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
         kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
-        return dict(neg_elbo=loss / self.num_rows, nce=model_trace.nodes["row_nce"]["value"].mean(), kl=kl)
+        return dict(neg_elbo=loss / self.num_rows, nce=computed(model_trace)["row_nce"].mean(), kl=kl)
 
     @torch.no_grad()
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:

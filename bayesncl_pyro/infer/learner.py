@@ -63,8 +63,10 @@ class ContrastiveLearner(nn.Module):
         return self.head.guide
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # autocast covers the backbone and the projector; the head runs its Pyro program at full precision
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda):
+        # autocast covers the backbone and the projector; the head runs its Pyro program at full precision. Its cache
+        # of weights cast to bf16 is off in a step a CUDA graph captures, as PyTorch's CUDA graph notes ask
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda,
+                            cache_enabled=not self.cfg.cuda_graphs):
             return self.head(self.backbone(x))
 
     @torch.no_grad()

@@ -4,6 +4,9 @@ Shapes: B images, 2 views each, give R = 2B *rows* stacked as ``[view 1 of all i
 so row ``i`` and row ``(i + B) % R`` are the positive pair. K is the feature width.
 """
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -37,12 +40,14 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
     self_col = idx + offset
     # columns hold [view 1 of all images; view 2 of all images] per rank: the partner is in the same rank block
     pos_col = offset + partner_rows(rows, u.device)
-    logits = logits.masked_fill(F.one_hot(self_col, total).bool(), float("-inf"))
+    # the row's own column, by comparison: F.one_hot would check its indices on the host (on a CPU; CUDA's doesn't)
+    logits = logits.masked_fill(self_col[:, None] == torch.arange(total, device=u.device), float("-inf"))
     return torch.logsumexp(logits, dim=1) - logits[idx, pos_col]
 
 
 def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, temperature: float,
-                               max_elements: int = 2**24, every_flip: bool | None = None) -> torch.Tensor:
+                               max_elements: int = 2**24, every_flip: bool | None = None,
+                               fused: bool | None = None) -> torch.Tensor:
     """Every gate's exact effect on the batch's InfoNCE: D (R x K), D_ik = sum_j l_j with g_ik = 1 minus the same
     with g_ik = 0, the other gates as given; l_j = ``info_nce_rows(normalize(features * gates), temperature)``.
 
@@ -52,6 +57,9 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
         max_elements: a bound on the flips x R work held at once (the flips are taken in chunks under it).
         every_flip: compute the flips of zero features too (same result); default: on a GPU, where picking the
             others would make the host wait for their count.
+        fused: each chunk through ``torch.compile`` (Inductor: on a GPU a Triton kernel), one pass that reduces the
+            flips' R terms as it computes them, where eager PyTorch writes and reads several flips x R
+            temporaries; default: on a GPU (a compile takes seconds to a minute, once per process and shape).
     Returns:
         D in the dtype of ``features``, detached; 0 exactly where a feature is 0 (its gate changes nothing).
 
@@ -66,40 +74,67 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
     """
     f, g = features.detach(), gates.detach().to(features.dtype)
     if f.dtype == torch.float32 and temperature < 0.025:
-        return info_nce_flip_differences(f.double(), g, temperature, max_elements, every_flip).float()
+        return info_nce_flip_differences(f.double(), g, temperature, max_elements, every_flip, fused).float()
     rows, dims = f.shape
     w = f * g
-    sq = (w * w).sum(1)  # R: ||w_i||^2
     u = normalize(w)
     sim = (u @ u.T / temperature).fill_diagonal_(float("-inf"))  # R x R, self excluded
     lse = sim.logsumexp(1)  # R: each row's log-partition over the other rows
-    weight = (sim - lse).exp()  # R x R: exp(S_ij - lse_j), row j's softmax weight on row i (S is symmetric)
-    inv_partition = (-lse).exp()
-    dots = w @ u.T  # R x R: w_i . u_j
-    columns = u.T.contiguous()  # K x R: u_jk, row k
-    partner = partner_rows(rows, f.device)
-    step = (1 - 2 * g).flatten()  # +1 where the flip opens the gate, -1 where it closes it
+    current = _CurrentState(
+        f.flatten(), (1 - 2 * g).flatten(), (w * w).sum(1), w @ u.T, u.T.contiguous(), sim, lse,
+        (sim - lse).exp(), (-lse).exp(), partner_rows(rows, f.device))
     every_flip = f.is_cuda if every_flip is None else every_flip
     flips = torch.arange(rows * dims, device=f.device) if every_flip else (f.flatten() != 0).nonzero()[:, 0]
+    chunk_differences = _fused_flip_chunk() if (f.is_cuda if fused is None else fused) else _flip_chunk
     out = torch.zeros(rows * dims, dtype=f.dtype, device=f.device)
     chunk = max(1, max_elements // rows)
     for start in range(0, len(flips), chunk):  # a few chunks of flips: memory, not a loop over gates or rows
         flat = flips[start:start + chunk]
-        i, k, sign = flat // dims, flat % dims, step[flat]
-        fik = f.flatten()[flat]
-        norm = (sq[i] + sign * fik**2).clamp_min(0).sqrt()  # M: ||w_i|| after the flip
-        # row i's new similarities S_ij = (w_i . u_j + sign f_ik u_jk) / ||w_i'|| / tau, 0 for a row left empty
-        s = torch.addcmul(dots.index_select(0, i), (sign * fik)[:, None], columns.index_select(0, k))
-        s = s.mul_(torch.where(norm > 1e-12, 1 / (norm.clamp_min(1e-12) * temperature), 0.0)[:, None])
-        e = s.exp_()  # M x R, at most e^(1 / tau)
-        m = torch.arange(len(flat), device=f.device)
-        e[m, i] = 0.0  # the row itself is no negative
-        pos_change = e[m, partner[i]].log() - sim[i, partner[i]]  # S_(i, p(i)): row i's positive, and p(i)'s
-        own = e.sum(1).log() - lse[i]  # row i's log-partition, new - old
-        # every other row j: its log-partition with S_ji replaced, log(1 + new weight - old weight)
-        others = e.mul_(inv_partition).sub_(weight.index_select(0, i)).log1p_().sum(1)
-        out[flat] = sign * (own + others - 2 * pos_change)
+        out[flat] = chunk_differences(flat, *current, temperature)
     return torch.where(f != 0, out.view(rows, dims), 0.0)
+
+
+class _CurrentState(NamedTuple):
+    """What every flip of :func:`info_nce_flip_differences` reads: the batch's current gated state."""
+
+    features: torch.Tensor  # R K: f_ik, flat (index i * K + k)
+    step: torch.Tensor  # R K: +1 where the flip opens the gate, -1 where it closes it
+    sq: torch.Tensor  # R: ||w_i||^2, w = f * g
+    dots: torch.Tensor  # R x R: w_i . u_j, u = normalize(w)
+    columns: torch.Tensor  # K x R: u_jk, row k
+    sim: torch.Tensor  # R x R: S_ij = u_i . u_j / tau, -inf on the diagonal
+    lse: torch.Tensor  # R: each row's log-partition over the other rows
+    weight: torch.Tensor  # R x R: exp(S_ij - lse_j), row j's softmax weight on row i (S is symmetric)
+    inv_partition: torch.Tensor  # R: exp(-lse_j)
+    partner: torch.Tensor  # R: the index of each row's positive
+
+
+def _flip_chunk(flat: torch.Tensor, features, step, sq, dots, columns, sim, lse, weight, inv_partition, partner,
+                temperature: float) -> torch.Tensor:
+    """D of the flips ``flat`` (M flat indices i * K + k) from the current state (:class:`_CurrentState`). Eager, it
+    holds two M x R tensors at a time (its in-place ops); compiled (:func:`_fused_flip_chunk`), every M x R term is
+    computed where one of the three reductions over the rows j consumes it."""
+    rows, dims = dots.shape[0], columns.shape[0]
+    i, k, sign = flat // dims, flat % dims, step[flat]
+    fik = features[flat]
+    norm = (sq[i] + sign * fik**2).clamp_min(0).sqrt()  # M: ||w_i|| after the flip
+    # row i's new similarities S_ij = (w_i . u_j + sign f_ik u_jk) / ||w_i'|| / tau, 0 for a row left empty
+    s = dots.index_select(0, i).addcmul_((sign * fik)[:, None], columns.index_select(0, k))
+    s = s.mul_(torch.where(norm > 1e-12, 1 / (norm.clamp_min(1e-12) * temperature), 0.0)[:, None])
+    e = s.exp_()  # M x R, at most e^(1 / tau)
+    e.masked_fill_(torch.arange(rows, device=e.device) == i[:, None], 0.0)  # the row itself is no negative
+    m = torch.arange(len(flat), device=e.device)
+    pos_change = e[m, partner[i]].log() - sim[i, partner[i]]  # S_(i, p(i)): row i's positive, and p(i)'s
+    own = e.sum(1).log() - lse[i]  # row i's log-partition, new - old
+    # every other row j: its log-partition with S_ji replaced, log(1 + new weight - old weight)
+    others = e.mul_(inv_partition).sub_(weight.index_select(0, i)).log1p_().sum(1)
+    return sign * (own + others - 2 * pos_change)
+
+
+@functools.cache
+def _fused_flip_chunk():
+    """:func:`_flip_chunk` compiled, for any number of flips (a dynamic first dimension: one compile per process)."""
+    return torch.compile(_flip_chunk, dynamic=True, fullgraph=True)
 
 
 def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from bayesncl_pyro.errors import UserError
+
 WARMUP_START_LR = 3e-5  # the reference warms every group up from this absolute lr
 
 
@@ -57,11 +59,23 @@ class LARS(torch.optim.Optimizer):
             if buffers:
                 torch._foreach_mul_(buffers, group["momentum"])
                 torch._foreach_add_(buffers, their_updates)
-            torch._foreach_add_(params, [self.state[p]["momentum_buffer"] for p in params], alpha=-lr)
+            steps = [self.state[p]["momentum_buffer"] for p in params]
+            if torch.is_tensor(lr):  # read on the device (a CUDA graph's replays follow the schedule)
+                torch._foreach_add_(params, torch._foreach_mul(steps, -lr))
+            else:
+                torch._foreach_add_(params, steps, alpha=-lr)
 
 
-def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float):
+def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float, lr_on_device: bool = False):
+    """``lr_on_device``: each group's learning rate a 0-d tensor on its parameters' device, which the schedule writes
+    in place and the step reads there, so that a CUDA graph of the step follows the schedule (``--cuda-graphs``);
+    torch's SGD reads it back to the host at every step, so it is refused."""
     groups = [dict(g, weight_decay=g.get("weight_decay", weight_decay)) for g in groups]
+    if lr_on_device:
+        if name == "sgd":
+            raise UserError("--cuda-graphs needs --optimizer lars or adamw: torch's SGD reads its learning rate on the "
+                            "host at every step, which a CUDA graph cannot do")
+        groups = [dict(g, lr=torch.tensor(float(g["lr"]), device=g["params"][0].device)) for g in groups]
     if name == "lars":
         return LARS(groups, lr=groups[0]["lr"], momentum=momentum)
     if name == "sgd":
@@ -80,10 +94,17 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     GPU with its step counts on the CPU, which the divergence guard's masked step cannot write into, and one written on
     a GPU would resume on a CPU as capturable, which AdamW refuses. So torch is handed the kept flag with the state,
     and places each step count by it: float32 on its parameter's device when capturable, else as loaded (on the CPU,
-    where checkpoints are read to)."""
+    where checkpoints are read to). The learning rates keep this optimizer's kind too (``build_optimizer``'s
+    ``lr_on_device``: its tensors, filled with the saved values)."""
     groups = [dict(saved, capturable=mine["capturable"]) if "capturable" in mine else saved  # SGD, LARS: no flag
               for saved, mine in zip(state["param_groups"], optimizer.param_groups)]
+    mine = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict({**state, "param_groups": groups})
+    for group, kept in zip(optimizer.param_groups, mine):
+        for key in ("lr", "initial_lr"):
+            if key in group:
+                value = float(group[key])
+                group[key] = kept[key].fill_(value) if torch.is_tensor(kept.get(key)) else value
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float) -> float:
@@ -97,6 +118,6 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float
 
 def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
     """Per-iteration LambdaLR, one warm-up/cosine curve per group (each relative to its own lr)."""
-    lambdas = [lambda s, lr=g["lr"]: warmup_cosine(s, warmup_steps, total_steps, lr)
+    lambdas = [lambda s, lr=float(g["lr"]): warmup_cosine(s, warmup_steps, total_steps, lr)
                for g in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

@@ -37,8 +37,8 @@ TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "K
 
 class DivergenceGuard:
     """``begin()`` before a step's forward pass; after ``loss.backward()``, ``optimizer.step()`` inside
-    ``with judge(number, loss, nce)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between two
-    ``bad_steps``."""
+    ``with judge(loss, nce)``, then ``keep(number)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps
+    between two ``bad_steps``."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mask: bool, rows: int):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -57,11 +57,10 @@ class DivergenceGuard:
             self.saved_buffers = self._copy("buffers", self.buffers)
 
     @contextlib.contextmanager
-    def judge(self, number: int, loss: torch.Tensor, nce: torch.Tensor):
-        """Around step ``number``'s optimizer step: its verdict recorded on the device and, with ``mask``, the step
-        undone by it. Queues work only: nothing here waits for the device."""
-        if len(self.steps) == self.capacity:
-            raise RuntimeError(f"DivergenceGuard holds {self.capacity} unread steps; call bad_steps() more often")
+    def judge(self, loss: torch.Tensor, nce: torch.Tensor):
+        """Around a step's optimizer step: its verdict computed on the device (:attr:`row`) and, with ``mask``, the step
+        undone by it. Queues work only: nothing here waits for the device, and every call queues the same work, so a
+        CUDA graph can capture it; :meth:`keep` then files the verdict under the step's number."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = iter(torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else [])
         zero = loss.new_zeros((), dtype=torch.float64)
@@ -70,10 +69,7 @@ class DivergenceGuard:
         row[0] = (~row[1:].isfinite()).any()
         if dist.is_initialized():
             dist.all_reduce(row[:1], op=dist.ReduceOp.MAX)
-        if self.rows is None:
-            self.rows = row.new_empty(self.capacity, len(row))
-        self.rows[len(self.steps)] = self.row = row
-        self.steps.append(number)
+        self.row = row
         if not self.mask:
             yield
             return
@@ -83,6 +79,16 @@ class DivergenceGuard:
             saved = self._copy("step", tensors)
         yield
         self._undo_unless(ok, tensors, saved)
+
+    def keep(self, number: int):
+        """File the last verdict (:meth:`judge`'s) as step ``number``'s, for :meth:`bad_steps`: a copy on the device
+        into the row of the next unread step, which differs from step to step (out of a CUDA graph)."""
+        if len(self.steps) == self.capacity:
+            raise RuntimeError(f"DivergenceGuard holds {self.capacity} unread steps; call bad_steps() more often")
+        if self.rows is None:
+            self.rows = self.row.new_empty(self.capacity, len(self.row))
+        self.rows[len(self.steps)] = self.row
+        self.steps.append(number)
 
     def grad_norms(self) -> list[float]:
         """The 2-norm of each parameter's gradient in the last step, in ``params``' order (0 where none): one host

@@ -24,18 +24,20 @@ from torch.nn.parallel import DistributedDataParallel
 from bayesncl_pyro import distributed, rundir
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import image_files, load_dataset
+from bayesncl_pyro.data import DataSpec, image_files, load_dataset
 from bayesncl_pyro.data.pipeline import TrainingInput
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.diagnostics import conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.infer.density import shortfall
+from bayesncl_pyro.infer.head import StepValues
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
 from bayesncl_pyro.rundir import (BAD_IMAGES, CHECKPOINT, CONFIG, CONFLICT, EVAL, TEXT_LIMIT, append_line, atomic_save,
                                   read_bytes, write_json)
+from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
 from bayesncl_pyro.train.monitor import Monitor
 from bayesncl_pyro.train.resolve import resolve
@@ -44,10 +46,11 @@ from bayesncl_pyro.train.resolve import resolve
 class Trainer:
     """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict."""
 
-    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False):
+    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False, data: DataSpec | None = None):
         """``progress``: a bar on stderr rather than printed lines (default: when stderr is a terminal).
         ``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
-        start afresh, instead of resuming the run there or refusing one with another config."""
+        start afresh, instead of resuming the run there or refusing one with another config. ``data``: the images to
+        train on, in place of the config's dataset (``bench_step.py``'s steps on generated images of any recipe)."""
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
         self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
@@ -59,8 +62,8 @@ class Trainer:
             self._lock = rundir.claim(self.out, cfg, overwrite)
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
-        self.data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
-                                 train_subset=cfg.train_subset)
+        self.data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
+                                         train_subset=cfg.train_subset)
         # the rows every rank gathers each step follow from these, and the steps and checkpoints of all
         distributed.check_agreement(dict(cfg.identity(), max_steps=cfg.max_steps, ckpt_every=cfg.ckpt_every,
                                          training_images=len(self.data.train)))
@@ -83,8 +86,14 @@ class Trainer:
         self.steps_per_epoch = len(self.data.train) // cfg.batch_size
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.last_step = self.total_steps if cfg.max_steps is None else min(self.total_steps, cfg.max_steps)
+        if cfg.cuda_graphs and self.device.type != "cuda":
+            raise UserError(f"--cuda-graphs captures the training step on a CUDA GPU, and this run is on "
+                            f"{self.device}: drop --cuda-graphs")
+        if cfg.cuda_graphs and self.world > 1:
+            raise UserError("--cuda-graphs runs on one GPU (DDP's gradient all-reduce and SyncBatchNorm's host syncs "
+                            "are not captured): drop it under torchrun")
         self.optimizer = build_optimizer(cfg.optimizer, self.learner.param_groups(), cfg.momentum,
-                                         cfg.weight_decay)
+                                         cfg.weight_decay, lr_on_device=cfg.cuda_graphs)
         self.scheduler = build_scheduler(self.optimizer, round(cfg.warmup_epochs * self.steps_per_epoch),
                                          self.total_steps)
         self.step = self.saved_step = self.skipped_steps = 0
@@ -105,6 +114,7 @@ class Trainer:
             self.learner.backbone.compile()
         self.check_every = min(cfg.log_every, CHECK_EVERY)
         self.guard = DivergenceGuard(self.learner, self.optimizer, cfg.on_nan == "skip", self.check_every)
+        self._step = StepGraph(self._eager_step) if cfg.cuda_graphs else self._eager_step
         self.log, self.monitor = None, None
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
             write_json(cfg.to_dict(), self.out / CONFIG)
@@ -248,20 +258,27 @@ class Trainer:
             raise Stopped(f"{signal.Signals(stopping).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
-    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, dict]:
+    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, StepValues]:
         """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values). The divergence guard
         (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the GPU only when its
         verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
-        self.guard.begin()
-        loss, stats = self.net(x)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        with self.guard.judge(self.step + 1, loss, stats["nce"]):  # with --on-nan skip, a bad step is undone
-            self.optimizer.step()
+        loss, stats = self._step(x)
+        self.guard.keep(self.step + 1)
         self.scheduler.step()
         self.step += 1
         if self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step:
             self._check_divergence()
+        return loss, stats
+
+    def _eager_step(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+        """What a CUDA graph captures of a step (``--cuda-graphs``; ``train/graph.py``): the forward and backward passes,
+        the divergence guard's verdict and the optimizer step, the same work at every call."""
+        self.guard.begin()
+        loss, stats = self.net(x)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        with self.guard.judge(loss, stats["nce"]):  # with --on-nan skip, a bad step is undone
+            self.optimizer.step()
         return loss, stats
 
     def _log(self, loss: torch.Tensor, stats: dict, last_step: int):
@@ -327,7 +344,7 @@ class Trainer:
         that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
         learner = self.learner
         epoch = (self.step - 1) // self.steps_per_epoch  # the epoch of the step's batch
-        rec = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"], loss=loss.item(),
+        rec = dict(step=self.step, epoch=epoch, lr=float(self.optimizer.param_groups[0]["lr"]), loss=loss.item(),
                    nce=stats["nce"].item(), kl=stats["kl"].item(),
                    grad_norm=self._grad_norm(), images_per_s=images_per_s,
                    active=stats["active"].item())
