@@ -18,30 +18,23 @@ BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
     python experiments/compare.py --dataset compositional --methods ncl,bayesncl-ste,bayesncl-relaxed,\
 bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 --seeds 0 1 2 --workers 1 --out runs/estimators-comp
 
-Is a gate's gain more than sparsity? NCL+TopK at several k against the gates at several densities of open gates
-(--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL closes gates), each
-judged beside TopK at its own activation rate, random masks as sparse as it, and its posterior (docs/RESULTS.md,
-"At matched sparsity"):
+Is a gate's gain more than sparsity? NCL+TopK over a grid of k against the gates at the published prior and at a
+density of open gates (--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL
+closes gates), each paired by seed with NCL, with TopK at its own sparsity and with its controls, on the paper's and
+the top-N consistency (docs/RESULTS.md, "At matched sparsity"; 90 runs, about 5 minutes each on 2 CPU cores with two
+at a time):
 
-    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
-        --topk 4 8 16 --gate-density 0.15 0.3 0.45 --prior-prob 0.2 --seeds 0 1 2 --workers 0 \
-        --out runs/matched-comp --record docs/results/matched-comp
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \\
+        --topk 2 4 8 16 32 --gate-density 0.3 --prior-prob 0.2 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 \\
+        --out runs/verdict-comp --record docs/results/verdict-comp
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste \\
+        --topk 2 4 8 16 32 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 --out runs/verdict-comp --record docs/results/verdict-comp
 
-and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; 12 runs of 585 steps), in two
-commands: the published STE first, whose share of open gates on the test split ("Gates on": 0.81) then sets D
-for both gates. D lies above the share InfoNCE leaves open with lambda near 0 (0.40 under ste, 0.60 under leg,
-measured at rho 0.2, where lambda can only close gates and fell to 1e-25), so the second command needs a prior
-whose KL opens gates, the published 0.8:
+and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; 12 runs of 585 steps, 11-14
+minutes each with two at a time):
 
-    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
-        --topk 16 32 --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
-    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 \
-        --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg --topk 16 32 --prior-prob 0.8 --gate-density D \
-        --seeds 0 1 --workers 0 --out runs/matched-cifar100 --record docs/results/matched-cifar100
-
-(On one H200, six commands of one method and seed at a time: 0.7-1.4 minutes each. On 2 CPU cores, two runs
-sharing them with one thread each: about 17 minutes a run, so about 1.7 hours for the 12; 35 minutes a run with
-four sharing them.)
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \\
+        --topk 16 32 --seeds 0 1 2 --workers 0 --out runs/verdict-cifar100 --record docs/results/verdict-cifar100
 
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
 evaluated the same way (eval.json), with the recipe's evaluation protocol: the paper's (linear probe on raw
