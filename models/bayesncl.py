@@ -5,7 +5,7 @@ How lambda, the factor and the plate scaling fit together
 The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch holds R = 2B of them.
 Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it scaled by 2N / R):
 
-* ``g_i ~ Bernoulli(rate)`` (K gates) sits under ``poutine.scale(lambda)`` in the model *and* the
+* ``g_i ~ prior(rows)`` (K gates; for today's priors Bernoulli(rate)) sits under ``poutine.scale(lambda)`` in the model *and* the
   guide, so a mean-field ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): in training the Bernoulli KL
   with the estimator's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for ``gs-reference-kl``, the
   reference's KL at sigmoid(l), which is not KL(q || p).
@@ -46,7 +46,6 @@ NCL is this program without the gate site, and CL (SimCLR) also without non-nega
 """
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.nn import PyroModule
@@ -100,9 +99,9 @@ class ContrastiveModel(PyroModule):
         rows = u.shape[0]
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight):
-                rate = self.prior.rate()
+                gates = self.prior(rows)  # global latents outside the plate, each row's gates inside it
                 with rows_plate(self.num_rows, rows, u.device):
-                    g = pyro.sample("g", dist.Bernoulli(rate.expand(rows, -1)).to_event(1))
+                    g = pyro.sample("g", gates)
             u = normalize(u * g)
         if gather is None:
             nce = info_nce_rows(u, self.temperature)

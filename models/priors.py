@@ -1,9 +1,13 @@
 """Swappable priors over the feature gates.
 
-A prior says how likely each of the K gates of a row is to be on. It is called inside the model, where
-it may sample global latents of its own (always under the KL weight, see ``models/bayesncl.py``), and
-returns the per-dimension inclusion rate. A prior with global latents also supplies the variational
-family for them through :meth:`Prior.make_guide`, which the amortized guide calls.
+A prior is the distribution of a batch of rows' gates: ``prior(rows)`` returns p(g) for R rows, batch shape (R,)
+and event shape (K,), and the model samples the gate site ``g`` from it. It is called inside the model, outside the
+rows plate, where it may sample global latents of its own (always under the KL weight, see ``models/bayesncl.py``).
+Most priors are independent Bernoulli gates and implement only :meth:`Prior.rate`, the K inclusion rates; one that
+is not (correlated gates, a rate per row) overrides :meth:`Prior.forward`. The ELBO takes the gates' KL analytically
+where one is registered for q's family and the prior's distribution, and as a one-draw Monte Carlo estimate
+otherwise (``bayesncl_pyro/infer/elbo.py``). A prior with global latents also supplies the variational family for
+them through :meth:`Prior.make_guide`, which the amortized guide calls.
 
 To add a prior, subclass :class:`Prior` and pass ``--prior package.module:MyPrior`` (the module must be
 importable: installed, or its folder on PYTHONPATH), or decorate it with ``@register("my-name")`` in this file
@@ -60,27 +64,41 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
 
 def checked_guide(prior: "Prior") -> PyroModule | None:
     """``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
-    exactly the latent sites that ``rate()`` samples, and ``rate()`` gives the K gates' rates in (0, 1). Otherwise
-    the ELBO would fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp
-    hides) train without a word. Runs the prior once on a forked random stream: building a head draws nothing."""
-    guide, name = prior.make_guide(), type(prior).__name__
+    exactly the latent sites that ``prior(rows)`` samples, and ``prior(rows)`` is a distribution over R rows of K
+    gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in (0, 1)). Otherwise the ELBO would
+    fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp hides) train
+    without a word. Runs the prior once on a forked random stream: building a head draws nothing."""
+    guide, name, k, rows = prior.make_guide(), type(prior).__name__, prior.num_features, 2
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
-        model_trace = poutine.trace(prior.rate).get_trace()
+        if type(prior).forward is Prior.forward:
+            _check_rates(prior, name)
+        model_trace = poutine.trace(prior).get_trace(rows)
         guide_sites = set(poutine.trace(guide).get_trace().stochastic_nodes) if guide is not None else set()
     model_sites = set(model_trace.stochastic_nodes)
     if model_sites != guide_sites:
         given = "returns no guide" if guide is None else f"returns a guide that samples {sorted(guide_sites) or 'nothing'}"
-        raise UserError(f"{name}.rate() samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
+        raise UserError(f"{name} samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
                         f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, "
                         "as BetaBernoulliPrior's does")
-    rate, k = model_trace.nodes["_RETURN"]["value"], prior.num_features
+    gates = model_trace.nodes["_RETURN"]["value"]
+    if not isinstance(gates, torch.distributions.Distribution) or (gates.batch_shape, gates.event_shape) != ((rows,),
+                                                                                                           (k,)):
+        what = (f"batch shape {tuple(gates.batch_shape)} and event shape {tuple(gates.event_shape)}"
+                if isinstance(gates, torch.distributions.Distribution) else f"a {type(gates).__name__}")
+        raise UserError(f"{name}({rows}) returned {what}; it must return the distribution of {rows} rows' gates, "
+                        f"batch shape ({rows},) and event shape ({k},)")
+    return guide
+
+
+def _check_rates(prior: "Prior", name: str):
+    """A prior of Bernoulli gates (:meth:`Prior.forward` not overridden): its rates are K values in (0, 1)."""
+    rate, k = prior.rate(), prior.num_features
     if not torch.is_tensor(rate) or rate.shape != (k,):
         what = f"shape {tuple(rate.shape)}" if torch.is_tensor(rate) else type(rate).__name__
         raise UserError(f"{name}.rate() returned {what}; it must return the {k} gates' inclusion rates, shape ({k},)")
     if not ((rate > 0) & (rate < 1)).all():
         raise UserError(f"{name}.rate() returned rates outside (0, 1) (from {rate.min().item():.3g} to "
                         f"{rate.max().item():.3g}): each is the probability that a gate is on")
-    return guide
 
 
 def _check_rate(prior_prob: float) -> float:
@@ -91,7 +109,8 @@ def _check_rate(prior_prob: float) -> float:
 
 
 class Prior(PyroModule):
-    """p(rate) p(g | rate) for the gates; subclasses implement :meth:`rate`."""
+    """p(g) for a batch of rows' gates, with any global latents of its own: ``prior(rows)`` (:meth:`forward`);
+    a prior of independent Bernoulli gates implements only :meth:`rate`."""
 
     name: ClassVar[str]
 
@@ -100,9 +119,15 @@ class Prior(PyroModule):
         self.num_features = num_features
         self.prior_prob = _check_rate(prior_prob)
 
+    def forward(self, rows: int) -> dist.TorchDistribution:
+        """The distribution of ``rows`` rows' gates, batch shape (rows,) and event shape (K,); may sample global
+        latents (model side, outside the rows plate). By default independent Bernoulli gates at :meth:`rate`."""
+        return dist.Bernoulli(self.rate().expand(rows, -1)).to_event(1)
+
     def rate(self) -> torch.Tensor:
-        """Inclusion rate of each gate, shape (K,); may sample global latents (model side)."""
-        raise NotImplementedError
+        """Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates (the default
+        :meth:`forward`); may sample global latents (model side)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither rate() nor forward(rows)")
 
     def make_guide(self) -> PyroModule | None:
         """Variational posterior for this prior's global latents, or None if it has none. It must sample exactly
@@ -114,6 +139,12 @@ class Prior(PyroModule):
         global latents; with them, its mean under ``guide`` (the trained posterior q, ``make_guide()``'s) or, with
         no guide, under the prior. A prior with global latents overrides it."""
         return self.rate().detach()
+
+    def convergence(self, guide: PyroModule, num_rows: int) -> tuple[float, float] | None:
+        """For a prior whose q of global latents is known to converge slowly: ``(where q is, where it tends to)``
+        in one figure each (for a Beta posterior, its concentration), which ``gates.nc`` marks as reached or not;
+        None where there is no such figure."""
+        return None
 
 
 @register("bernoulli")
@@ -198,6 +229,10 @@ class BetaBernoulliPrior(Prior):
     def optimum_concentration(self, num_rows: int) -> float:
         """a + b of the conjugate posterior that q(rate) tends to (the docstring above), mean over features."""
         return (self.a + self.b).mean().item() + num_rows
+
+    def convergence(self, guide, num_rows):
+        """(q(rate)'s concentration a + b, that of the conjugate posterior it tends to), means over features."""
+        return (guide.a + guide.b).mean().item(), self.optimum_concentration(num_rows)
 
 
 class BetaRateGuide(PyroModule):

@@ -56,7 +56,7 @@ def test_draws_are_draws_from_q_for_every_estimator(digits, gate):
     assert (post.draws.mean(0) - post.probs).abs().mean() < 0.025
     uncertain = (post.probs > 0.1) & (post.probs < 0.9)
     assert uncertain.any() and (post.draws.std(0)[uncertain] > 0.2).all()  # spread, not copies of the mode
-    assert post.rate_draws is None and post.rate_beta is None
+    assert post.global_draws is None and post.global_params is None
 
 
 def test_the_evaluations_test_features_serve_the_posterior_without_another_pass(digits):
@@ -80,8 +80,10 @@ def test_the_evaluations_test_features_serve_the_posterior_without_another_pass(
 def test_beta_bernoulli_exposes_the_rate_posterior(digits):
     learner = learner_for(digits, prior="beta-bernoulli")
     post = gate_posterior(learner, digits, num_draws=5)
-    torch.testing.assert_close(post.rate_beta[0], learner.guide.rate_guide.a.detach())
-    assert post.rate_draws.shape == (5, 16) and ((post.rate_draws > 0) & (post.rate_draws < 1)).all()
+    assert post.global_params.keys() == {"a", "b"} and post.global_draws.keys() == {"rate"}
+    torch.testing.assert_close(post.global_params["a"], learner.guide.rate_guide.a.detach())
+    rate = post.global_draws["rate"]
+    assert rate.shape == (5, 16) and ((rate > 0) & (rate < 1)).all()
 
 
 def test_ungated_runs_are_refused(digits):
@@ -116,8 +118,8 @@ def test_export_round_trip_keeps_every_number(digits, tmp_path, prior):
     assert idata.posterior.attrs["inference"] == "variational" and "not MCMC" in idata.posterior.attrs["note"]
     assert idata.posterior.attrs["prior"] == prior
     if prior == "beta-bernoulli":
-        np.testing.assert_array_equal(idata.gates["rate_b"].values, post.rate_beta[1].numpy())
-        np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.rate_draws.numpy())
+        np.testing.assert_array_equal(idata.gates["rate_b"].values, post.global_params["b"].numpy())
+        np.testing.assert_array_equal(idata.posterior["rate"].values[0], post.global_draws["rate"].numpy())
         # an untrained q(rate) is the hyperprior, concentration 10 against 10 + 2N: marked as not converged
         optimum = 10 + 2 * len(digits.train)
         for var in (idata.gates["rate_a"], idata.gates["rate_b"], idata.posterior["rate"]):

@@ -149,12 +149,21 @@ class _WrongLength(Prior):
         return torch.full((self.num_features + 1,), 0.5)
 
 
+class _OneRowOfGates(Prior):
+    """A distribution of its own (forward), over one row's gates whatever the batch."""
+
+    def forward(self, rows):
+        return dist.Bernoulli(torch.full((self.num_features,), 0.5)).to_event(1)
+
+
 @pytest.mark.parametrize("prior, message", [
-    (_BetaRate, r"_BetaRate.rate\(\) samples the latent sites \['r'\] but its make_guide\(\) returns no guide: "
+    (_BetaRate, r"_BetaRate samples the latent sites \['r'\] but its make_guide\(\) returns no guide: "
                 r"make_guide\(\) must return a guide"),
     (_WrongGuide, r"samples the latent sites \['r'\] but its make_guide\(\) returns a guide that samples \['rate'\]"),
     (_OutsideRate, r"_OutsideRate.rate\(\) returned rates outside \(0, 1\) \(from 1.5 to 1.5\)"),
     (_WrongLength, r"_WrongLength.rate\(\) returned shape \(9,\); it must return the 8 gates' inclusion rates"),
+    (_OneRowOfGates, r"_OneRowOfGates\(2\) returned batch shape \(\) and event shape \(8,\); it must return the "
+                     r"distribution of 2 rows' gates, batch shape \(2,\) and event shape \(8,\)"),
 ])
 def test_a_prior_that_does_not_fit_the_program_is_refused_when_the_head_is_built(prior, message):
     """Not a bare KeyError inside the ELBO, a broadcast error, or (a rate outside (0, 1), hidden by the KL's clamp)

@@ -12,18 +12,21 @@ its ``class_label``):
 
     posterior       g (chain, draw, item, feature)   0/1 gate draws from q(g | x) = Bernoulli(inclusion_prob)
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on
-                    rate (chain, draw, feature)       global inclusion rate (beta-bernoulli prior only)
+                    <site> (chain, draw, ...)         each global latent of the prior by its site name, drawn
+                                                      from its q (beta-bernoulli: rate (chain, draw, feature))
     observed_data   label (item)
     gates           inclusion_prob (item, feature)    exact q(g_k = 1 | x_i) of the run's gate estimator
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
-                    rate_a, rate_b (feature)          q(rate_k) = Beta(a_k, b_k) (beta-bernoulli only)
+                    rate_<param> (feature or ...)     each parameter of the global latents' q by its name
+                                                      (beta-bernoulli: rate_a, rate_b, q(rate_k) = Beta(a_k, b_k))
     training_log    every numeric field of log.jsonl (step): the loss per row as trained (-ELBO, or for ste and
                                                       gs-reference-kl the reference's surrogate), nce, kl, ...
 
 The posterior group's attributes ``inference`` and ``note`` say what its draws are: independent draws from the
-trained guide (variational inference), not MCMC, so one chain and no R-hat. The rate variables carry the attributes ``converged`` ("yes" or "no") and ``note``: q(rate) is trained by SGD,
-whose steps move its mean to the data quickly but its concentration a + b only slowly towards the conjugate
+trained guide (variational inference), not MCMC, so one chain and no R-hat. For a prior with a convergence figure
+(``Prior.convergence``) the global latents' variables carry the attributes ``converged`` ("yes" or "no") and
+``note``: for beta-bernoulli, q(rate) is trained by SGD, whose steps move its mean to the data quickly but its concentration a + b only slowly towards the conjugate
 posterior's (models/priors.py, BetaBernoulliPrior), so after a run on a large data set its spread says how far
 training got, not how uncertain the rates are.
 
@@ -62,9 +65,12 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     class_label = ("item", np.asarray(post.classes)[post.labels.numpy()])
     posterior = {"g": post.draws.to(torch.int8)[None].numpy(),  # [None]: one chain
                  "dim_inclusion": post.draws.float().mean(1)[None].numpy()}
-    if post.rate_draws is not None:
-        posterior["rate"] = post.rate_draws[None].numpy()
-    dims = {"g": ["item", "feature"], "dim_inclusion": ["feature"], "rate": ["feature"], "label": ["item"]}
+    dims = {"g": ["item", "feature"], "dim_inclusion": ["feature"], "label": ["item"]}
+    k = post.probs.shape[1]
+    for name, values in (post.global_draws or {}).items():  # a global latent of K values is per feature
+        posterior[name] = values[None].numpy()
+        if values.shape[1:] == (k,):
+            dims[name] = ["feature"]
     groups = {"posterior": posterior, "observed_data": {"label": post.labels.numpy()}}
     dt = (_from_dict if ARVIZ_1 else _from_dict_arviz0)(groups, coords, dims)
     for name in ("posterior", "observed_data"):
@@ -73,10 +79,11 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     gates = {"inclusion_prob": (("item", "feature"), post.probs.numpy()),
              "class_inclusion": (("class", "feature"), post.class_means.numpy()),
              "features": (("item", "feature"), post.features.numpy())}
-    if post.rate_beta is not None:
-        gates.update(rate_a=("feature", post.rate_beta[0].numpy()), rate_b=("feature", post.rate_beta[1].numpy()))
+    for name, value in (post.global_params or {}).items():  # q's parameters of the global latents, as rate_<name>
+        gates[f"rate_{name}"] = (("feature",) if value.shape == (k,) else
+                                 tuple(f"rate_{name}_dim_{i}" for i in range(value.ndim)), value.numpy())
     dt["gates"] = xr.Dataset(gates, coords={**coords, "class_label": class_label})
-    if post.rate_beta is not None:
+    if post.global_convergence is not None:
         _mark_rate_convergence(dt, post)
     if log:
         numeric = sorted({k for rec in log for k, v in rec.items() if type(v) in (int, float) and k != "step"})
@@ -95,16 +102,16 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
 def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
     """Say on every rate variable whether q(rate) reached the concentration of the posterior it tends to (within
     10 %); the mean of q follows the data long before."""
-    concentration = float((post.rate_beta[0] + post.rate_beta[1]).mean())
-    optimum = post.rate_optimum_concentration
+    concentration, optimum = post.global_convergence
     converged = concentration >= 0.9 * optimum
     note = (f"q(rate) as SGD left it: concentration a + b {concentration:.0f} (mean over features) against "
             f"{optimum:.0f} (a0 + b0 + 2N) for the conjugate posterior it tends to; "
             + ("reached" if converged else "its mean follows the data, but its spread is how far training got, "
                "not the rates' uncertainty (models/priors.py, BetaBernoulliPrior)"))
-    for group, name in (("gates", "rate_a"), ("gates", "rate_b"), ("posterior", "rate")):
-        if name in dt[group]:
-            dt[group][name].attrs.update(converged="yes" if converged else "no", note=note)
+    names = [("gates", f"rate_{name}") for name in post.global_params] + [("posterior", name)
+                                                                          for name in post.global_draws or {}]
+    for group, name in names:
+        dt[group][name].attrs.update(converged="yes" if converged else "no", note=note)
 
 
 def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS,

@@ -22,16 +22,18 @@ and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it 
 import os
 from dataclasses import dataclass
 
+import pyro
 import torch
 import torch.nn.functional as F
+from pyro import poutine
 
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
                                             nearest_neighbours, top_class_share, tracked_factors)
+from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
-from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
 
 QUANTILES = tuple((j + 0.5) / 10 for j in range(10))
@@ -190,6 +192,27 @@ def prior_rate(learner) -> torch.Tensor:
     return learner.model.prior.mean_rate(learner.guide.rate_guide).detach().cpu()
 
 
+def global_latents(guide, num_draws: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What the guide of a prior's global latents says, read from its trace by site name as
+    ``pyro.infer.Predictive`` reads a guide: ``(params, draws)``, its parameter sites' values (constrained, named
+within the guide) and
+    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU. The draws
+    are one trace under a plate of S draws left of the guide's own plates (Predictive's ``parallel=True``), in a param
+    store of its own (``own_params``)."""
+    with own_params():
+        trace = poutine.trace(guide).get_trace()
+        prefix = f"{guide._pyro_name}." if guide._pyro_name else ""  # a submodule's params are named by its path
+        params = {name.removeprefix(prefix): site["value"].detach().cpu() for name, site in trace.nodes.items()
+                  if site["type"] == "param"}
+        if not num_draws:
+            return params, {}
+        nesting = max((-f.dim for name in trace.stochastic_nodes for f in trace.nodes[name]["cond_indep_stack"]),
+                      default=0)
+        with pyro.plate("draws", num_draws, dim=-nesting - 1):
+            trace = poutine.trace(guide).get_trace()
+    return params, {name: trace.nodes[name]["value"].detach().cpu() for name in trace.stochastic_nodes}
+
+
 def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torch.Tensor:
     """K: KL(q(g_k | x) || Bernoulli(rate_k)) per dimension, averaged over the test images, at q's inclusion
     probabilities, both rates clamped to [kl_clamp, 1 - kl_clamp]: what :func:`kl_label` says."""
@@ -234,11 +257,15 @@ class GatePosterior:
     labels: torch.Tensor  # N, class index
     classes: list[str]  # C names, index = label
     draws: torch.Tensor | None = None  # S x N x K, 0/1 gates drawn from q(g | x) = Bernoulli(probs)
-    rate_draws: torch.Tensor | None = None  # S x K, draws of the global rate from q(rate) (beta-bernoulli only)
-    rate_beta: tuple[torch.Tensor, torch.Tensor] | None = None  # (a, b), K each: q(rate_k) = Beta(a_k, b_k)
-    # a0 + b0 + 2N, the concentration of the conjugate posterior that q(rate) tends to (and is far from after a
-    # training run: models/priors.py, BetaBernoulliPrior)
-    rate_optimum_concentration: float | None = None
+    # the prior's global latents (a hierarchical prior's), by the name of their site: S draws from their q each
+    global_draws: dict[str, torch.Tensor] | None = None
+    # q's parameters of the global latents, by their name in the prior's guide (beta-bernoulli: q(rate_k) =
+    # Beta(a_k, b_k), as "a" and "b")
+    global_params: dict[str, torch.Tensor] | None = None
+    # where q of the global latents is and where it tends to, in one figure each (``Prior.convergence``: for
+    # beta-bernoulli the concentration a + b and a0 + b0 + 2N, which a training run is far from: models/priors.py,
+    # BetaBernoulliPrior); None where the prior has no such figure
+    global_convergence: tuple[float, float] | None = None
 
     @property
     def class_means(self) -> torch.Tensor:
@@ -277,13 +304,12 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     if test is None:
         test = test_features(learner, data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed), device)
     post = GatePosterior(probs=test.probs, features=test.features, labels=test.labels, classes=test.classes)
-    rate_guide = learner.guide.rate_guide
-    if isinstance(learner.model.prior, BetaBernoulliPrior):  # another hierarchical prior has its own q(rate)
-        post.rate_beta = (rate_guide.a.detach().cpu(), rate_guide.b.detach().cpu())
-        post.rate_optimum_concentration = learner.model.prior.optimum_concentration(learner.head.num_rows)
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
         post.draws = learner.guide.posterior(test.backbone.to(device)).sample((num_draws,)).cpu()
-        if rate_guide is not None:
-            post.rate_draws = rate_guide.posterior().sample((num_draws,)).cpu()
+    rate_guide = learner.guide.rate_guide
+    if rate_guide is not None:
+        post.global_params, draws = global_latents(rate_guide, num_draws)
+        post.global_draws = draws or None
+        post.global_convergence = learner.model.prior.convergence(rate_guide, learner.head.num_rows)
     return post

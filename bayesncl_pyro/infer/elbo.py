@@ -34,7 +34,8 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     unused (for R x K gates: two R x K log-probs per step), checks for NaNs, and calls ``.item()``
     twice per call, each a host sync on a GPU. This runs the same guide trace and model replay and
     sums only what the ELBO needs: each observed site's scaled log-density (the InfoNCE factor)
-    minus each latent site's scaled analytic KL (deterministic sites, which add nothing, are skipped). With Pyro
+    minus each latent site's scaled KL, analytic where ``torch.distributions.kl`` has one registered for the pair,
+    otherwise estimated at the guide's value, log q - log p (deterministic sites, which add nothing, are skipped). With Pyro
     validation on (or several particles) the traces come from the parent, which runs its model/guide checks, and
     are summed the same way. A subclass that estimates a gradient the traces alone do not give overrides
     :meth:`particle_terms`.
@@ -84,11 +85,8 @@ def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
                     "needs a score-function term; train with pyro.infer.TraceGraph_ELBO")
             try:
                 term = -kl_divergence(q["fn"], site["fn"])
-            except NotImplementedError:
-                raise NotImplementedError(
-                    f"latent site {name!r} has no analytic KL between {type(q['fn']).__name__} and "
-                    f"{type(site['fn']).__name__}; register one with torch.distributions.register_kl "
-                    "or train with pyro.infer.TraceMeanField_ELBO") from None
+            except NotImplementedError:  # one-draw Monte Carlo KL at q's value, TraceMeanField_ELBO's fallback
+                term = site["fn"].log_prob(site["value"]) - q["fn"].log_prob(site["value"])
             scale, mask = q["scale"], q["mask"]  # TraceMeanField scales the KL by the guide site's
         term = scale_and_mask(term, scale, mask).sum()
         elbo = elbo + term

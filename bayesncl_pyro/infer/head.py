@@ -246,14 +246,14 @@ class BayesNCLHead(nn.Module):
             if self.gated:
                 site = guide_trace.nodes["g"]
                 trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
-                q, prior = trained.q, model_trace.nodes["g"]["fn"].base_dist
+                q, prior = trained.q, model_trace.nodes["g"]["fn"]
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
                 gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
                 values.update(gates=gates, kl_weight=self.model.kl_weight)
                 lazy.update(probs=lambda: q.probs.detach(), kl_probs=lambda: trained.kl_probs.detach(),
-                            prior_rate=lambda: prior.probs[0].detach(),  # the rates p(g | rate) took
+                            prior_rate=lambda: prior.mean[0].detach(),  # p(g = 1) of the step's prior
                             gate_rate=lambda: q.probs.detach().mean(), incl_min=lambda: q.probs.detach().mean(0).min(),
                             incl_max=lambda: q.probs.detach().mean(0).max(),
                             gates_open=lambda: self.estimator.mask(q).float().mean())
