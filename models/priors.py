@@ -134,11 +134,20 @@ class Prior(PyroModule):
         the latent sites that :meth:`rate` samples (checked when a head is built: :func:`checked_guide`)."""
         return None
 
-    def mean_rate(self, guide: PyroModule | None = None) -> torch.Tensor:
-        """The one point summary of the inclusion rate (K,), for reports: the rate itself for a prior without
-        global latents; with them, its mean under ``guide`` (the trained posterior q, ``make_guide()``'s) or, with
-        no guide, under the prior. A prior with global latents overrides it."""
-        return self.rate().detach()
+    @torch.no_grad()
+    def mean_rate(self, guide: PyroModule | None = None, num_draws: int = 256) -> torch.Tensor:
+        """The one point summary of the inclusion rate (K), for reports: a row's P(g_k = 1) under the prior; with
+        global latents, its mean over ``num_draws`` draws of them from ``guide`` (the trained posterior q,
+        ``make_guide()``'s) or, with no guide, from the prior, on a forked random stream (a report draws nothing
+        from the run's). A prior whose mean is known in closed form overrides it."""
+        with pyro.get_param_store().scope(), torch.random.fork_rng(devices=[]):
+            trace = poutine.trace(self).get_trace(1)
+            if not trace.stochastic_nodes:
+                return trace.nodes["_RETURN"]["value"].mean[0].detach()
+            draws = [(self(1) if guide is None else
+                      poutine.replay(self, trace=poutine.trace(guide).get_trace())(1)).mean[0]
+                     for _ in range(num_draws)]
+        return torch.stack(draws).mean(0)
 
     def convergence(self, guide: PyroModule, num_rows: int) -> tuple[float, float] | None:
         """For a prior whose q of global latents is known to converge slowly: ``(where q is, where it tends to)``
@@ -223,7 +232,7 @@ class BetaBernoulliPrior(Prior):
     def make_guide(self):
         return BetaRateGuide(self.a, self.b)
 
-    def mean_rate(self, guide=None):
+    def mean_rate(self, guide=None, num_draws=256):
         return (guide.posterior() if guide is not None else dist.Beta(self.a, self.b)).mean.detach()
 
     def optimum_concentration(self, num_rows: int) -> float:

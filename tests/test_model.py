@@ -172,6 +172,17 @@ def test_beta_bernoulli_has_a_global_rate_latent_in_model_and_guide():
     torch.testing.assert_close(prior.mean_rate(), torch.full((K,), 0.7))
 
 
+@pytest.mark.parametrize("name", ["bernoulli", "learned"])
+def test_a_prior_of_bernoulli_gates_is_its_rates_for_every_row(name):
+    """prior(rows) of a rate-only prior: Bernoulli gates at rate() on each row (what the model sampled before priors
+    were distributions), and its mean rate the rates themselves, bit for bit (the report's prior rate)."""
+    prior = build_prior(name, K, 0.7)
+    gates = prior(5)
+    assert (gates.batch_shape, gates.event_shape) == ((5,), (K,)) and isinstance(gates.base_dist, dist.Bernoulli)
+    assert torch.equal(gates.base_dist.probs, prior.rate().expand(5, -1))
+    assert torch.equal(prior.mean_rate(), prior.rate().detach())
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.2, 1.5])
 def test_bad_prior_rate_is_rejected(bad):
     with pytest.raises(UserError, match="between 0 and 1"):

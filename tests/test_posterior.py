@@ -2,9 +2,13 @@ import json
 import warnings
 
 import numpy as np
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 import xarray as xr
+from pyro.nn import PyroModule, PyroParam
+from torch.distributions import constraints
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
@@ -15,6 +19,7 @@ from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.infer.estimators import GATES
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.train.resolve import resolve
 
 
@@ -84,6 +89,50 @@ def test_beta_bernoulli_exposes_the_rate_posterior(digits):
     torch.testing.assert_close(post.global_params["a"], learner.guide.rate_guide.a.detach())
     rate = post.global_draws["rate"]
     assert rate.shape == (5, 16) and ((rate > 0) & (rate < 1)).all()
+
+
+class LogitNormalRate(Prior):
+    """A hierarchical prior whose global latent is no Beta rate: logit(rho_k) ~ Normal(logit(prior_prob), 1),
+    q(logit(rho_k)) = Normal(loc_k, scale_k), and a scalar parameter besides, of no dimension."""
+
+    def forward(self, rows):
+        loc = torch.full((self.num_features,), self.prior_prob).logit()
+        logit_rate = pyro.sample("logit_rate", dist.Normal(loc, 1.0).to_event(1))
+        return dist.Bernoulli(logits=logit_rate.expand(rows, -1)).to_event(1)
+
+    def make_guide(self):
+        return _NormalGuide(self.num_features)
+
+
+class _NormalGuide(PyroModule):
+    def __init__(self, k):
+        super().__init__()
+        self.loc = PyroParam(torch.linspace(-1.0, 2.0, k))
+        self.scale = PyroParam(torch.full((k,), 0.5), constraint=constraints.positive)
+        self.spread = PyroParam(torch.tensor(1.0), constraint=constraints.positive)
+
+    def forward(self):
+        return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale * self.spread).to_event(1))
+
+
+def test_a_hierarchical_prior_of_any_kind_exports_its_global_latents_by_name(digits, tmp_path):
+    """gates.nc reads the prior's guide by its sites' names: its draws (here not a rate) and its parameters."""
+    learner = learner_for(digits, prior="test_posterior:LogitNormalRate")
+    path = export_gates(tmp_path, learner, digits, num_draws=3)
+    idata = read_gates(path.parent)
+    assert idata.posterior["logit_rate"].dims == ("chain", "draw", "feature") and "rate" not in idata.posterior
+    np.testing.assert_array_equal(idata.gates["rate_loc"].values, torch.linspace(-1.0, 2.0, 16).numpy())
+    np.testing.assert_allclose(idata.gates["rate_scale"].values, 0.5)
+    assert float(idata.gates["rate_spread"]) == pytest.approx(1.0) and idata.gates["rate_spread"].dims == ()
+    assert "converged" not in idata.posterior["logit_rate"].attrs  # no convergence figure for this prior
+    draws = idata.posterior["logit_rate"].values[0]
+    assert draws.shape == (3, 16) and not np.array_equal(draws[0], draws[1])
+    # the report's prior rate: a row's P(g = 1) averaged over q's draws, near E_q[sigmoid(logit_rate)]
+    state = torch.get_rng_state()
+    rate = learner.model.prior.mean_rate(learner.guide.rate_guide, num_draws=4000)
+    assert torch.equal(torch.get_rng_state(), state)  # drawn on a stream of its own
+    exact = dist.Normal(torch.linspace(-1.0, 2.0, 16), 0.5).sample((100_000,)).sigmoid().mean(0)
+    torch.testing.assert_close(rate, exact, atol=0.01, rtol=0)
 
 
 def test_ungated_runs_are_refused(digits):

@@ -20,7 +20,7 @@ from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.learner import load_learner
-from bayesncl_pyro.models.priors import Prior
+from bayesncl_pyro.models.priors import BernoulliPrior, Prior
 from bayesncl_pyro.train.resolve import resolve
 from helpers import RUN_SVI, TINY_RUN
 
@@ -182,3 +182,31 @@ def test_a_prior_with_its_own_guide_trains_and_checking_it_draws_nothing():
     torch.testing.assert_close(heads[0].guide.head[0].weight, heads[1].guide.head[0].weight, rtol=0, atol=0)
     loss, _ = heads[0](torch.randn(10, 6))
     assert torch.isfinite(loss)
+
+
+class _BinomialGates(Prior):
+    """Bernoulli gates in law, written as Binomial(1, rho): a distribution no KL against q is registered for."""
+
+    def forward(self, rows):
+        return dist.Binomial(1, torch.full((rows, self.num_features), self.prior_prob)).to_event(1)
+
+
+@pytest.mark.parametrize("gate", ["ste", "leg"])
+def test_a_prior_without_an_analytic_kl_trains_on_the_monte_carlo_kl(gate):
+    """The same head and draws with a prior of the same law, once as the Bernoulli (analytic KL), once as a
+    Binomial (one-draw KL at the gates' value): the same InfoNCE, a KL term that differs, and the gating head
+    trained by both."""
+    h = torch.randn(10, 6)
+    runs = []
+    for prior in (BernoulliPrior(8, 0.7), _BinomialGates(8, 0.7)):
+        torch.manual_seed(0)
+        head = BayesNCLHead(6, 8, 16, num_train=100, prior=prior, gate=gate, kl_clamp=0.0, kl_weight=0.1)
+        pyro.set_rng_seed(1)
+        loss, stats = head(h)
+        loss.backward()
+        runs.append((loss, stats, head.guide.head[0].weight.grad))
+    (loss, stats, grad), (mc_loss, mc_stats, mc_grad) = runs
+    assert torch.equal(stats["nce"], mc_stats["nce"]) and torch.isfinite(mc_loss)
+    assert not torch.equal(stats["kl"], mc_stats["kl"])  # a draw of the KL, not the KL
+    assert mc_grad is not None and mc_grad.abs().sum() > 0 and not torch.equal(grad, mc_grad)
+    torch.testing.assert_close(mc_stats["prior_rate"], torch.full((8,), 0.7))
