@@ -94,7 +94,7 @@ def head_parts(cfg: Config) -> dict:
         "model traced": traced(lambda: poutine.trace(poutine.replay(program, trace=guide_trace)).get_trace(z, h)),
         "model's tensors": lambda: (model.prior.rate(), info_nce_rows(normalize(model.features(z) * g),
                                                                       model.temperature)),
-        "ELBO's sum": lambda: elbo.particle_terms(model_trace, guide_trace),
+        "ELBO's sum": lambda: elbo._differentiable_loss_particle(model_trace, guide_trace),
         "plain sum": plain_sum,
     }
 

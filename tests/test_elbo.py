@@ -4,7 +4,7 @@ import pyro
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer import TraceMeanField_ELBO
+from pyro.infer import SVI, TraceMeanField_ELBO
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
@@ -137,3 +137,49 @@ def test_fast_elbo_refuses_a_site_that_only_the_guide_samples():
     for validation in (False, True):
         with pyro.validation_enabled(validation), pytest.raises(UserError, match="guide site 'extra' has no site"):
             MeanFieldELBO().differentiable_loss(model, guide)
+
+
+@pytest.mark.parametrize("prior", ["bernoulli", "beta-bernoulli"])
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_svi_the_elbo_and_the_trainer_train_one_objective(gate, prior):
+    """For every estimator, on a small batch: Pyro's SVI with the estimator's ELBO (its ``loss_and_grads``, which
+    ``SVI.step`` runs, and the loss ``SVI.step`` returns), the ELBO's ``differentiable_loss`` and the head's training
+    step (the trainer's loss, -ELBO / 2N) give the same loss and the same gradients: leg's head gradient included."""
+    cfg = resolve(Config(dataset="digits", prior=prior, gate=gate, proj_hidden=32, proj_dim=16, kl_weight=0.05))
+    learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
+    head, x = learner.head, torch.randn(12, 1, 8, 8)
+    model, guide = head.training_program()
+    elbo = head.estimator.elbo(head.model.temperature)
+
+    def svi_model(z, h):
+        pyro.module("learner", learner)  # SVI trains the parameters the program's param sites name
+        return model(z, h)
+
+    losses, grads = {}, {}
+    with pyro.validation_enabled(False):
+        for way in ("trainer", "differentiable_loss", "svi", "svi.step"):
+            learner.zero_grad()
+            pyro.set_rng_seed(3)
+            if way == "trainer":
+                loss, _ = learner(x)
+                loss.backward()
+            else:
+                h = learner.backbone(x)
+                z = head.projector(h)
+                with own_params():
+                    if way == "differentiable_loss":
+                        loss = elbo.differentiable_loss(model, guide, z, h)
+                        loss.backward()
+                    elif way == "svi":
+                        loss = elbo.loss_and_grads(svi_model, guide, z, h)
+                    else:
+                        loss = SVI(svi_model, guide, pyro.optim.SGD({"lr": 0.0}), elbo).step(z, h)
+                loss = torch.as_tensor(loss) / head.num_rows
+            losses[way] = loss.detach()
+            grads[way] = {n: p.grad.clone() for n, p in learner.named_parameters() if p.grad is not None}
+    for way in ("differentiable_loss", "svi", "svi.step"):
+        torch.testing.assert_close(losses[way], losses["trainer"], msg=way)
+    assert grads["svi"].keys() == grads["trainer"].keys() and any(n.startswith("head.guide.head.") for n in grads["svi"])
+    for name, grad in grads["trainer"].items():
+        for way in ("differentiable_loss", "svi"):
+            torch.testing.assert_close(grads[way][name] / head.num_rows, grad, msg=f"{way}: {name}")

@@ -6,6 +6,7 @@ import torch
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer import TraceMeanField_ELBO
+from pyro.infer.enum import get_importance_trace
 from pyro.infer.inspect import site_is_deterministic
 from pyro.infer.util import is_validation_enabled
 from pyro.poutine.trace_struct import Trace
@@ -28,17 +29,20 @@ class ELBOTerms(NamedTuple):
 
 
 class MeanFieldELBO(TraceMeanField_ELBO):
-    """``TraceMeanField_ELBO`` for programs whose latent sites are reparameterised and have an analytic KL.
+    """``TraceMeanField_ELBO`` for programs whose latent sites are reparameterised, with one objective for Pyro's
+    ``SVI`` (the parent's ``loss_and_grads``), :meth:`differentiable_loss` and the trainer (:meth:`terms`): each
+    particle's terms are summed in :meth:`_differentiable_loss_particle`, Pyro's override point, which a subclass
+    extends (``LocalExpectationELBO``, as ``pyro.contrib.cevae``'s ``TraceCausalEffect_ELBO`` extends Trace_ELBO).
 
     The parent also computes every site's log-density and score parts, which an analytic KL leaves
     unused (for R x K gates: two R x K log-probs per step), checks for NaNs, and calls ``.item()``
-    twice per call, each a host sync on a GPU. This runs the same guide trace and model replay and
+    twice per call, each a host sync on a GPU. :meth:`terms` runs the same guide trace and model replay and
     sums only what the ELBO needs: each observed site's scaled log-density (the InfoNCE factor)
     minus each latent site's scaled KL, analytic where ``torch.distributions.kl`` has one registered for the pair,
-    otherwise estimated at the guide's value, log q - log p (deterministic sites, which add nothing, are skipped). With Pyro
-    validation on (or several particles) the traces come from the parent, which runs its model/guide checks, and
-    are summed the same way. A subclass that estimates a gradient the traces alone do not give overrides
-    :meth:`particle_terms`.
+    otherwise estimated at the guide's value, log q - log p (deterministic sites, which add nothing, are skipped).
+    Each latent site's KL term is kept in its guide site as ``site["kl"]``, as a trace keeps a site's
+    ``log_prob_sum``, and the KL part is summed from there. With Pyro validation on, the traces are Pyro's
+    (``get_importance_trace``, which runs its checks of the program).
     """
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
@@ -47,30 +51,47 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     def terms(self, model, guide, *args, **kwargs) -> ELBOTerms:
         """The differentiable loss, its KL part and the traces (:class:`ELBOTerms`). The KL is summed as the loss
         is, not recovered from it: a difference of two large float32 numbers would lose it."""
-        if is_validation_enabled() or self.num_particles != 1:
-            traces = list(self._get_traces(model, guide, args, kwargs))
-        else:
-            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
-            traces = [(model_trace, guide_trace)]
-        loss, kl = self.particle_terms(*traces[0])
-        for more in traces[1:]:
-            more_loss, more_kl = self.particle_terms(*more)
+        particles = []
+        for _ in range(self.num_particles):
+            traces = self._traces(model, guide, args, kwargs)
+            particles.append((self._differentiable_loss_particle(*traces)[1], _kl_part(traces[1]), traces))
+        loss, kl, traces = particles[0]
+        for more_loss, more_kl, traces in particles[1:]:
             loss, kl = loss + more_loss, kl + more_kl
-        if len(traces) > 1:
-            loss, kl = loss / len(traces), kl / len(traces)
+        if len(particles) > 1:
+            loss, kl = loss / len(particles), kl / len(particles)
         if is_validation_enabled():
             warn_if_nan(loss, "loss")
-        return ELBOTerms(loss, kl, *traces[-1])
+        if not torch.is_tensor(kl):  # no latent site (NCL, CL)
+            kl = torch.zeros_like(loss) if torch.is_tensor(loss) else torch.tensor(0.0)
+        return ELBOTerms(loss, kl, *traces)
 
-    def particle_terms(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor, torch.Tensor]:
-        """(-ELBO, detached KL part) of one pair of traces."""
-        return _particle(model_trace, guide_trace)
+    def _traces(self, model, guide, args, kwargs) -> tuple[Trace, Trace]:
+        """(model trace, guide trace) of one particle: the guide traced, the model replayed against it."""
+        if is_validation_enabled():
+            return get_importance_trace("flat", self.max_plate_nesting, model, guide, args, kwargs)
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        return poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs), guide_trace
+
+    def _differentiable_loss_particle(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-ELBO detached, -ELBO) of one pair of traces: the mean-field terms (:func:`_particle`)."""
+        loss = _particle(model_trace, guide_trace)
+        return loss.detach(), loss
 
 
-def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
-    """(-ELBO, detached KL part) of one pair of traces."""
-    elbo, kl = 0.0, 0.0
+def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
+    """The part of -ELBO the latent sites contribute, detached: their KL terms, which :func:`_particle` keeps in the
+    guide trace; 0.0 without latent sites (NCL, CL)."""
+    kl = 0.0
+    for site in guide_trace.nodes.values():
+        if "kl" in site:
+            kl = kl + site["kl"]
+    return kl
+
+
+def _particle(model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
+    """-ELBO of one pair of traces; each latent site's KL term, detached, kept in its guide site as ``"kl"``."""
+    elbo = 0.0
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site) or site_is_deterministic(site):
             continue
@@ -91,14 +112,11 @@ def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
         term = scale_and_mask(term, scale, mask).sum()
         elbo = elbo + term
         if not site["is_observed"]:
-            kl = kl - term.detach()
+            q["kl"] = 0.0 - term.detach()
     for name, site in guide_trace.nodes.items():
         # the parent asserts that such a site is auxiliary and adds its entropy; here it would have no term at all
         if site["type"] == "sample" and not site_is_subsample(site) and name not in model_trace.nodes:
             raise UserError(f"guide site {name!r} has no site of that name in the model, so the mean-field ELBO has "
                             "no term for it: sample the same sites in model and guide (an auxiliary guide variable "
                             "needs pyro.infer.TraceMeanField_ELBO)")
-    loss = -elbo
-    if not torch.is_tensor(kl):  # no latent site (NCL, CL)
-        kl = torch.zeros_like(loss) if torch.is_tensor(loss) else torch.tensor(0.0)
-    return loss, kl
+    return -elbo

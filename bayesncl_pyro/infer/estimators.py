@@ -241,9 +241,9 @@ class LocalExpectationELBO(MeanFieldELBO):
         super().__init__()
         self.temperature = temperature
 
-    def particle_terms(self, model_trace, guide_trace):
-        loss, kl = super().particle_terms(model_trace, guide_trace)
-        return loss + local_expectation_term(model_trace, guide_trace, self.temperature), kl
+    def _differentiable_loss_particle(self, model_trace, guide_trace):
+        loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)
+        return loss, surrogate + local_expectation_term(model_trace, guide_trace, self.temperature)
 
 
 def local_expectation_term(model_trace, guide_trace, temperature: float) -> torch.Tensor:
