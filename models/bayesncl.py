@@ -5,10 +5,10 @@ How lambda, the factor and the plate scaling fit together
 The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch holds R = 2B of them.
 Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it scaled by 2N / R):
 
-* ``g_i ~ prior(rows)`` (K gates; for today's priors Bernoulli(rate)) sits under ``poutine.scale(lambda)`` in the model *and* the
-  guide, so a mean-field ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): in training the Bernoulli KL
-  with the estimator's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for ``gs-reference-kl``, the
-  reference's KL at sigmoid(l), which is not KL(q || p).
+* ``g_i ~ prior(rows)`` (K gates; for today's priors Bernoulli(rate)) sits under ``poutine.scale(lambda)`` in the
+  model *and* the guide, so a mean-field ELBO subtracts lambda * KL(q(g_i | x_i) || p(g_i)): in training the
+  Bernoulli KL with the estimator's clamp (``kl_clamp``; 0.01 as the reference, 0 = exact); for
+  ``gs-reference-kl``, the reference's KL at sigmoid(l), which is not KL(q || p).
 
 and once for the batch, *outside* the plate but with the plate's scaling 2N / R:
 

@@ -26,9 +26,9 @@ its ``class_label``):
 The posterior group's attributes ``inference`` and ``note`` say what its draws are: independent draws from the
 trained guide (variational inference), not MCMC, so one chain and no R-hat. For a prior with a convergence figure
 (``Prior.convergence``) the global latents' variables carry the attributes ``converged`` ("yes" or "no") and
-``note``: for beta-bernoulli, q(rate) is trained by SGD, whose steps move its mean to the data quickly but its concentration a + b only slowly towards the conjugate
-posterior's (models/priors.py, BetaBernoulliPrior), so after a run on a large data set its spread says how far
-training got, not how uncertain the rates are.
+``note``: for beta-bernoulli, q(rate) is trained by SGD, whose steps move its mean to the data quickly but its
+concentration a + b only slowly towards the conjugate posterior's (models/priors.py, BetaBernoulliPrior), so after a
+run on a large data set its spread says how far training got, not how uncertain the rates are.
 
 The run configuration is in the attributes of the root and of every group: ``config`` (JSON) and one
 attribute per scalar field.

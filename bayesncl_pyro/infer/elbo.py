@@ -73,7 +73,8 @@ class MeanFieldELBO(TraceMeanField_ELBO):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         return poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs), guide_trace
 
-    def _differentiable_loss_particle(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor, torch.Tensor]:
+    def _differentiable_loss_particle(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
         """(-ELBO detached, -ELBO) of one pair of traces: the mean-field terms (:func:`_particle`)."""
         loss = _particle(model_trace, guide_trace)
         return loss.detach(), loss
