@@ -4,8 +4,9 @@ import pyro
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer import SVI, TraceMeanField_ELBO
+from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
 
+from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
@@ -184,3 +185,20 @@ def test_svi_the_elbo_and_the_trainer_train_one_objective(gate, prior):
     for name, grad in grads["trainer"].items():
         for way in ("differentiable_loss", "svi"):
             torch.testing.assert_close(grads[way][name] / head.num_rows, grad, msg=f"{way}: {name}")
+
+
+@pytest.mark.parametrize("gate", ["ste", "gs"])
+def test_predictive_draws_the_gates_from_the_q_that_training_uses(gate):
+    """Pyro's Predictive on the head's program as written (no estimator: the gate site is discrete) draws g from
+    q(g | x), the family the estimator trains: each gate's share of open draws is its inclusion probability, within
+    4.5 standard errors (80 gates)."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(6, 8, 16, num_train=100, gate=gate)
+    h = torch.randn(10, 6)
+    model, guide = head.program()
+    draws = 1000
+    with own_params(), torch.no_grad(), pyro.validation_enabled(False):
+        g = Predictive(model, guide=guide, num_samples=draws, return_sites=["g"])(head.projector(h), h)["g"]
+    p = head.gate_probs(h).detach()
+    assert g.shape == (draws, 10, 8) and ((g == 0) | (g == 1)).all()
+    assert ((g.mean(0) - p).abs() < 4.5 * (p * (1 - p) / draws).sqrt()).all()
