@@ -8,7 +8,7 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.learner import load_learner
 from bayesncl_pyro.nn.optim import (LARS, WARMUP_START_LR, build_optimizer, build_scheduler, load_optimizer_state,
-                                    warmup_cosine)
+                                    load_scheduler_state, warmup_cosine)
 from bayesncl_pyro.rundir import load_checkpoint, read_log
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
@@ -200,12 +200,24 @@ def test_learning_rates_on_the_device_follow_the_schedule_and_resume_as_either_k
         assert [float(g["lr"]) for g in tensors.param_groups] == pytest.approx(
             [g["lr"] for g in floats.param_groups], rel=1e-6)
     assert all(g["lr"] is t for g, t in zip(tensors.param_groups, held, strict=True))
-    for saved, lr_on_device in ((floats, True), (tensors, False)):
-        optimizer, _ = made(lr_on_device)
+    resumed = []
+    for saved, saved_schedule, lr_on_device in ((floats, floats_schedule, True), (tensors, tensors_schedule, False)):
+        optimizer, schedule = made(lr_on_device)
         load_optimizer_state(optimizer, copy.deepcopy(saved.state_dict()))
         for group, their in zip(optimizer.param_groups, saved.param_groups, strict=True):
             assert torch.is_tensor(group["lr"]) == lr_on_device
             assert float(group["lr"]) == pytest.approx(float(their["lr"]), rel=1e-7)
+        load_scheduler_state(schedule, copy.deepcopy(saved_schedule.state_dict()))
+        assert all(type(lr) is float for lr in schedule.state_dict()["base_lrs"])
+        resumed.append((optimizer, schedule))
+    # the schedule goes on after the resume, and the rates keep the optimizer's kind (a checkpoint's device base
+    # rates once made a resumed float optimizer's rates CPU tensors)
+    for (optimizer, schedule), lr_on_device, saved in zip(resumed, (True, False), (floats, tensors)):
+        schedule.step()
+        assert all(torch.is_tensor(g["lr"]) == lr_on_device for g in optimizer.param_groups)
+    floats_schedule.step()
+    assert [float(g["lr"]) for g in resumed[0][0].param_groups] == pytest.approx(
+        [g["lr"] for g in floats.param_groups], rel=1e-6)
 
 
 def test_training_writes_the_conflict_diagnostic(tmp_path):

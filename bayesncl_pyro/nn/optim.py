@@ -120,4 +120,15 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
     """Per-iteration LambdaLR, one warm-up/cosine curve per group (each relative to its own lr)."""
     lambdas = [lambda s, lr=float(g["lr"]): warmup_cosine(s, warmup_steps, total_steps, lr)
                for g in optimizer.param_groups]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
+    return scheduler
+
+
+def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict):
+    """``scheduler.load_state_dict(state)`` with float base rates. With ``lr_on_device`` torch keeps them as the
+    groups' device tensors, and a checkpoint's would come back as CPU tensors that the schedule then writes into the
+    groups of an optimizer without ``lr_on_device`` (a resume without ``--cuda-graphs``): its rates would become CPU
+    tensors. Floats fill device rates in place as well."""
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]

@@ -39,8 +39,11 @@ class StepGraph:
             self.input = x.clone()
             self.graph = torch.cuda.CUDAGraph()
             # records the step's kernels (none of them runs yet); thread_local: the input pipeline's thread goes on
-            # allocating and waiting for its own stream meanwhile, which "global" would refuse
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            # allocating and waiting for its own stream meanwhile, which "global" would refuse. Whatever any thread
+            # queues on the capturing stream is captured, so it is a high-priority stream: the pool the input
+            # pipeline's and the decoders' streams are drawn from (priority 0) cannot hand it to them
+            capture = torch.cuda.Stream(x.device, priority=-1)
+            with torch.cuda.graph(self.graph, stream=capture, capture_error_mode="thread_local"):
                 self.loss, self.values = self.step(self.input)
         else:
             if x.shape != self.input.shape:

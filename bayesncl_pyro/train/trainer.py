@@ -34,7 +34,7 @@ from bayesncl_pyro.infer.density import shortfall
 from bayesncl_pyro.infer.head import StepValues
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
-from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state
+from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state, load_scheduler_state
 from bayesncl_pyro.rundir import (BAD_IMAGES, CHECKPOINT, CONFIG, CONFLICT, EVAL, TEXT_LIMIT, append_line, atomic_save,
                                   read_bytes, write_json)
 from bayesncl_pyro.train.graph import StepGraph
@@ -158,7 +158,7 @@ class Trainer:
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
         load_weights(self.learner, state, path)
         load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(self.scheduler, state["scheduler"])
         self.step = state["step"]
         if len(state["rng"]) == self.world:
             rng = state["rng"][self.rank]
