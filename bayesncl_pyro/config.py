@@ -139,7 +139,8 @@ def parse_file(path: Path, data: bytes) -> dict:
     """The Config fields that a JSON or YAML file sets (``run_svi.py --config``), ``data`` its bytes (read by
     ``rundir.read_config_file``), checked: a key that is no field is refused naming the closest one, and a value of
     the wrong type naming the field. A run's own ``config.json`` reads as it is, but for its ``out``: the folder it
-    sits in is where that run is, not where another one goes."""
+    sits in is where that run is, not where another one goes.
+    """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -176,7 +177,8 @@ MAX_VALUES, MAX_TEXT = 1_000_000, 4096  # what a config file's values may hold: 
 def _check_extent(path: Path, values: dict):
     """Refuse a config file whose values hold more than ``MAX_VALUES`` items, counted with repeats, or a string of
     more than ``MAX_TEXT`` characters, before anything walks, copies or prints them whole: a YAML alias bomb (a few
-    hundred bytes that name 9^9 strings, under a key or in prior_args) would fill the memory."""
+    hundred bytes that name 9^9 strings, under a key or in prior_args) would fill the memory.
+    """
     stack, count = [values], 0
     while stack:
         value = stack.pop()
@@ -233,7 +235,8 @@ def run_name(cfg: Config) -> str:
     """The folder name of a run given no ``--out``: what it is, ``<dataset>-<method>[-<gate>]``, then the settings of
     its identity that differ from its dataset's recipe as ``name=value`` (a hash of them when they are many), e.g.
     ``compositional-bayesncl-ste``, ``compositional-ncl-topk=16``, ``cifar10-bayesncl-ste-encoder=cnn,seed=1``.
-    ``cfg``: with its recipe's defaults filled in."""
+    ``cfg``: with its recipe's defaults filled in.
+    """
     mine, recipe = cfg.identity(), with_recipe(Config(dataset=cfg.dataset, method=cfg.method)).identity()
     named = ["dataset", "method"] + (["gate"] if cfg.method == "bayesncl" else [])
     changed = {**{k: mine[k] for k in mine if k not in named and mine[k] != recipe[k]}, **mine["prior_args"]}

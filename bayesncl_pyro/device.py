@@ -1,5 +1,6 @@
 """The training device: the one check of a ``--device`` name and the one resolution of it to a ``torch.device``,
-for the trainer and for everything that loads a run (``infer.learner.load_learner``, ``load_run``)."""
+for the trainer and for everything that loads a run (``infer.learner.load_learner``, ``load_run``).
+"""
 
 import re
 
@@ -7,7 +8,6 @@ import torch
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.errors import UserError, quoted
-
 
 MAX_INDEX = 127  # torch numbers a device in 8 bits: cuda:128 is read as cuda:-128, larger numbers wrap or fail
 
@@ -26,7 +26,8 @@ def pick_device(name: str, flag: str = "--device") -> torch.device:
     """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
     ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
     input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
-    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N."""
+    the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N.
+    """
     # a flag, or load_run's argument
     said = f"{flag} {quoted(name)[1:-1]}" if flag.startswith("--") else f"{flag}={quoted(name)}"
     check_device(name, said)

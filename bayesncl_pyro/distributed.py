@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from bayesncl_pyro.errors import UserError
 
-
 _control = None  # the group of the control messages: gloo, on the CPU, whatever the training backend
 
 
@@ -38,7 +37,8 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device) for the device ``device.pick_device`` resolved (under torchrun: this
     process's GPU). Makes a GPU the current device of the calling thread, and joins the process group that torchrun
     describes in the environment (nccl on CUDA, gloo on CPU; the control messages' gloo group besides) when
-    WORLD_SIZE > 1; a plain run is rank 0 of 1."""
+    WORLD_SIZE > 1; a plain run is rank 0 of 1.
+    """
     global _control
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -62,7 +62,8 @@ def world_size() -> int:
 def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The ``ContrastiveModel.gather`` hook: this rank's rows (R x K) -> (all ranks' rows in rank order,
     W R x K; the offset of ours). Gradients flow back to the rank that owns each row, so every rank's
-    negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``."""
+    negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``.
+    """
     if world_size() == 1:
         return u, 0
     return _GatherRows.apply(u), dist.get_rank() * u.shape[0]
@@ -72,7 +73,8 @@ class _GatherRows(torch.autograd.Function):
     """All ranks' rows; backward: the sum over ranks of their losses' gradients for ours. Written here, as
     solo-learn and lightly do, because ``torch.distributed.nn.functional.all_gather`` is deprecated (torch 2.14 warns)
     for a private module, and took another path on nccl (reduce-scatter) than on gloo (all-to-all), the one
-    tests run: here one all-reduce serves both (W times the traffic of a reduce-scatter, R x K floats a rank)."""
+    tests run: here one all-reduce serves both (W times the traffic of a reduce-scatter, R x K floats a rank).
+    """
 
     @staticmethod
     def forward(ctx, u: torch.Tensor) -> torch.Tensor:
@@ -104,7 +106,8 @@ def check_agreement(settings: dict):
     """Raise ``UserError`` unless every rank has the same ``settings`` (one gather over the control group, at start-up).
     The ranks must gather rows of the same number and width at every step (``_GatherRows``: NCCL checks neither, and a
     mismatch hangs or mixes rows up) and take the same steps and checkpoints (each a collective). Every rank raises the
-    same error; a single process has nothing to check."""
+    same error; a single process has nothing to check.
+    """
     everyone = all_gather_objects(settings)
     differ = [k for k in settings if any(other.get(k) != settings[k] for other in everyone)]
     if differ:
@@ -117,7 +120,8 @@ class Votes:
     """Small non-negative integers that each rank posts at every step, combined by max over ranks. Under DDP a
     step's votes are exchanged on the CPU in the background and read at the next step: the exchange neither
     waits on the GPU nor stalls a step, and every rank reads the same result at the same step. A single
-    process reads its own votes at once."""
+    process reads its own votes at once.
+    """
 
     def __init__(self):
         self.pending = None
@@ -150,7 +154,8 @@ def barrier():
 
 def leave():
     """Leave the process group: a process that exits still in one may abort at interpreter shutdown (gloo's
-    threads outlive Python), which torchrun reports as a failed worker."""
+    threads outlive Python), which torchrun reports as a failed worker.
+    """
     global _control
     if dist.is_initialized():
         dist.destroy_process_group()

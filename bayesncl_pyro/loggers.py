@@ -1,7 +1,8 @@
 """Where a run's progress and records go, rank 0 only: ``RunLog``, the one logger of a training run, writes each
 record to ``log.jsonl``, to TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``,
 ``pip install -e '.[wandb]'``), both beside ``log.jsonl``, and to the terminal (a bar, else one line with an
-estimate), and shows the progress of other long work (the evaluation: ``reporter``)."""
+estimate), and shows the progress of other long work (the evaluation: ``reporter``).
+"""
 
 import contextlib
 import json
@@ -27,7 +28,8 @@ Progress = Callable[[Iterable, int, str, str], Iterator]
 def reporter(bar: bool) -> Progress:
     """``progress(items, total, what, unit)``: ``items`` as they come, shown by a tqdm bar on stderr (``bar``), or by
     one line once the first item is done if all ``total`` would take longer than ``LONG``: what, and about how long
-    the rest takes."""
+    the rest takes.
+    """
     def progress(items: Iterable, total: int, what: str, unit: str) -> Iterator:
         if bar:
             from tqdm.auto import tqdm
@@ -58,7 +60,8 @@ class RunLog:
     ``run_dir``: to that file, to TensorBoard and W&B where ``cfg`` asks for them (the trackers: none without
     ``trackers``), and to the terminal, as the postfix of a tqdm bar on stderr (``bar``) or else printed, the first
     record followed by an estimate of the time left. Within ``training``, ``step()`` after every step:
-    ``images_per_s()`` is the rate of the steps since the last record."""
+    ``images_per_s()`` is the rate of the steps since the last record.
+    """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True):
         self.path, self.batch_size, self.show_bar = Path(run_dir) / LOG, cfg.batch_size, bar
@@ -153,7 +156,8 @@ class TensorBoardLog:
 
 def scalars(prefix: str, values: dict) -> dict:
     """The numeric fields of a log record or an eval dict (not bool, str or lists; not ``step``), as
-    ``{"<prefix>/<field>": value}``: the tags that every logger of a run gives them."""
+    ``{"<prefix>/<field>": value}``: the tags that every logger of a run gives them.
+    """
     return {f"{prefix}/{k}": v for k, v in values.items() if k != "step" and type(v) in (int, float)}
 
 

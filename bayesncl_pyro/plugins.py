@@ -1,7 +1,8 @@
 """What a command line may take from the user's own code: an object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
 checked against the constructor they are for and converted to the types it declares; and the flags by which a script
-that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``)."""
+that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``).
+"""
 
 import argparse
 import ast
@@ -15,7 +16,8 @@ _TYPES = {t.__name__: t for t in (int, float, bool, str)}
 
 class Registry(dict):
     """Name -> the class or builder of one kind (priors, gate estimators, backbones) that a command-line flag
-    names; ``@registry.register("name")`` adds one (a class also gets ``name`` as its ``.name``)."""
+    names; ``@registry.register("name")`` adds one (a class also gets ``name`` as its ``.name``).
+    """
 
     def register(self, name: str):
         def add(obj):
@@ -37,7 +39,8 @@ def is_spec(name: str) -> bool:
 
 def import_spec(spec: str, flag: str):
     """The object that ``spec`` (``package.module:name``) names; ``flag`` (e.g. ``--prior``) heads the message
-    of a spec that does not import."""
+    of a spec that does not import.
+    """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UserError(f"{flag} {spec!r} is not of the form package.module:name")
@@ -58,7 +61,8 @@ def typed_kwargs(fn, given: dict, fixed: dict[str, str], what: str, flag: str) -
     and converted to the type of each one's annotation (or default).
 
     ``fixed``: parameters that other options set (name -> that option), refused here; ``what`` names ``fn`` and
-    ``flag`` the option in the messages."""
+    ``flag`` the option in the messages.
+    """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = {n: p for n, p in params.items() if n not in fixed
@@ -77,7 +81,8 @@ def typed_kwargs(fn, given: dict, fixed: dict[str, str], what: str, flag: str) -
 
 def _convert(value, param: inspect.Parameter | None, context: str):
     """``value`` as the type ``param`` declares (its annotation, else its default's type); text of an undeclared
-    type is read as a Python literal, or kept as text."""
+    type is read as a Python literal, or kept as text.
+    """
     kind = None
     if param is not None:
         annotation = param.annotation
@@ -110,7 +115,8 @@ def _convert(value, param: inspect.Parameter | None, context: str):
 
 def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
     """The flags of a script that opens a run folder (``infer.learner.load_learner``): --trust-run, and --data-dir if it
-    reads the run's data."""
+    reads the run's data.
+    """
     if data_dir:
         p.add_argument("--data-dir", help="the run's data folder (default: the run's own, when it is an absolute "
                        "path outside the run folder)")

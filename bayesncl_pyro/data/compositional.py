@@ -1,5 +1,6 @@
 """The generated "blue sky" benchmark: shapes (the classes) on textured backgrounds that every class shares,
-with both factors recorded per image. Nothing to download; deterministic given the seed."""
+with both factors recorded per image. Nothing to download; deterministic given the seed.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import numpy as np
 import torch
 
 from bayesncl_pyro.data.images import DataSpec, TensorImages
-
 
 SHAPES = ("disk", "square", "triangle", "ring", "plus", "diamond", "bars", "checker")
 """The classes of the compositional benchmark: the foreground shape (its colour, size and place are random)."""

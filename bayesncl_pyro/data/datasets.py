@@ -137,7 +137,8 @@ def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
 
 class _CifarUnpickler(pickle.Unpickler):
     """Unpickles what CIFAR's files hold, dicts, lists, bytes, text, numbers and numpy arrays, and refuses any other
-    object: a pickle names the functions it calls, and a data folder may be someone else's."""
+    object: a pickle names the functions it calls, and a data folder may be someone else's.
+    """
 
     _ARRAYS = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
                for name in ("_reconstruct", "scalar")} | {
@@ -178,7 +179,8 @@ def _entry(path: Path, key: str):
 
 def _cifar_pickles(paths: list[Path], label_key: str, num_classes: int) -> TensorImages:
     """The images and labels of CIFAR batch files, checked now, before any training: rows of 3072 bytes (the 1024
-    red pixels row-major, then green, then blue), one label in [0, num_classes) per row."""
+    red pixels row-major, then green, then blue), one label in [0, num_classes) per row.
+    """
     images, labels = [], []
     for path in paths:
         data, ys = np.asarray(_entry(path, "data")), _entry(path, label_key)
@@ -216,7 +218,8 @@ def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
 
 def _text(name: str) -> str:
     """A folder's name as text every writer takes: bytes that are not UTF-8 (which Python keeps as lone
-    surrogates, and a UTF-8 file, netCDF or JSON writer refuses) as backslash escapes, e.g. caf\\xe9."""
+    surrogates, and a UTF-8 file, netCDF or JSON writer refuses) as backslash escapes, e.g. caf\\xe9.
+    """
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 

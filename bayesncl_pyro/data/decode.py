@@ -4,7 +4,8 @@ installed decoder that works there (``JPEG_DECODERS``): nvImageCodec's (with lib
 its pixels are PIL's), TorchCodec's, torchvision's.
 
 On CUDA nothing here waits for the GPU: the decoders run on a stream of their own (``decode_stream``), and the
-caller's stream waits for it with an event (``_on_decode_stream`` says how each decoder's memory is kept safe)."""
+caller's stream waits for it with an event (``_on_decode_stream`` says how each decoder's memory is kept safe).
+"""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class EncodedBatch:
     A worker sends each tensor of a batch as a shared-memory file of its own, over a file descriptor of its own that
     stays open until the training process has taken the batch. The items' own tensors took one descriptor per image,
     a batch of 256 images 256, and with a few batches in flight from each of several workers the usual limit of 1024
-    open files was reached (``RuntimeError: received 0 items of ancdata``); one tensor per batch takes one."""
+    open files was reached (``RuntimeError: received 0 items of ancdata``); one tensor per batch takes one.
+    """
 
     def __init__(self, items: list[tuple[torch.Tensor, int]]):
         self.shapes = [tuple(data.shape) for data, _ in items]
@@ -83,7 +85,8 @@ class EncodedImages(Dataset):
         """A batch -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvJPEG on
         CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
         path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
-        it, or with ``skip_bad`` is skipped and logged alike."""
+        it, or with ``skip_bad`` is skipped and logged alike.
+        """
         items = list(batch)
         images = [_to_device(data, device) if data.ndim == 3 else None for data, _ in items]
         jpegs = [k for k, image in enumerate(images) if image is None]
@@ -107,7 +110,8 @@ _ORIENTATION = 0x0112  # the EXIF tag of the rotation a viewer applies; PIL, lik
 
 def _read_encoded(path: Path) -> torch.Tensor:
     """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG without an EXIF rotation (TorchCodec
-    applies one, where the worker path does not), else the image."""
+    applies one, where the worker path does not), else the image.
+    """
     try:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as image:  # reads the header only
@@ -124,13 +128,15 @@ def _read_decoded(path: Path) -> torch.Tensor:
 
 def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A worker-decoded image on ``device``: on CUDA from pinned memory, so the copy is queued, not waited for (the
-    caching host allocator keeps that memory until the copy has run)."""
+    caching host allocator keeps that memory until the copy has run).
+    """
     return image.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else image.to(device)
 
 
 class JpegDecoder(NamedTuple):
     """A library's JPEG decoder: ``decode(jpegs, device)``, a list of 1-D uint8 CPU tensors -> their RGB images, uint8
-    ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches, on the current stream's device)."""
+    ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches, on the current stream's device).
+    """
 
     name: str  # the library and its version
     decode: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
@@ -143,7 +149,8 @@ class JpegDecoder(NamedTuple):
 def _installed_decoders() -> list[JpegDecoder]:
     """The JPEG decoders installed, preferred first: nvImageCodec's (smooth chroma upsampling, as PIL's libjpeg),
     TorchCodec's (from 0.16), to which torchvision's moved, then torchvision's (deprecated by torchvision 0.29, to be
-    removed). TorchCodec's writes from a stream of its own whatever its version says (0.17 does)."""
+    removed). TorchCodec's writes from a stream of its own whatever its version says (0.17 does).
+    """
     found = []
     try:
         from nvidia import nvimgcodec
@@ -160,7 +167,8 @@ def _installed_decoders() -> list[JpegDecoder]:
         found.append(JpegDecoder(f"TorchCodec {torchcodec.__version__}",
                                  lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), True))
     try:
-        from torchvision.io import ImageReadMode, decode_jpeg as vision_decode
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as vision_decode
     except ImportError:
         pass
     else:
@@ -175,7 +183,8 @@ class _NvImageCodec:
     PIL's on photos, 16 on 32 px images). On CUDA in the current stream's order; a JPEG it cannot decode fails the
     batch (``_decode_jpegs`` then finds which). It answers None for an image whether the file is bad or it cannot
     decode on the device at all (0.9 without a GPU: 'Unable to get device count'), so a failed batch is told apart by a
-    JPEG known to be good: failing too, it raises what ``_decode`` takes for a decoder that cannot work there."""
+    JPEG known to be good: failing too, it raises what ``_decode`` takes for a decoder that cannot work there.
+    """
 
     def __init__(self, nvimgcodec):
         self.nvimgcodec, self.decoders = nvimgcodec, {}
@@ -223,14 +232,16 @@ def jpeg_decoders(device: torch.device) -> list[JpegDecoder]:
     there (``_decode``), and on CUDA under the cudaMallocAsync backend less those that write PyTorch's memory from a
     stream of their own: that backend's pool may give the decoding stream a block that another stream frees, with a
     dependency on that stream inserted into the decoding stream only, which the decoder's own stream does not
-    follow."""
+    follow.
+    """
     async_pool = device.type == "cuda" and torch.cuda.get_allocator_backend() != "native"
     return [d for d in JPEG_DECODERS if (device, d.name) not in _CANNOT and not (async_pool and d.torch_memory)]
 
 
 def no_jpeg_decoder(device: torch.device) -> str | None:
     """Why no JPEG can be decoded in the training process on ``device`` (the loader workers decode them then), or
-    None when one can."""
+    None when one can.
+    """
     if jpeg_decoders(device):
         return None
     if not JPEG_DECODERS:
@@ -247,7 +258,8 @@ def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> tuple[li
     A decode that fails part-way may leave nvJPEG writing into outputs the decoder has already freed (torchvision's,
     from its own stream), so after a failure the whole device is waited for before anything is allocated there: a
     batch that fails costs a wait for the GPU per JPEG and one more per failing one (rare for corrupt files;
-    ``EncodedImages.decode`` says once when it happens)."""
+    ``EncodedImages.decode`` says once when it happens).
+    """
     if not encoded:
         return [], None
     try:
@@ -283,7 +295,8 @@ _TORCH_CALL_FAILED = "API call failed at"
 def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``encoded`` (a non-empty list) decoded on ``device`` by the first of ``jpeg_decoders(device)`` that can decode
     there (``_decode_jpegs``), on CUDA on the decoding stream (``_on_decode_stream``); its failures on the data are
-    ``_Undecodable``."""
+    ``_Undecodable``.
+    """
     for decoder in jpeg_decoders(device):
         try:
             return _on_decode_stream(decoder, encoded, device) if device.type == "cuda" else decoder.decode(encoded,
@@ -341,7 +354,8 @@ def _on_decode_stream(decoder: JpegDecoder, encoded: list[torch.Tensor], device:
     the images as its own (``record_stream``): a block of theirs goes back to the decoding stream only after the
     caller's uses of it have run. nvImageCodec writes memory of its own in the decoding stream's order: its images are
     copied into PyTorch's memory on the caller's stream and kept (``_HELD``) until the GPU has passed that copy
-    (an event the host queries; past ``HELD_BATCHES`` batches it waits for the oldest)."""
+    (an event the host queries; past ``HELD_BATCHES`` batches it waits for the oldest).
+    """
     caller, stream = torch.cuda.current_stream(device), decode_stream(device)
     with torch.cuda.stream(stream):
         images = decoder.decode(encoded, device)

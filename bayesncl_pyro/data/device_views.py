@@ -39,8 +39,20 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.data.recipe import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
-                                       P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
+from bayesncl_pyro.data.recipe import (
+    BLUR_SIGMA,
+    CROP_RATIO,
+    CROP_SCALE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    JITTER,
+    P_BLUR,
+    P_FLIP,
+    P_GRAY,
+    P_JITTER,
+    blur_kernel,
+    blur_taps,
+)
 
 _GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601-2 luma)
 TRIES = 10  # RandomResizedCrop's draws of (area, aspect) per crop
@@ -63,7 +75,8 @@ class ViewParams:
     the recipe has); ``to_device`` gives the same fields on ``device``. On CUDA the host side is two pinned
     buffers, filled in turn, and each crosses in one ``non_blocking`` copy: a buffer is written again only once
     its copy has run (an event, which the host has normally passed long before; else it waits for that copy
-    only). Elsewhere the device's fields are the host's."""
+    only). Elsewhere the device's fields are the host's.
+    """
 
     def __init__(self, n: int, size: int, channels: int, device: torch.device, rows: bool = False):
         views, self.channels = 2 * n, channels
@@ -99,7 +112,8 @@ class ViewParams:
     def draw(self, generator: torch.Generator | None, sizes: torch.Tensor | None = None,
              rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The next batch's parameters, drawn on the CPU into the next host buffer, which is returned (its fields).
-        ``sizes`` (``n x 2``) is written only when given: a training set of one size sets it once."""
+        ``sizes`` (``n x 2``) is written only when given: a training set of one size sets it once.
+        """
         self.slot = (self.slot + 1) % len(self.host)
         if self.copied[self.slot] is not None and not self.copied[self.slot].query():
             self.copied[self.slot].synchronize()  # the GPU lags two batches behind: wait for this buffer's copy only
@@ -151,7 +165,8 @@ class ViewChain:
 
     ``static`` (for a CUDA graph or ``torch.compile``): the jitter order is read from the device parameters, so the
     ops run in fixed slots (``jitter_in_slots``); otherwise in the order given on the host (``jitter_in_order``),
-    which computes the same bits with fewer ops."""
+    which computes the same bits with fewer ops.
+    """
 
     def __init__(self, size: int, channels: int, device: torch.device, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format, static: bool = False):
@@ -206,7 +221,8 @@ _OPS = ("brightness", "contrast", "saturation", "hue")
 
 def jitter_in_order(x: torch.Tensor, factors: torch.Tensor, jittered: torch.Tensor, order: list[int]) -> torch.Tensor:
     """ColorJitter's ops (``factors``: 4 x V, 1 for the three blends of a view not jittered) in ``order``, a list on the
-    host: today's gather/scatter order of float operations, on every view."""
+    host: today's gather/scatter order of float operations, on every view.
+    """
     for k in order:
         if k == 3:
             x = torch.where(_per_image(jittered), adjust_hue(x, factors[3]), x)
@@ -221,7 +237,8 @@ def jitter_in_slots(x: torch.Tensor, factors: torch.Tensor, jittered: torch.Tens
     ``blend(x, a, b, c)``: brightness (f, 0, 0), contrast (f, 0, 1 - f), saturation (f, 1 - f, 0), none (1, 0, 0),
     which adds zeros exactly where a blend has no such term. Colour images get three blend slots, the hue, three
     more: the ops drawn before the hue fill the first slots, those after it the last, none the rest; digits' two
-    blends run in two slots."""
+    blends run in two slots.
+    """
     one, zero = torch.ones_like(factors[0]), torch.zeros_like(factors[0])
     blends = [(factors[0], zero, zero), (factors[1], zero, 1 - factors[1])]
     if len(order) == 4:
@@ -249,7 +266,8 @@ def _per_image(f: torch.Tensor) -> torch.Tensor:
 def blend(x: torch.Tensor, a: torch.Tensor, gray: torch.Tensor | None = None, mean: torch.Tensor | None = None
           ) -> torch.Tensor:
     """``clamp(a x + gray * luma(x) + mean * mean luma(x), 0, 1)``, image by image (each a length-B tensor; None:
-    no such term), summed in that order: ColorJitter's brightness, contrast and saturation."""
+    no such term), summed in that order: ColorJitter's brightness, contrast and saturation.
+    """
     y = _per_image(a) * x
     if gray is not None or mean is not None:
         luma = grayscale(x)
@@ -298,7 +316,8 @@ def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 def band_matrices(taps: torch.Tensor, n: int) -> torch.Tensor:
     """``B x n x n``: matrix b is the 1-D convolution with ``taps[b]`` (``B x k``, centred) of a length-``n``
-    signal reflected at its ends (``n`` > half the taps, as ``blur_kernel`` makes sure), as torchvision pads."""
+    signal reflected at its ends (``n`` > half the taps, as ``blur_kernel`` makes sure), as torchvision pads.
+    """
     k = taps.shape[-1]
     j = (torch.arange(n, device=taps.device)[:, None] + torch.arange(k, device=taps.device) - k // 2).abs()
     j = torch.where(j > n - 1, 2 * (n - 1) - j, j)  # reflect at 0, then at n - 1
@@ -308,7 +327,8 @@ def band_matrices(taps: torch.Tensor, n: int) -> torch.Tensor:
 
 def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Blur image i with a ``kernel_size`` Gaussian of standard deviation ``sigma[i]`` (pixels), reflecting at the
-    borders: a product with a band matrix on each side."""
+    borders: a product with a band matrix on each side.
+    """
     taps = blur_taps(sigma, kernel_size).to(x.dtype)
     rows, cols = band_matrices(taps, x.shape[-2]), band_matrices(taps, x.shape[-1])
     return rows.unsqueeze(1) @ x @ cols.transpose(1, 2).unsqueeze(1)
@@ -319,7 +339,8 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> tor
 
 def crop_boxes(sizes: torch.Tensor, generator: torch.Generator, scale=CROP_SCALE, ratio=CROP_RATIO) -> torch.Tensor:
     """RandomResizedCrop's boxes for images of ``sizes`` (``N x 2``: height, width) -> ``N x 4`` long (top, left,
-    height, width), drawn as ``ViewParams`` draws them (``boxes_from_draws``)."""
+    height, width), drawn as ``ViewParams`` draws them (``boxes_from_draws``).
+    """
     n = len(sizes)
     area = torch.empty(n, TRIES, dtype=torch.double).uniform_(*scale, generator=generator)
     log_ratio = torch.empty(n, TRIES, dtype=torch.double).uniform_(*map(math.log, ratio), generator=generator)
@@ -333,7 +354,8 @@ def boxes_from_draws(sizes: torch.Tensor, area: torch.Tensor, log_ratio: torch.T
     ``TRIES`` uniform draws per image of the area (a share of the image's) and of the log aspect, and a uniform
     ``corner`` (``N x 2``) -> ``N x 4`` long (top, left, height, width): the first try that fits the image, else the
     central crop of the clamped aspect. On the device of the draws; in float64, whose rounding decides a side only
-    in the rare tie."""
+    in the rare tie.
+    """
     height, width = sizes[:, :1].double(), sizes[:, 1:].double()  # N x 1
     area = height * width * area
     w = (area * log_ratio.exp()).sqrt().round()
@@ -384,7 +406,8 @@ def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: 
     (``F.interpolate(..., mode="bicubic", antialias=True)``, as torchvision's resize calls it) gives pixels
     ``start[v] ... start[v] + length[v] - 1`` of an axis of ``extent`` pixels for output pixel s of ``size``:
     Keys' cubic (a = -0.5) stretched by the scale when shrinking, cut at its support and normalised to sum
-    1 (aten's ``_compute_weights_aa``). Zero outside the crop, so a product with the whole image crops too."""
+    1 (aten's ``_compute_weights_aa``). Zero outside the crop, so a product with the whole image crops too.
+    """
     length = length.to(torch.float32).view(-1, 1, 1)
     scale = length / size
     shrink = scale >= 1
@@ -407,7 +430,8 @@ def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     multi-megapixel photos) would multiply the batch's memory and arithmetic: it is left out (a 1 x 1 pixel stands
     in) and resized alone (``resized_crop`` of a list). Two calls: the images go into one nested tensor, padded on
     the device image by image. Not in floating point: CUDA's one-kernel path for that copies the images' sizes to
-    the device with a blocking copy, a wait for the stream each batch."""
+    the device with a blocking copy, a wait for the stream each batch.
+    """
     sides = sorted(max(image.shape[-2:]) for image in images)
     cap = _bucket(OUTLIER * sides[len(sides) // 2])
     outliers = [k for k, image in enumerate(images) if max(image.shape[-2:]) > cap]
@@ -432,7 +456,8 @@ class BatchViews:
     ``C x H_i x W_i`` images (padded: ``padded_batch``); ``views(images, generator, rows)``: the batch is rows
     ``rows`` (a CPU long tensor) of a set ``images`` held on the device (``rows=True`` here). The parameter buffers are
     reused from batch to batch. ``compile``: the chain is compiled (``torch.compile(fullgraph=True, dynamic=False)``:
-    one compilation per shape of images)."""
+    one compilation per shape of images).
+    """
 
     def __init__(self, n: int, size: int, channels: int, device: torch.device, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format, rows: bool = False,
@@ -465,7 +490,8 @@ class BatchViews:
 
     def resize_alone(self, x: torch.Tensor, images: list[torch.Tensor], k: int, host: dict[str, torch.Tensor]):
         """Write the resized views of ``images[k]``, left out of the padded batch, into its rows of ``x``, its boxes
-        computed on the host from the host parameters."""
+        computed on the host from the host parameters.
+        """
         views = [k, k + len(images)]
         boxes = boxes_from_draws(host["sizes"][[k, k]], host["area"][views], host["log_ratio"][views],
                                  host["corner"][views])
@@ -477,6 +503,7 @@ class BatchViews:
 def simclr_views(images: torch.Tensor | list[torch.Tensor], size: int, generator: torch.Generator | None,
                  channels: int = 3) -> torch.Tensor:
     """Two SimCLR views of each of N uint8 images -> float ``2N x C x size x size`` (``BatchViews``, made for this one
-    batch), the rows ``[view 1 of every image; view 2 of every image]``."""
+    batch), the rows ``[view 1 of every image; view 2 of every image]``.
+    """
     device = images.device if isinstance(images, torch.Tensor) else images[0].device
     return BatchViews(len(images), size, channels, device)(images, generator)

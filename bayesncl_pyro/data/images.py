@@ -82,7 +82,8 @@ class ImageFiles(Dataset):
 
     def read(self, i: int, opener: Callable[[Path], Any]) -> tuple[Any, int, int]:
         """``(opener(path), label, j)`` of file ``j = i``, or with ``skip_bad`` of the first file from i on
-        (cyclically) that ``opener`` reads without a ``UserError``, the ones before it recorded as bad."""
+        (cyclically) that ``opener`` reads without a ``UserError``, the ones before it recorded as bad.
+        """
         n = len(self.samples)
         if not -n <= i < n:
             raise IndexError(i)  # also ends plain `for item in dataset` iteration
@@ -102,7 +103,8 @@ class ImageFiles(Dataset):
 
 def open_image(path: Path, advice: str = "") -> Image.Image:
     """The image at ``path``, decoded in full here, so that a truncated file fails now, with its path (and
-    ``advice``, the caller's way out, in the message)."""
+    ``advice``, the caller's way out, in the message).
+    """
     try:
         with Image.open(path) as image:
             image.load()

@@ -58,7 +58,8 @@ class TrainingInput:
     image, on the CPU); else on the device, in batches, of the training set held there when it fits (one size, small
     enough), else of the batch's files. ``--augment auto``: on the device when training on CUDA, whose GPU outpaces
     CPU workers, and for in-memory training sets (digits, CIFAR pickles, compositional) anywhere: on a CPU too,
-    batched views of small images cost a fraction of the step, where per-image views in workers cost more than it."""
+    batched views of small images cost a fraction of the step, where per-image views in workers cost more than it.
+    """
 
     def __init__(self, data: DataSpec, cfg: Config, device: torch.device, rank: int = 0, world: int = 1,
                  memory_format: torch.memory_format = torch.preserve_format):
@@ -87,7 +88,8 @@ class TrainingInput:
         """The inputs of steps ``first`` + 1 to ``last``, on the device: 2B rows [view 1; view 2] each. Views drawn
         on the device depend on (seed, step, rank) alone, so a resumed run draws the same ones; on CUDA they are
         drawn a batch ahead: for a set held there by CUDA graphs replayed from this thread, for files in the input
-        pipeline's thread."""
+        pipeline's thread.
+        """
         batch_size, per_epoch = self.cfg.batch_size, len(self.data.train) // self.cfg.batch_size
         sampler = EpochSampler(len(self.data.train), batch_size, self.cfg.seed, self.rank, self.world)
         loader = self.loader(sampler)
@@ -102,7 +104,8 @@ class TrainingInput:
 
     def loader(self, sampler: EpochSampler) -> Iterable:
         """What the steps' inputs are made of, in ``sampler``'s order: index rows of the resident set, or a
-        DataLoader of file bytes (``views``) or of views drawn in its workers."""
+        DataLoader of file bytes (``views``) or of views drawn in its workers.
+        """
         cfg = self.cfg
         if isinstance(self.views, ResidentViews):  # the images are on the device already
             return self.views.batches(sampler, cfg.batch_size // self.world)
@@ -135,7 +138,8 @@ class EpochSampler(Sampler):
     resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
     ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item.
     Under DDP rank r of W takes the r-th slice (batch_size / W items) of every global batch, so the
-    ranks together see the batches of a single-process run."""
+    ranks together see the batches of a single-process run.
+    """
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed = n, batch_size, seed
@@ -170,7 +174,8 @@ def view_generator(seed: int, step: int, rank: int) -> torch.Generator:
 class ResidentViews:
     """Views of a training set held on the device: ``views(indices, step)``, ``indices`` a CPU long tensor; on CUDA
     ``replayed`` draws a whole epoch's from CUDA graphs. Out in ``dtype`` and ``memory_format``; ``compile``: the
-    views' chain is compiled (``torch.compile``) before it is captured."""
+    views' chain is compiled (``torch.compile``) before it is captured.
+    """
 
     def __init__(self, images: torch.Tensor, image_size: int, seed: int, rank: int = 0,
                  dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.preserve_format,
@@ -199,7 +204,8 @@ class ResidentViews:
         a batch ahead of the step that takes it, from this thread. A batch's tensor is rewritten two batches later:
         it is valid until the batch after it has been taken. When the iteration ends, each stream waits for the other
         (on the GPU): the last replays read the set, maybe never taken; the last steps read the graphs' memory, which
-        goes back to the pipeline's stream when the graphs are freed."""
+        goes back to the pipeline's stream when the graphs are freed.
+        """
         training = torch.cuda.current_stream(self.images.device)
         side = _stream(self.images.device)
         ahead = None
@@ -228,7 +234,8 @@ def _taken(x: torch.Tensor, ready: torch.cuda.Event, training: torch.cuda.Stream
 
 class _GraphedViews:
     """The views of ``n`` rows of ``resident``'s set as two CUDA graphs, each writing its own output; their parameters
-    drawn on the CPU (``ViewParams``), their jitter order read on the device (a static chain)."""
+    drawn on the CPU (``ViewParams``), their jitter order read on the device (a static chain).
+    """
 
     def __init__(self, resident: ResidentViews, n: int, side: torch.cuda.Stream):
         images = resident.images
@@ -258,7 +265,8 @@ class _GraphedViews:
     def launch(self, slot: int, indices: torch.Tensor, generator: torch.Generator, after: torch.cuda.Event
                ) -> torch.cuda.Event:
         """Replay graph ``slot`` on the views of rows ``indices`` once the GPU has passed ``after``: the parameters
-        drawn here, on the CPU, and copied over on the pipeline's stream; an event recorded after the replay."""
+        drawn here, on the CPU, and copied over on the pipeline's stream; an event recorded after the replay.
+        """
         self.params.draw(generator, rows=indices)
         self.side.wait_event(after)
         with torch.cuda.stream(self.side):
@@ -269,7 +277,8 @@ class _GraphedViews:
 
 class IndexBatches:
     """A sampler's indices (which run past ``n`` to encode the epoch, ``EpochSampler``) in rows of ``batch_size``,
-    taken mod ``n``; a last, shorter row is dropped, as the DataLoader does with ``drop_last``."""
+    taken mod ``n``; a last, shorter row is dropped, as the DataLoader does with ``drop_last``.
+    """
 
     def __init__(self, sampler: Iterable[int], batch_size: int, n: int):
         self.sampler, self.batch_size, self.n = sampler, batch_size, n
@@ -286,7 +295,8 @@ class FileViews:
     """Views of image files: ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items, decoded
     on the device and drawn from one padded batch (``device_views.padded_batch``). Out in ``dtype`` and
     ``memory_format``; ``compile``: the views' chain is compiled (``torch.compile``, static shapes: one compilation
-    per padded shape)."""
+    per padded shape).
+    """
 
     def __init__(self, encoded: EncodedImages, image_size: int, seed: int, rank: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.preserve_format,
@@ -308,7 +318,8 @@ def prefetch(batches: Iterable, make: Callable[[Any, int], torch.Tensor], device
     thread (on its own stream on CUDA), at most ``ahead`` ahead of the consumer; with 0, here, when asked.
 
     The thread ends with the iteration, also when the consumer stops early (``break``, an exception: the
-    generator's ``finally``), and an exception raised in it is raised here, to the consumer."""
+    generator's ``finally``), and an exception raised in it is raised here, to the consumer.
+    """
     if ahead == 0:
         for k, batch in enumerate(batches):
             yield make(batch, k)
@@ -329,7 +340,8 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     per stream, so a new stream per epoch would cache another copy of the pipeline's working memory. It comes from
     PyTorch's stream pool, whose streams other users (torchvision's decoder, NCCL) may draw too: sharing one only
     serialises their work. Being non-blocking, it does not wait for the legacy default stream, nor it for it: only
-    the event below orders them."""
+    the event below orders them.
+    """
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     return _STREAMS[device]

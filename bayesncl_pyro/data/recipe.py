@@ -1,5 +1,6 @@
 """SimCLR's augmentation recipe (Chen et al. 2020) for colour images: the constants and the blur kernel that the
-per-image views (``views.py``) and the batched device views (``device_views.py``) share."""
+per-image views (``views.py``) and the batched device views (``device_views.py``) share.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def blur_kernel(image_size: int) -> int | None:
 
 
 def blur_taps(sigma: float | torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """torchvision's 1-D Gaussian kernel (``kernel_size`` taps; ``B x kernel_size`` for B sigmas), without the
+    """Torchvision's 1-D Gaussian kernel (``kernel_size`` taps; ``B x kernel_size`` for B sigmas), without the
     taps below 1e-10 (they move no pixel by a millionth of a grey level): for sigma 0.3-0.8 the outer taps are
-    subnormal floats, and arithmetic on those is 10x slower on x86 (torchvision's blur pays it)."""
+    subnormal floats, and arithmetic on those is 10x slower on x86 (torchvision's blur pays it).
+    """
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     t = torch.arange(kernel_size, device=sigma.device) - (kernel_size - 1) / 2
     taps = torch.softmax(-0.5 * (t / sigma[..., None]) ** 2, -1)

@@ -10,7 +10,6 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.images import TensorImages, image_files
 
-
 RESIDENT_MEMORY_SHARE = 0.25
 """The most of the training device's free memory a training set may take to be held there (``resident_images``)."""
 
@@ -26,7 +25,8 @@ def resident_images(dataset: Dataset, device: torch.device, workers: int = 0) ->
     decides whether that is tried at all, so an ImageNet folder costs one file read, and the first batch whose
     images differ ends it. The decoded batches fill one tensor allocated on ``device`` up front: the host holds
     the batches in flight, never the set. CIFAR as 32 px JPEGs is 150 MB and decodes in seconds; nothing is decoded
-    per step, nvJPEG included."""
+    per step, nvJPEG included.
+    """
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     indices = dataset.indices if isinstance(dataset, Subset) else None
     budget = RESIDENT_MEMORY_SHARE * free_memory(device)

@@ -24,8 +24,20 @@ from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data import device_views as D
-from bayesncl_pyro.data.recipe import (BLUR_SIGMA, CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, JITTER, P_BLUR,
-                                       P_FLIP, P_GRAY, P_JITTER, blur_kernel, blur_taps)
+from bayesncl_pyro.data.recipe import (
+    BLUR_SIGMA,
+    CROP_RATIO,
+    CROP_SCALE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    JITTER,
+    P_BLUR,
+    P_FLIP,
+    P_GRAY,
+    P_JITTER,
+    blur_kernel,
+    blur_taps,
+)
 from bayesncl_pyro.errors import UserError
 
 
@@ -100,10 +112,11 @@ class SimCLRColour:
 
 
 def gaussian_blur(x: torch.Tensor, sigma: float, kernel_size: int) -> torch.Tensor:
-    """torchvision's ``gaussian_blur`` of float images ``... x H x W`` (``kernel_size`` taps of a Gaussian of
+    """Torchvision's ``gaussian_blur`` of float images ``... x H x W`` (``kernel_size`` taps of a Gaussian of
     std ``sigma``, reflected at the borders), as two products with band matrices that fold the reflection in
     (``device_views.band_matrices``). For one 224 px image on a CPU core this is twice as fast as separable grouped
-    convolutions and 10x faster than torchvision's 2-D convolution (BLAS does the work)."""
+    convolutions and 10x faster than torchvision's 2-D convolution (BLAS does the work).
+    """
     taps = blur_taps(sigma, kernel_size)[None]
     return D.band_matrices(taps, x.shape[-2])[0] @ x @ D.band_matrices(taps, x.shape[-1])[0].T
 

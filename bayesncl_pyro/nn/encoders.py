@@ -35,7 +35,8 @@ register = ENCODERS.register
 
 def mlp(in_dim: int, hidden: int, out_dim: int, depth: int = 2) -> nn.Sequential:
     """``depth`` Linear layers with ReLU between them and no normalisation, as the reference's
-    projector and gating head (depth 2: Linear -> ReLU -> Linear)."""
+    projector and gating head (depth 2: Linear -> ReLU -> Linear).
+    """
     if depth < 1:
         raise ValueError(f"an MLP needs depth >= 1, got {depth}")
     dims = [in_dim] + [hidden] * (depth - 1) + [out_dim]
@@ -53,7 +54,8 @@ def resnet18(in_channels: int = 3, image_size: int = 32) -> nn.Module:
 
 class SmallCNN(nn.Module):
     """Four conv-BN-ReLU blocks (32-64-128-256 channels), each followed by a 2x max-pool, then a global
-    average pool: a backbone for 8-32 px images that trains in minutes on a CPU."""
+    average pool: a backbone for 8-32 px images that trains in minutes on a CPU.
+    """
 
     def __init__(self, in_channels: int = 3, widths: tuple[int, ...] = (32, 64, 128, 256)):
         super().__init__()
@@ -95,7 +97,8 @@ def _torchvision_kwargs(name: str, image_size: int) -> dict:
 
 def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: int) -> list[tuple[str, nn.Module]]:
     """(dotted path, new module) that make torchvision's ``net`` the backbone: the CIFAR stem of a small ResNet, a first
-    convolution for other than 3 channels, the classifier (the last ``Linear``) replaced by ``Identity``."""
+    convolution for other than 3 channels, the classifier (the last ``Linear``) replaced by ``Identity``.
+    """
     import torchvision
 
     edits = []
@@ -115,7 +118,8 @@ def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: 
 
 def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] | None:
     """The lines of Python that build the backbone of ``--encoder spec`` from torchvision alone (``backbone = ...``,
-    then its edits: :func:`torchvision_backbone`), or None when torchvision does not build it."""
+    then its edits: :func:`torchvision_backbone`), or None when torchvision does not build it.
+    """
     import torchvision
 
     if spec not in torchvision.models.list_models(module=torchvision.models):  # (the project's resnet18 is)
@@ -141,7 +145,8 @@ def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
 
 def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
     """``(in_channels, image_size) -> nn.Module`` for an ``--encoder`` value, or a ``UserError`` that says which
-    forms it takes. Imports what the spec names, so a run whose code is missing fails before it trains."""
+    forms it takes. Imports what the spec names, so a run whose code is missing fails before it trains.
+    """
     if spec in ENCODERS:
         return ENCODERS[spec]
     if spec.startswith(TIMM):

@@ -16,7 +16,8 @@ REFERENCE_KL_CLAMP = 0.01
 
 def partner_rows(rows: int, device=None) -> torch.Tensor:
     """The index of each row's positive, the other view of its image: ``(i + R / 2) % R`` for rows
-    ``[view 1 of B images; view 2 of the same B images]``."""
+    ``[view 1 of B images; view 2 of the same B images]``.
+    """
     return (torch.arange(rows, device=device) + rows // 2) % rows
 
 
@@ -29,6 +30,7 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
         temperature: tau > 0.
         columns: C x K rows to contrast against, with ``u`` at rows ``offset .. offset + R`` of it
             (the features of all ranks under DDP); defaults to ``u`` itself.
+
     Returns:
         R losses ``-log(pos / (pos + neg))``, where pos is the similarity to the row's other view and
         neg sums over the rows of all other images (the row itself is excluded from both).
@@ -60,6 +62,7 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
         fused: each chunk through ``torch.compile`` (Inductor: on a GPU a Triton kernel), one pass that reduces the
             flips' R terms as it computes them, where eager PyTorch writes and reads several flips x R
             temporaries; default: on a GPU (a compile takes seconds to a minute, once per process and shape).
+
     Returns:
         D in the dtype of ``features``, detached; 0 exactly where a feature is 0 (its gate changes nothing).
 
@@ -113,7 +116,8 @@ def _flip_chunk(flat: torch.Tensor, features, step, sq, dots, columns, sim, lse,
                 temperature: float) -> torch.Tensor:
     """D of the flips ``flat`` (M flat indices i * K + k) from the current state (:class:`_CurrentState`). Eager, it
     holds two M x R tensors at a time (its in-place ops); compiled (:func:`_fused_flip_chunk`), every M x R term is
-    computed where one of the three reductions over the rows j consumes it."""
+    computed where one of the three reductions over the rows j consumes it.
+    """
     rows, dims = dots.shape[0], columns.shape[0]
     i, k, sign = flat // dims, flat % dims, step[flat]
     fik = features[flat]
@@ -142,6 +146,7 @@ def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Te
 
     Args:
         z1, z2: B x K, L2-normalised; row i of ``z1`` and of ``z2`` are two views of one image.
+
     Returns:
         a scalar.
     """
@@ -164,8 +169,9 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -
 
 
 def bernoulli_kl_grad(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -> torch.Tensor:
-    """d bernoulli_kl(alpha, rho, clamp) / d alpha, elementwise, at detached alpha and rho (zero past the clamp):
-    how hard the prior pulls each gate (``infer.head.gate_pulls``, the KL part of ``gate_gradients``)."""
+    """D bernoulli_kl(alpha, rho, clamp) / d alpha, elementwise, at detached alpha and rho (zero past the clamp):
+    how hard the prior pulls each gate (``infer.head.gate_pulls``, the KL part of ``gate_gradients``).
+    """
     alpha = alpha.detach().requires_grad_()
     rho = rho.detach() if torch.is_tensor(rho) else rho
     with torch.enable_grad():
