@@ -50,6 +50,7 @@ RUNS = "runs"
 @dataclass
 class Config:
     # data
+    """A run's settings: every field a flag or a config file may set, with its default."""
     dataset: str = "compositional"  # generated, with known factors: the first run shows what the gates do
     data_dir: str | None = None
     image_size: int | None = None
@@ -106,10 +107,12 @@ class Config:
     monitor_every: int = 5  # epochs between online kNN top-1 and RankMe records in the log (monitor.py), 0 = off
 
     def to_dict(self) -> dict:
+        """The fields as a plain dict, as ``config.json`` holds them."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        """The Config of a ``to_dict`` dict; one written by version 0.1 gets the settings it computed with."""
         if "kl_clamp" not in d:  # written by bayesncl-pyro 0.1: the settings that reproduce what it computed
             d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
         known = {f.name for f in dataclasses.fields(cls)}
@@ -119,13 +122,16 @@ class Config:
                             "of bayesncl-pyro; start a new --out folder")
         return cls(**d)
 
-    # fields that change the numbers of a run; the rest (out, device, workers, augment, logging, and the answers
-    # to faults met on the way: bad images, non-finite steps) may differ on resume
     def identity(self) -> dict:
+        """The fields that change the numbers of a run, as a dict.
+
+        The rest (out, device, workers, augment, logging, and the answers to faults met on the way: bad images,
+        non-finite steps) may differ on resume.
+        """
         d = self.to_dict()
         for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "ckpt_minutes", "conflict_every",
-                  "data_dir", "max_steps", "compile", "cuda_graphs", "skip_bad_images", "on_nan", "tensorboard", "wandb",
-                  "monitor_every"):
+                  "data_dir", "max_steps", "compile", "cuda_graphs", "skip_bad_images", "on_nan", "tensorboard",
+                  "wandb", "monitor_every"):
             d.pop(k)
         return d
 
@@ -136,10 +142,11 @@ class Config:
 
 
 def parse_file(path: Path, data: bytes) -> dict:
-    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``), ``data`` its bytes (read by
-    ``rundir.read_config_file``), checked: a key that is no field is refused naming the closest one, and a value of
-    the wrong type naming the field. A run's own ``config.json`` reads as it is, but for its ``out``: the folder it
-    sits in is where that run is, not where another one goes.
+    """Read the Config fields that a JSON or YAML config file sets, checked.
+
+    The file is ``run_svi.py --config``'s, ``data`` its bytes (read by ``rundir.read_config_file``). A key that is no
+    field is refused naming the closest one, and a value of the wrong type naming the field. A run's own ``config.json``
+    reads as it is, but for its ``out``: the folder it sits in is where that run is, not where another one goes.
     """
     try:
         text = data.decode("utf-8")
@@ -175,9 +182,11 @@ MAX_VALUES, MAX_TEXT = 1_000_000, 4096  # what a config file's values may hold: 
 
 
 def _check_extent(path: Path, values: dict):
-    """Refuse a config file whose values hold more than ``MAX_VALUES`` items, counted with repeats, or a string of
-    more than ``MAX_TEXT`` characters, before anything walks, copies or prints them whole: a YAML alias bomb (a few
-    hundred bytes that name 9^9 strings, under a key or in prior_args) would fill the memory.
+    """Refuse a config file whose values are too many or too long to handle safely.
+
+    Refused before anything walks, copies or prints them whole: values that hold more than ``MAX_VALUES`` items,
+    counted with repeats, or a string of more than ``MAX_TEXT`` characters. A YAML alias bomb (a few hundred bytes
+    that name 9^9 strings, under a key or in prior_args) would fill the memory.
     """
     stack, count = [values], 0
     while stack:
@@ -232,10 +241,12 @@ def _check_type(path: Path, key: str, value, annotation):
 
 
 def run_name(cfg: Config) -> str:
-    """The folder name of a run given no ``--out``: what it is, ``<dataset>-<method>[-<gate>]``, then the settings of
-    its identity that differ from its dataset's recipe as ``name=value`` (a hash of them when they are many), e.g.
-    ``compositional-bayesncl-ste``, ``compositional-ncl-topk=16``, ``cifar10-bayesncl-ste-encoder=cnn,seed=1``.
-    ``cfg``: with its recipe's defaults filled in.
+    """The folder name of a run given no ``--out``.
+
+    First what it is, ``<dataset>-<method>[-<gate>]``, then the settings of its identity that differ from its dataset's
+    recipe as ``name=value`` (a hash of them when they are many), e.g. ``compositional-bayesncl-ste``,
+    ``compositional-ncl-topk=16``, ``cifar10-bayesncl-ste-encoder=cnn,seed=1``. ``cfg``: with its recipe's defaults
+    filled in.
     """
     mine, recipe = cfg.identity(), with_recipe(Config(dataset=cfg.dataset, method=cfg.method)).identity()
     named = ["dataset", "method"] + (["gate"] if cfg.method == "bayesncl" else [])

@@ -1,5 +1,7 @@
-"""The training device: the one check of a ``--device`` name and the one resolution of it to a ``torch.device``,
-for the trainer and for everything that loads a run (``infer.learner.load_learner``, ``load_run``).
+"""The training device: the one check of a ``--device`` name and its one resolution.
+
+The name resolves to a ``torch.device`` for the trainer and for everything that loads a run
+(``infer.learner.load_learner``, ``load_run``).
 """
 
 import re
@@ -23,7 +25,9 @@ def check_device(name: str, said: str = ""):
 
 
 def pick_device(name: str, flag: str = "--device") -> torch.device:
-    """The training device that ``--device`` names, resolved once for everything that runs on it: the CPU, or
+    """The training device that ``--device`` names, resolved once for everything that runs on it.
+
+    The CPU, or
     ``cuda:<index>``. A CUDA device always carries its index, since what selects a GPU by index (``set_device`` in the
     input pipeline's thread, torchvision's decoder) refuses a bare ``cuda``. ``auto``: a GPU if PyTorch sees one, else
     the CPU; ``cuda``: the current GPU, or under ``torchrun`` this process's (``LOCAL_RANK``); ``cuda:N``: GPU N.

@@ -34,7 +34,9 @@ def local_rank() -> int | None:
 
 
 def setup(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world size, this rank's device) for the device ``device.pick_device`` resolved (under torchrun: this
+    """Join the process group torchrun describes, if any, and return (rank, world size, device).
+
+    ``device`` is what ``device.pick_device`` resolved (under torchrun: this
     process's GPU). Makes a GPU the current device of the calling thread, and joins the process group that torchrun
     describes in the environment (nccl on CUDA, gloo on CPU; the control messages' gloo group besides) when
     WORLD_SIZE > 1; a plain run is rank 0 of 1.
@@ -45,8 +47,8 @@ def setup(device: torch.device) -> tuple[int, int, torch.device]:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1, device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        raise UserError("torchrun --max-restarts shares its rendezvous store with the workers, so a restarted group may "
-                        "read the previous group's addresses and hang; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        raise UserError("torchrun --max-restarts shares its rendezvous store with the workers, so a restarted group "
+                        "may read the previous group's addresses and hang; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
                         "before torchrun (each group then gets a store of its own)")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -60,7 +62,9 @@ def world_size() -> int:
 
 
 def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The ``ContrastiveModel.gather`` hook: this rank's rows (R x K) -> (all ranks' rows in rank order,
+    """Gather all ranks' rows, with gradients flowing back to each row's rank.
+
+    The ``ContrastiveModel.gather`` hook, this rank's rows (R x K) -> (all ranks' rows in rank order,
     W R x K; the offset of ours). Gradients flow back to the rank that owns each row, so every rank's
     negatives train every encoder. Outside a process group of several ranks: ``(u, 0)``.
     """
@@ -70,7 +74,9 @@ def gather_rows(u: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class _GatherRows(torch.autograd.Function):
-    """All ranks' rows; backward: the sum over ranks of their losses' gradients for ours. Written here, as
+    """All ranks' rows; backward: the sum over ranks of their losses' gradients for ours.
+
+    Written here, as
     solo-learn and lightly do, because ``torch.distributed.nn.functional.all_gather`` is deprecated (torch 2.14 warns)
     for a private module, and took another path on nccl (reduce-scatter) than on gloo (all-to-all), the one
     tests run: here one all-reduce serves both (W times the traffic of a reduce-scatter, R x K floats a rank).
@@ -103,7 +109,9 @@ def all_gather_objects(obj) -> list:
 
 
 def check_agreement(settings: dict):
-    """Raise ``UserError`` unless every rank has the same ``settings`` (one gather over the control group, at start-up).
+    """Raise ``UserError`` unless every rank has the same ``settings``.
+
+    One gather over the control group, at start-up.
     The ranks must gather rows of the same number and width at every step (``_GatherRows``: NCCL checks neither, and a
     mismatch hangs or mixes rows up) and take the same steps and checkpoints (each a collective). Every rank raises the
     same error; a single process has nothing to check.
@@ -117,7 +125,9 @@ def check_agreement(settings: dict):
 
 
 class Votes:
-    """Small non-negative integers that each rank posts at every step, combined by max over ranks. Under DDP a
+    """Small non-negative integers that each rank posts at every step, combined by max over ranks.
+
+    Under DDP a
     step's votes are exchanged on the CPU in the background and read at the next step: the exchange neither
     waits on the GPU nor stalls a step, and every rank reads the same result at the same step. A single
     process reads its own votes at once.
@@ -127,6 +137,7 @@ class Votes:
         self.pending = None
 
     def __call__(self, *votes: int) -> list[int]:
+        """Post this step's ``votes`` and return the previous step's, maxed over ranks."""
         if not dist.is_initialized():
             return list(votes)
         posted = torch.tensor(votes, dtype=torch.int64)
@@ -148,12 +159,15 @@ class Votes:
 
 
 def barrier():
+    """Wait for every rank (over the control group; no-op without a process group)."""
     if dist.is_initialized():
         dist.barrier(group=_control)
 
 
 def leave():
-    """Leave the process group: a process that exits still in one may abort at interpreter shutdown (gloo's
+    """Leave the process group.
+
+    A process that exits still in one may abort at interpreter shutdown (gloo's
     threads outlive Python), which torchrun reports as a failed worker.
     """
     global _control

@@ -41,7 +41,9 @@ _REPR.maxstring = _REPR.maxlong = _REPR.maxother = QUOTE_LIMIT
 
 
 def quoted(value) -> str:
-    """``repr(value)`` for a message, at most ``QUOTE_LIMIT`` characters: a value read from a file (a config's, a
+    """``repr(value)`` for a message, at most ``QUOTE_LIMIT`` characters.
+
+    A value read from a file (a config's, a
     run's) may be a 100 MB string, or a YAML alias bomb whose full repr would not fit in memory; reprlib stops at
     its depth and length limits before writing that much.
     """

@@ -1,4 +1,6 @@
-"""Where a run's progress and records go, rank 0 only: ``RunLog``, the one logger of a training run, writes each
+"""Where a run's progress and records go, rank 0 only.
+
+``RunLog``, the one logger of a training run, writes each
 record to ``log.jsonl``, to TensorBoard events (``--tensorboard``) and a Weights & Biases run (``--wandb``,
 ``pip install -e '.[wandb]'``), both beside ``log.jsonl``, and to the terminal (a bar, else one line with an
 estimate), and shows the progress of other long work (the evaluation: ``reporter``).
@@ -26,13 +28,15 @@ Progress = Callable[[Iterable, int, str, str], Iterator]
 
 
 def reporter(bar: bool) -> Progress:
-    """``progress(items, total, what, unit)``: ``items`` as they come, shown by a tqdm bar on stderr (``bar``), or by
+    """A ``progress(items, total, what, unit)`` that shows a bar or one line with the time left.
+
+    ``items`` as they come, shown by a tqdm bar on stderr (``bar``), or by
     one line once the first item is done if all ``total`` would take longer than ``LONG``: what, and about how long
     the rest takes.
     """
     def progress(items: Iterable, total: int, what: str, unit: str) -> Iterator:
         if bar:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # late: only a bar needs it
 
             yield from tqdm(items, total=total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
             return
@@ -56,11 +60,13 @@ def duration(seconds: float) -> str:
 
 
 class RunLog:
-    """A training run's records (``record``, one ``log.jsonl`` line each) and its evaluation, for the run folder
-    ``run_dir``: to that file, to TensorBoard and W&B where ``cfg`` asks for them (the trackers: none without
-    ``trackers``), and to the terminal, as the postfix of a tqdm bar on stderr (``bar``) or else printed, the first
-    record followed by an estimate of the time left. Within ``training``, ``step()`` after every step:
-    ``images_per_s()`` is the rate of the steps since the last record.
+    """A training run's records and evaluation, to its log file, trackers and terminal.
+
+    ``record`` writes one ``log.jsonl`` line each, in the run folder ``run_dir``; records go to that file, to
+    TensorBoard and W&B where ``cfg`` asks for them (the trackers: none without ``trackers``), and to the terminal, as
+    the postfix of a tqdm bar on stderr (``bar``) or else printed, the first record followed by an estimate of the time
+    left. Within ``training``, ``step()`` after every step: ``images_per_s()`` is the rate of the steps since the last
+    record.
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True):
@@ -74,7 +80,7 @@ class RunLog:
     def training(self, step: int, last_step: int):
         """Around the steps after ``step`` up to ``last_step``: the bar, the clock of ``images_per_s``."""
         if self.show_bar:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # late: only a bar needs it
 
             self.bar = tqdm(total=last_step, initial=step, unit="step", dynamic_ncols=True)
         self.last_step, self.estimated = last_step, False
@@ -87,11 +93,13 @@ class RunLog:
                 self.bar = None
 
     def step(self):
+        """Count one step's images, and advance the bar."""
         self.seen += self.batch_size
         if self.bar is not None:
             self.bar.update(1)
 
     def images_per_s(self) -> float:
+        """Images per second since the last record."""
         return self.seen / (time.perf_counter() - self.tic)
 
     def record(self, rec: dict, inclusion: torch.Tensor | None = None):
@@ -115,10 +123,12 @@ class RunLog:
         return reporter(self.show_bar)
 
     def evaluation(self, results: dict, step: int):
+        """Send the evaluation's results at ``step`` to the trackers."""
         for tracker in self.trackers:
             tracker.evaluation(results, step)
 
     def close(self):
+        """Close the trackers."""
         for tracker in self.trackers:
             tracker.close()
 
@@ -127,9 +137,10 @@ INCLUSION = "gates/inclusion_per_dim"
 
 
 class TensorBoardLog:
+    """A run's records and evaluation as TensorBoard events in its run folder."""
     def __init__(self, run_dir: str | os.PathLike):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # late: an optional extra
         except ImportError:  # torch's writer needs the tensorboard package, an optional extra
             raise UserError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
                             "(or pip install tensorboard), or leave --tensorboard out") from None
@@ -143,10 +154,12 @@ class TensorBoardLog:
         self.writer.flush()  # a record at a time, as log.jsonl: TensorBoard shows a run while it trains
 
     def evaluation(self, results: dict, step: int):
+        """Write the evaluation's numeric results at ``step`` under ``eval/``."""
         self._scalars("eval", results, step)
         self.writer.flush()
 
     def close(self):
+        """Close the event file."""
         self.writer.close()
 
     def _scalars(self, prefix: str, values: dict, step: int):
@@ -155,8 +168,9 @@ class TensorBoardLog:
 
 
 def scalars(prefix: str, values: dict) -> dict:
-    """The numeric fields of a log record or an eval dict (not bool, str or lists; not ``step``), as
-    ``{"<prefix>/<field>": value}``: the tags that every logger of a run gives them.
+    """The numeric fields of a log record or an eval dict, tagged ``<prefix>/<field>``.
+
+    Not bool, str or lists; not ``step``. These are the tags that every logger of a run gives them.
     """
     return {f"{prefix}/{k}": v for k, v in values.items() if k != "step" and type(v) in (int, float)}
 
@@ -165,9 +179,10 @@ PROJECT = "bayesncl-pyro"
 
 
 class WandbLog:
+    """A run's records, evaluation and config logged to a Weights & Biases run."""
     def __init__(self, run_dir: str | os.PathLike, config: dict):
         try:
-            import wandb
+            import wandb  # late: an optional extra
         except ImportError:
             raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
                             "leave --wandb out") from None
@@ -180,7 +195,8 @@ class WandbLog:
         except Exception as e:  # no login in online mode, a server that refuses: say it in one line
             cause = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"--wandb: W&B did not start a run ({cause}); log in with `wandb login`, or export "
-                            "WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`") from None
+                            "WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`"
+                            ) from None
         atomic_save(f"{run_id}\n".encode(), id_file)
 
     def record(self, rec: dict, inclusion: torch.Tensor | None = None):
@@ -191,10 +207,12 @@ class WandbLog:
         self.run.log(values, step=rec["step"])
 
     def evaluation(self, results: dict, step: int):
+        """Log the evaluation's numeric results at ``step`` under ``eval/``."""
         values = scalars("eval", results)
         self.run.log(values, step=step)
         self.run.summary.update(values)
 
     def close(self):
+        """Finish the W&B run and stop its service."""
         self.run.finish()
         self.wandb.teardown()  # its service writes the last records when it stops: the folder is complete now

@@ -1,4 +1,6 @@
-"""What a command line may take from the user's own code: an object named ``package.module:name`` (a backbone,
+"""What a command line may take from the user's own code, and the flags of run-folder scripts.
+
+An object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
 checked against the constructor they are for and converted to the types it declares; and the flags by which a script
 that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``).
@@ -15,11 +17,14 @@ _TYPES = {t.__name__: t for t in (int, float, bool, str)}
 
 
 class Registry(dict):
-    """Name -> the class or builder of one kind (priors, gate estimators, backbones) that a command-line flag
-    names; ``@registry.register("name")`` adds one (a class also gets ``name`` as its ``.name``).
+    """Name -> the class or builder of one kind that a command-line flag names.
+
+    Kinds: priors, gate estimators, backbones. ``@registry.register("name")`` adds one (a class also gets ``name`` as
+    its ``.name``).
     """
 
     def register(self, name: str):
+        """Decorator that registers its class or builder under ``name``."""
         def add(obj):
             if isinstance(obj, type):
                 obj.name = name
@@ -38,7 +43,9 @@ def is_spec(name: str) -> bool:
 
 
 def import_spec(spec: str, flag: str):
-    """The object that ``spec`` (``package.module:name``) names; ``flag`` (e.g. ``--prior``) heads the message
+    """The object that ``spec`` (``package.module:name``) names.
+
+    ``flag`` (e.g. ``--prior``) heads the message
     of a spec that does not import.
     """
     module_name, _, attr = spec.partition(":")
@@ -57,8 +64,9 @@ def import_spec(spec: str, flag: str):
 
 
 def typed_kwargs(fn, given: dict, fixed: dict[str, str], what: str, flag: str) -> dict:
-    """``given`` (name -> value, as text or already typed) checked against the keyword parameters of ``fn``
-    and converted to the type of each one's annotation (or default).
+    """``given`` checked against the keyword parameters of ``fn`` and converted to their types.
+
+    ``given``: name -> value, as text or already typed; a type is the annotation's, or the default's.
 
     ``fixed``: parameters that other options set (name -> that option), refused here; ``what`` names ``fn`` and
     ``flag`` the option in the messages.
@@ -80,7 +88,9 @@ def typed_kwargs(fn, given: dict, fixed: dict[str, str], what: str, flag: str) -
 
 
 def _convert(value, param: inspect.Parameter | None, context: str):
-    """``value`` as the type ``param`` declares (its annotation, else its default's type); text of an undeclared
+    """``value`` as the type ``param`` declares.
+
+    The type is the annotation, else the default's type; text of an undeclared
     type is read as a Python literal, or kept as text.
     """
     kind = None
@@ -114,7 +124,9 @@ def _convert(value, param: inspect.Parameter | None, context: str):
 
 
 def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
-    """The flags of a script that opens a run folder (``infer.learner.load_learner``): --trust-run, and --data-dir if it
+    """The flags of a script that opens a run folder.
+
+    For ``infer.learner.load_learner``: --trust-run, and --data-dir if it
     reads the run's data.
     """
     if data_dir:

@@ -1,5 +1,7 @@
-"""The generated "blue sky" benchmark: shapes (the classes) on textured backgrounds that every class shares,
-with both factors recorded per image. Nothing to download; deterministic given the seed.
+"""The generated "blue sky" benchmark: shapes on shared textured backgrounds.
+
+The shapes are the classes, the backgrounds are shared by every class; both factors are recorded per image. Nothing to
+download; deterministic given the seed.
 """
 
 from __future__ import annotations

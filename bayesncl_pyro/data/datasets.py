@@ -1,5 +1,6 @@
-"""Datasets: digits, CIFAR-10/100, any ImageFolder tree and ImageNet-100, all read from local files,
-and the generated compositional benchmark.
+"""The datasets, read from local files, and the generated compositional benchmark.
+
+Digits, CIFAR-10/100, any ImageFolder tree and ImageNet-100.
 
 Nothing here downloads: the machines this runs on are offline, so every dataset except the
 scikit-learn digits (bundled in its wheel) is read from a folder the user points at, and every
@@ -84,8 +85,8 @@ def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
 
 
 def _load_digits(seed: int) -> DataSpec:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from sklearn.datasets import load_digits  # late: only the digits need scikit-learn
+    from sklearn.model_selection import train_test_split  # late: as above
 
     digits = load_digits()
     # Pixel values are counts 0..16; stretch them to the uint8 range real images use.
@@ -136,8 +137,10 @@ def _load_cifar(name: str, root: Path, skip_bad: bool) -> DataSpec:
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles what CIFAR's files hold, dicts, lists, bytes, text, numbers and numpy arrays, and refuses any other
-    object: a pickle names the functions it calls, and a data folder may be someone else's.
+    """An unpickler that reads CIFAR's files and refuses any other object.
+
+    CIFAR's files hold dicts, lists, bytes, text, numbers and numpy arrays; anything else is refused: a pickle names the
+    functions it calls, and a data folder may be someone else's.
     """
 
     _ARRAYS = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
@@ -178,7 +181,9 @@ def _entry(path: Path, key: str):
 
 
 def _cifar_pickles(paths: list[Path], label_key: str, num_classes: int) -> TensorImages:
-    """The images and labels of CIFAR batch files, checked now, before any training: rows of 3072 bytes (the 1024
+    """Read and check the images and labels of CIFAR batch files.
+
+    Checked now, before any training: rows of 3072 bytes (the 1024
     red pixels row-major, then green, then blue), one label in [0, num_classes) per row.
     """
     images, labels = [], []
@@ -204,7 +209,8 @@ def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
     present = [s for s in _HELD_OUT_SPLITS if (root / s).is_dir()]
     if not (root / "train").is_dir() or len(present) != 1:
         found = sorted(p.name for p in root.iterdir() if p.is_dir())
-        raise UserError(f"{root} should hold train/ and exactly one of val/ or test/ (found folders: {found or 'none'})")
+        raise UserError(f"{root} should hold train/ and exactly one of val/ or test/ "
+                        f"(found folders: {found or 'none'})")
     train = _scan_split(root / "train")
     test = _scan_split(root / present[0])
     if train.keys() != test.keys():
@@ -217,8 +223,10 @@ def _load_image_folder(root: Path, skip_bad: bool) -> DataSpec:
 
 
 def _text(name: str) -> str:
-    """A folder's name as text every writer takes: bytes that are not UTF-8 (which Python keeps as lone
-    surrogates, and a UTF-8 file, netCDF or JSON writer refuses) as backslash escapes, e.g. caf\\xe9.
+    r"""A folder's name as text that every writer takes.
+
+    Bytes that are not UTF-8 (which Python keeps as lone surrogates, and a UTF-8 file, netCDF or JSON writer
+    refuses) become backslash escapes, e.g. caf\xe9.
     """
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
@@ -284,8 +292,9 @@ def _load_in100(root: Path, skip_bad: bool) -> DataSpec:
         if not split_dir.is_dir():
             raise UserError(f"{root} has no {split}/ folder; expected {_EXPECTED_LAYOUT['in100']}")
         if split == "val" and (loose := _loose_images(split_dir)):
-            raise UserError(f"{split_dir} holds {loose} image files directly; validation images must be sorted into "
-                            "val/<wnid>/ class folders (e.g. with the common valprep.sh script or LOC_val_solution.csv)")
+            raise UserError(f"{split_dir} holds {loose} image files directly; validation images must be sorted "
+                            "into val/<wnid>/ class folders (e.g. with the common valprep.sh script or "
+                            "LOC_val_solution.csv)")
         # Only the listed folders are scanned: a full ImageNet has 900 more we do not need.
         missing = [c for c in classes if not (split_dir / c).is_dir()]
         if missing:

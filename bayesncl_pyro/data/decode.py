@@ -1,4 +1,6 @@
-"""Image files as the training device decodes them (``--augment device``): DataLoader workers read a batch's files
+"""Image files decoded in batches on the training device (``--augment device``).
+
+DataLoader workers read a batch's files
 into one tensor (``EncodedBatch``), the training process decodes its JPEGs together on its device with the first
 installed decoder that works there (``JPEG_DECODERS``): nvImageCodec's (with libjpeg's smooth chroma upsampling, so
 its pixels are PIL's), TorchCodec's, torchvision's.
@@ -29,7 +31,9 @@ from bayesncl_pyro.errors import UserError
 
 
 class EncodedBatch:
-    """A batch of ``EncodedImages`` items in one uint8 tensor, as a DataLoader worker sends it (``collate_fn``):
+    """A batch of ``EncodedImages`` items in one uint8 tensor, as a DataLoader worker sends it.
+
+    Made by ``collate_fn``:
     ``data`` holds each item's data (a JPEG's bytes, or the image the worker decoded) one after another, ``shapes``
     their shapes, ``files`` the index of each item's file. Iterating gives the items back, as views of ``data``.
 
@@ -56,8 +60,9 @@ class EncodedBatch:
 
 
 class EncodedImages(Dataset):
-    """The files of an image-file split (``ImageFiles``, or a ``Subset`` of one) for batched decoding on the
-    training device (``--augment device``).
+    """The files of an image-file split, read for batched decoding on the training device.
+
+    The split is an ``ImageFiles``, or a ``Subset`` of one; used with ``--augment device``.
 
     DataLoader workers only read: item i is ``(data, j)``, ``j`` the index in ``files`` of the file read (i's,
     or the next readable one when ``skip_bad`` skips it) and ``data`` the file's bytes (1-D uint8) when it is
@@ -82,7 +87,9 @@ class EncodedImages(Dataset):
         return data, j
 
     def decode(self, batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:
-        """A batch -> uint8 ``3 x H_i x W_i`` images on ``device``: the JPEGs decoded together there (nvJPEG on
+        """Decode a batch into uint8 ``3 x H_i x W_i`` images on ``device``.
+
+        The JPEGs are decoded together there (nvJPEG on
         CUDA). If that fails, the culprits are found by decoding one by one and read again like the worker
         path does (PIL): a file PIL can decode is used, a corrupt one raises the same ``UserError`` naming
         it, or with ``skip_bad`` is skipped and logged alike.
@@ -109,7 +116,9 @@ _ORIENTATION = 0x0112  # the EXIF tag of the rotation a viewer applies; PIL, lik
 
 
 def _read_encoded(path: Path) -> torch.Tensor:
-    """``EncodedImages``'s item data for one file: its bytes if it is a colour JPEG without an EXIF rotation (TorchCodec
+    """``EncodedImages``'s item data for one file: its JPEG bytes, or the decoded image.
+
+    The bytes if it is a colour JPEG without an EXIF rotation (TorchCodec
     applies one, where the worker path does not), else the image.
     """
     try:
@@ -127,14 +136,18 @@ def _read_decoded(path: Path) -> torch.Tensor:
 
 
 def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A worker-decoded image on ``device``: on CUDA from pinned memory, so the copy is queued, not waited for (the
+    """Move a worker-decoded image to ``device`` without waiting for the copy.
+
+    On CUDA from pinned memory, so the copy is queued, not waited for (the
     caching host allocator keeps that memory until the copy has run).
     """
     return image.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else image.to(device)
 
 
 class JpegDecoder(NamedTuple):
-    """A library's JPEG decoder: ``decode(jpegs, device)``, a list of 1-D uint8 CPU tensors -> their RGB images, uint8
+    """A library's batched JPEG decoder.
+
+    ``decode(jpegs, device)``: a list of 1-D uint8 CPU tensors -> their RGB images, uint8
     ``3 x H x W`` on ``device``, decoded in one call (on CUDA, by nvJPEG in batches, on the current stream's device).
     """
 
@@ -147,40 +160,45 @@ class JpegDecoder(NamedTuple):
 
 
 def _installed_decoders() -> list[JpegDecoder]:
-    """The JPEG decoders installed, preferred first: nvImageCodec's (smooth chroma upsampling, as PIL's libjpeg),
+    """The JPEG decoders installed, preferred first.
+
+    nvImageCodec's (smooth chroma upsampling, as PIL's libjpeg),
     TorchCodec's (from 0.16), to which torchvision's moved, then torchvision's (deprecated by torchvision 0.29, to be
     removed). TorchCodec's writes from a stream of its own whatever its version says (0.17 does).
     """
     found = []
     try:
-        from nvidia import nvimgcodec
+        from nvidia import nvimgcodec  # late: each decoder is optional, looked for when asked
     except (ImportError, OSError, RuntimeError):
         pass
     else:
         found.append(JpegDecoder(f"nvImageCodec {nvimgcodec.__version__}", _NvImageCodec(nvimgcodec), False))
     try:
-        import torchcodec
-        from torchcodec.decoders import decode_jpeg as codec_decode
+        import torchcodec  # late: as above
+        from torchcodec.decoders import decode_jpeg as codec_decode  # late: as above
     except (ImportError, OSError, RuntimeError):  # missing, older than 0.16, or its libraries do not load here
         pass
     else:
         found.append(JpegDecoder(f"TorchCodec {torchcodec.__version__}",
                                  lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), True))
     try:
-        from torchvision.io import ImageReadMode
-        from torchvision.io import decode_jpeg as vision_decode
+        from torchvision.io import ImageReadMode  # late: as above
+        from torchvision.io import decode_jpeg as vision_decode  # late: as above
     except ImportError:
         pass
     else:
         found.append(JpegDecoder(f"torchvision {torchvision.__version__}",
-                                 lambda jpegs, device: vision_decode(jpegs, mode=ImageReadMode.RGB, device=device), True))
+                                 lambda jpegs, device: vision_decode(jpegs, mode=ImageReadMode.RGB, device=device),
+                                 True))
     return found
 
 
 class _NvImageCodec:
-    """nvImageCodec's batched decode: planar RGB, EXIF rotations not applied (as PIL, the worker path's reader), and
-    ``fancy_upsampling``: 4:2:0 chroma interpolated as libjpeg does (nvJPEG's default replicates it, 2 of 255 off
-    PIL's on photos, 16 on 32 px images). On CUDA in the current stream's order; a JPEG it cannot decode fails the
+    """nvImageCodec's batched JPEG decode, with PIL's chroma upsampling.
+
+    Planar RGB, EXIF rotations not applied (as PIL, the worker path's reader), and
+    ``fancy_upsampling``: 4:2:0 chroma interpolated as libjpeg does (nvJPEG's default replicates it, whose
+    pixels differ from PIL's). On CUDA in the current stream's order; a JPEG it cannot decode fails the
     batch (``_decode_jpegs`` then finds which). It answers None for an image whether the file is bad or it cannot
     decode on the device at all (0.9 without a GPU: 'Unable to get device count'), so a failed batch is told apart by a
     JPEG known to be good: failing too, it raises what ``_decode`` takes for a decoder that cannot work there.
@@ -222,13 +240,16 @@ def _good_jpeg() -> torch.Tensor:
 JPEG_DECODERS = _installed_decoders()
 _CANNOT = {}  # (device, decoder name) -> why that decoder cannot decode on that device (_decode)
 
-_ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF "
-                        "backend:cudaMallocAsync), under which memory that other CUDA streams still use can be handed "
-                        "to the outputs of its nvJPEG decoder, which writes them from a stream of its own")
+_ASYNC_ALLOCATOR_NOTE = ("the cudaMallocAsync allocator backend is selected (PYTORCH_CUDA_ALLOC_CONF or "
+                        "PYTORCH_ALLOC_CONF backend:cudaMallocAsync), under which memory that other CUDA streams "
+                        "still use can be handed to the outputs of its nvJPEG decoder, which writes them from a "
+                        "stream of its own")
 
 
 def jpeg_decoders(device: torch.device) -> list[JpegDecoder]:
-    """The decoders that may decode JPEGs on ``device``, preferred first: those installed, less any found unable to
+    """The decoders that may decode JPEGs on ``device``, preferred first.
+
+    Those installed, less any found unable to
     there (``_decode``), and on CUDA under the cudaMallocAsync backend less those that write PyTorch's memory from a
     stream of their own: that backend's pool may give the decoding stream a block that another stream frees, with a
     dependency on that stream inserted into the decoding stream only, which the decoder's own stream does not
@@ -239,8 +260,9 @@ def jpeg_decoders(device: torch.device) -> list[JpegDecoder]:
 
 
 def no_jpeg_decoder(device: torch.device) -> str | None:
-    """Why no JPEG can be decoded in the training process on ``device`` (the loader workers decode them then), or
-    None when one can.
+    """Why no JPEG can be decoded in the training process on ``device``, or None when one can.
+
+    When none can, the loader workers decode the JPEGs.
     """
     if jpeg_decoders(device):
         return None
@@ -251,8 +273,10 @@ def no_jpeg_decoder(device: torch.device) -> str | None:
 
 
 def _decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor | None], str | None]:
-    """(the JPEGs decoded together on ``device``, None); if that fails, (the JPEGs decoded one by one, with None for
-    each that fails, the batch's error). Running out of memory, and a decoder that cannot decode on ``device`` when
+    """Decode JPEGs together on ``device``, one by one if that fails.
+
+    Returns (the JPEGs decoded together on ``device``, None); if that fails, (the JPEGs decoded one by one, with None
+    for each that fails, the batch's error). Running out of memory, and a decoder that cannot decode on ``device`` when
     no other can, raise instead: neither is a bad file, and the fallback would hide them.
 
     A decode that fails part-way may leave nvJPEG writing into outputs the decoder has already freed (torchvision's,
@@ -293,9 +317,10 @@ _TORCH_CALL_FAILED = "API call failed at"
 
 
 def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``encoded`` (a non-empty list) decoded on ``device`` by the first of ``jpeg_decoders(device)`` that can decode
-    there (``_decode_jpegs``), on CUDA on the decoding stream (``_on_decode_stream``); its failures on the data are
-    ``_Undecodable``.
+    """Decode ``encoded`` on ``device`` with the first decoder that works there.
+
+    ``encoded`` is a non-empty list; the decoders are ``jpeg_decoders(device)``'s (``_decode_jpegs``), run on CUDA on
+    the decoding stream (``_on_decode_stream``); its failures on the data are ``_Undecodable``.
     """
     for decoder in jpeg_decoders(device):
         try:
@@ -343,8 +368,10 @@ def decode_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _on_decode_stream(decoder: JpegDecoder, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``decoder`` on ``encoded`` with ``decode_stream(device)`` current, its images handed to the caller's current
-    stream, which waits for the decoding stream with an event (on the GPU; the host waits for nothing).
+    """Run ``decoder`` on the decoding stream and hand its images to the caller's stream.
+
+    The decoding stream is ``decode_stream(device)``; the caller's current stream waits for the decoding stream with an
+    event (on the GPU; the host waits for nothing).
 
     The race this avoids (seen on the GPU machine: NaNs in training, decoded pixels off by up to 85/255):
     TorchCodec's and torchvision's nvJPEG allocate their images on the current stream and write them from a stream

@@ -1,7 +1,7 @@
 """SimCLR's augmentation of a whole batch at once, on the training device (``--augment device``).
 
 The worker path (``views.simclr_transform`` in DataLoader workers) decodes and augments one image at a
-time on the CPU, which caps a 16-core GPU machine near 1000-1500 images/s at 224 px. Here the training
+time on the CPU, which caps the images per second of a GPU machine at what its CPU cores can augment. Here the training
 process gets the batch's images (held on the device, or decoded there: ``decode.EncodedImages.decode``) and
 draws both views of every image with whole-batch kernels: the recipe of ``simclr_transform`` for colour images
 (the constants in ``recipe.py``), with three differences:
@@ -66,8 +66,10 @@ OUTLIER = 1.25
 
 
 class ViewParams:
-    """The random parameters of the views of batches of ``n`` images, and the images' sizes (``n x 2``: height,
-    width) and, for a training set held on the device, their rows, in one byte buffer of typed fields.
+    """The random parameters of a batch's views, and its images' sizes and rows, in one byte buffer.
+
+    Batches of ``n`` images; sizes ``n x 2`` (height, width); rows only for a training set held on the device. The
+    buffer holds typed fields.
 
     ``draw`` fills it from a CPU generator with exactly the draws the views have always been made from (the same
     calls, shapes and order: the crops' area and aspect tries and their corner, the four jitter factors, the
@@ -111,7 +113,8 @@ class ViewParams:
 
     def draw(self, generator: torch.Generator | None, sizes: torch.Tensor | None = None,
              rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The next batch's parameters, drawn on the CPU into the next host buffer, which is returned (its fields).
+        """Draw the next batch's parameters on the CPU into the next host buffer and return its fields.
+
         ``sizes`` (``n x 2``) is written only when given: a training set of one size sets it once.
         """
         self.slot = (self.slot + 1) % len(self.host)
@@ -157,8 +160,10 @@ _JITTER_RANGES = [(max(0, 1 - f), 1 + f) for f in JITTER[:3]] + [(-JITTER[3], JI
 
 
 class ViewChain:
-    """Both views of a batch of ``n`` images as a pure function of the images (``n x C x H x W`` of values 0-255, one
-    size or padded: ``padded_batch``) and the device fields of ``ViewParams`` -> ``2n x C x size x size`` of
+    """Both views of a batch of images as a pure function of the images and the view parameters.
+
+    The images are ``n x C x H x W`` of values 0-255, of one size or padded (``padded_batch``); the parameters are
+    the device fields of ``ViewParams``; out: ``2n x C x size x size`` of
     ``dtype`` in ``memory_format``, rows ``[view 1 of every image; view 2 of every image]``, normalised like
     ``views.simclr_transform``. ``channels`` 1 is the gentle recipe of one-channel images (digits): crop scale
     0.5-1, brightness and contrast jitter only, no grayscale, no flip, mean and std 0.5.
@@ -185,6 +190,7 @@ class ViewChain:
 
     def __call__(self, images: torch.Tensor, p: dict[str, torch.Tensor], order: list[int] | None = None
                  ) -> torch.Tensor:
+        """Both views of ``images`` drawn with the parameters ``p``: ``resize``, then ``augment``."""
         return self.augment(self.resize(images, p), p, order)
 
     def resize(self, images: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -220,8 +226,10 @@ _OPS = ("brightness", "contrast", "saturation", "hue")
 
 
 def jitter_in_order(x: torch.Tensor, factors: torch.Tensor, jittered: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """ColorJitter's ops (``factors``: 4 x V, 1 for the three blends of a view not jittered) in ``order``, a list on the
-    host: today's gather/scatter order of float operations, on every view.
+    """Apply ColorJitter's ops in ``order``, a list on the host.
+
+    ``factors``: 4 x V, 1 for the three blends of a view not jittered. Every view gets the float operations, in the
+    order of the gather/scatter version.
     """
     for k in order:
         if k == 3:
@@ -233,7 +241,9 @@ def jitter_in_order(x: torch.Tensor, factors: torch.Tensor, jittered: torch.Tens
 
 def jitter_in_slots(x: torch.Tensor, factors: torch.Tensor, jittered: torch.Tensor, order: torch.Tensor
                     ) -> torch.Tensor:
-    """``jitter_in_order`` with the order a device tensor: a static sequence of ops, the same bits. Every blend is
+    """``jitter_in_order`` with the order a device tensor: a static sequence of ops, the same bits.
+
+    Every blend is
     ``blend(x, a, b, c)``: brightness (f, 0, 0), contrast (f, 0, 1 - f), saturation (f, 1 - f, 0), none (1, 0, 0),
     which adds zeros exactly where a blend has no such term. Colour images get three blend slots, the hue, three
     more: the ops drawn before the hue fill the first slots, those after it the last, none the rest; digits' two
@@ -265,7 +275,9 @@ def _per_image(f: torch.Tensor) -> torch.Tensor:
 
 def blend(x: torch.Tensor, a: torch.Tensor, gray: torch.Tensor | None = None, mean: torch.Tensor | None = None
           ) -> torch.Tensor:
-    """``clamp(a x + gray * luma(x) + mean * mean luma(x), 0, 1)``, image by image (each a length-B tensor; None:
+    """Blend each image with its luma and mean luma, then clamp to [0, 1].
+
+    Computes ``clamp(a x + gray * luma(x) + mean * mean luma(x), 0, 1)``, image by image (each a length-B tensor; None:
     no such term), summed in that order: ColorJitter's brightness, contrast and saturation.
     """
     y = _per_image(a) * x
@@ -279,6 +291,7 @@ def blend(x: torch.Tensor, a: torch.Tensor, gray: torch.Tensor | None = None, me
 
 
 def adjust_brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Scale each image by its factor (ColorJitter's brightness)."""
     return blend(x, f)
 
 
@@ -315,7 +328,9 @@ def adjust_hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 def band_matrices(taps: torch.Tensor, n: int) -> torch.Tensor:
-    """``B x n x n``: matrix b is the 1-D convolution with ``taps[b]`` (``B x k``, centred) of a length-``n``
+    """Reflect-padded 1-D convolution matrices, one per row of ``taps``.
+
+    ``B x n x n``: matrix b is the 1-D convolution with ``taps[b]`` (``B x k``, centred) of a length-``n``
     signal reflected at its ends (``n`` > half the taps, as ``blur_kernel`` makes sure), as torchvision pads.
     """
     k = taps.shape[-1]
@@ -326,8 +341,10 @@ def band_matrices(taps: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """Blur image i with a ``kernel_size`` Gaussian of standard deviation ``sigma[i]`` (pixels), reflecting at the
-    borders: a product with a band matrix on each side.
+    """Gaussian blur of each image with its own sigma, reflecting at the borders.
+
+    The Gaussian has ``kernel_size`` taps and standard deviation ``sigma[i]`` (pixels) for image i; a product with a
+    band matrix on each side.
     """
     taps = blur_taps(sigma, kernel_size).to(x.dtype)
     rows, cols = band_matrices(taps, x.shape[-2]), band_matrices(taps, x.shape[-1])
@@ -338,8 +355,9 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> tor
 
 
 def crop_boxes(sizes: torch.Tensor, generator: torch.Generator, scale=CROP_SCALE, ratio=CROP_RATIO) -> torch.Tensor:
-    """RandomResizedCrop's boxes for images of ``sizes`` (``N x 2``: height, width) -> ``N x 4`` long (top, left,
-    height, width), drawn as ``ViewParams`` draws them (``boxes_from_draws``).
+    """RandomResizedCrop's boxes for images of ``sizes``, drawn as ``ViewParams`` draws them.
+
+    ``sizes`` (``N x 2``: height, width) -> ``N x 4`` long (top, left, height, width), via ``boxes_from_draws``.
     """
     n = len(sizes)
     area = torch.empty(n, TRIES, dtype=torch.double).uniform_(*scale, generator=generator)
@@ -350,7 +368,9 @@ def crop_boxes(sizes: torch.Tensor, generator: torch.Generator, scale=CROP_SCALE
 
 def boxes_from_draws(sizes: torch.Tensor, area: torch.Tensor, log_ratio: torch.Tensor, corner: torch.Tensor,
                      ratio=CROP_RATIO) -> torch.Tensor:
-    """RandomResizedCrop's boxes, as torchvision draws them, for all images at once: ``sizes`` (``N x 2``), from
+    """RandomResizedCrop's boxes, as torchvision draws them, for all images at once.
+
+    ``sizes`` (``N x 2``), from
     ``TRIES`` uniform draws per image of the area (a share of the image's) and of the log aspect, and a uniform
     ``corner`` (``N x 2``) -> ``N x 4`` long (top, left, height, width): the first try that fits the image, else the
     central crop of the clamped aspect. On the device of the draws; in float64, whose rounding decides a side only
@@ -375,21 +395,23 @@ def boxes_from_draws(sizes: torch.Tensor, area: torch.Tensor, log_ratio: torch.T
 
 
 def resized_crop(images: torch.Tensor | list[torch.Tensor], boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """Crop ``boxes[v]`` (top, left, height, width) of image ``v % N`` and resize it to ``size x size`` (bicubic,
-    antialiased, like RandomResizedCrop) -> float ``V x C x size x size``; ``V`` is a multiple of the number of
-    images N (SimCLR: two boxes per image), ``boxes`` on the images' device.
+    """Crop each box of its image and resize it to ``size x size`` (bicubic, antialiased).
+
+    Box ``boxes[v]`` (top, left, height, width) is of image ``v % N``, resized like RandomResizedCrop -> float ``V x C x
+    size x size``; ``V`` is a multiple of the number of images N (SimCLR: two boxes per image), ``boxes`` on the images'
+    device.
 
     ``images`` as one ``N x C x H x W`` tensor (of one size, or padded: the boxes lie inside each image's own size):
     all crops in two batched matrix products, ``resize_matrix`` rows x image x columns: a few kernels per batch
     whatever its size. As a list of ``C x H_i x W_i`` images (``boxes`` on the CPU): one interpolation per view,
-    2x faster on a CPU than the dense products for one image (what a DataLoader worker resizes, and an image too
+    faster on a CPU than the dense products for one image (what a DataLoader worker resizes, and an image too
     large to pad its batch to: ``padded_batch``).
     """
     if isinstance(images, list):
         return torch.cat([
             F.interpolate(images[v % len(images)][None, :, t:t + h, l:l + w].float(), size=(size, size),
                           mode="bicubic", antialias=True)
-            for v, (t, l, h, w) in enumerate(boxes.tolist())])
+            for v, (t, l, h, w) in enumerate(boxes.tolist())])  # noqa: E741 (top, left, height, width)
     n, c, height, width = images.shape
     views = len(boxes)
     top, left, h, w = boxes.unbind(1)
@@ -402,7 +424,9 @@ def resized_crop(images: torch.Tensor | list[torch.Tensor], boxes: torch.Tensor,
 
 
 def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: int) -> torch.Tensor:
-    """``V x size x extent``: row s of matrix v holds the weights that PyTorch's antialiased bicubic resize
+    """The matrices of PyTorch's antialiased bicubic resize of crops of one axis.
+
+    ``V x size x extent``: row s of matrix v holds the weights that PyTorch's antialiased bicubic resize
     (``F.interpolate(..., mode="bicubic", antialias=True)``, as torchvision's resize calls it) gives pixels
     ``start[v] ... start[v] + length[v] - 1`` of an axis of ``extent`` pixels for output pixel s of ``size``:
     Keys' cubic (a = -0.5) stretched by the scale when shrinking, cut at its support and normalised to sum
@@ -424,7 +448,9 @@ def resize_matrix(start: torch.Tensor, length: torch.Tensor, size: int, extent: 
 
 
 def padded_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """uint8 ``C x H_i x W_i`` images of any sizes -> (one uint8 ``N x C x H x W`` tensor of them, zero below and
+    """Pad images of any sizes into one uint8 tensor, leaving out the few far larger ones.
+
+    uint8 ``C x H_i x W_i`` images -> (one uint8 ``N x C x H x W`` tensor of them, zero below and
     right of each, its sides rounded up to multiples of ``BUCKET``, so that batches share a few shapes; the indices of
     the images left out of it). An image with a side above ``OUTLIER`` times the batch's median side (ImageNet's rare
     multi-megapixel photos) would multiply the batch's memory and arithmetic: it is left out (a 1 x 1 pixel stands
@@ -451,7 +477,9 @@ def _bucket(side: float) -> int:
 
 
 class BatchViews:
-    """Both SimCLR views of batches of ``n`` images on ``device`` (``ViewParams`` drawn, then ``ViewChain``):
+    """Both SimCLR views of batches of ``n`` images on ``device``.
+
+    ``ViewParams`` drawn, then ``ViewChain``:
     ``views(images, generator)``, ``images`` one uint8 ``n x C x H x W`` tensor (of one size) or a list of
     ``C x H_i x W_i`` images (padded: ``padded_batch``); ``views(images, generator, rows)``: the batch is rows
     ``rows`` (a CPU long tensor) of a set ``images`` held on the device (``rows=True`` here). The parameter buffers are
@@ -472,6 +500,7 @@ class BatchViews:
 
     def __call__(self, images: torch.Tensor | list[torch.Tensor], generator: torch.Generator | None,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Both views of a batch (``images``, or rows ``rows`` of a held set), drawn from ``generator``."""
         outliers = []
         if isinstance(images, list):
             sizes = torch.tensor([image.shape[-2:] for image in images], dtype=torch.float64)
@@ -489,8 +518,9 @@ class BatchViews:
         return self.augment(x, p, None if self.chain.static else host["order"].tolist())
 
     def resize_alone(self, x: torch.Tensor, images: list[torch.Tensor], k: int, host: dict[str, torch.Tensor]):
-        """Write the resized views of ``images[k]``, left out of the padded batch, into its rows of ``x``, its boxes
-        computed on the host from the host parameters.
+        """Write the resized views of an image left out of the padded batch into its rows of ``x``.
+
+        The image is ``images[k]``; its boxes are computed on the host from the host parameters.
         """
         views = [k, k + len(images)]
         boxes = boxes_from_draws(host["sizes"][[k, k]], host["area"][views], host["log_ratio"][views],
@@ -502,7 +532,9 @@ class BatchViews:
 
 def simclr_views(images: torch.Tensor | list[torch.Tensor], size: int, generator: torch.Generator | None,
                  channels: int = 3) -> torch.Tensor:
-    """Two SimCLR views of each of N uint8 images -> float ``2N x C x size x size`` (``BatchViews``, made for this one
+    """Two SimCLR views of each of N uint8 images.
+
+    Out: float ``2N x C x size x size`` (``BatchViews``, made for this one
     batch), the rows ``[view 1 of every image; view 2 of every image]``.
     """
     device = images.device if isinstance(images, torch.Tensor) else images[0].device

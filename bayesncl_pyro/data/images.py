@@ -1,5 +1,6 @@
-"""What a split holds: images in memory (``TensorImages``) or image files read lazily (``ImageFiles``), and
-the ``DataSpec`` of a dataset's two splits.
+"""What a split holds, in memory or as files read lazily, and a dataset's two splits.
+
+``TensorImages`` (in memory), ``ImageFiles`` (files read lazily) and ``DataSpec`` (a dataset's two splits).
 
 Items are ``(image, label)`` with ``image`` either a PIL RGB image (image files) or a uint8 tensor
 ``C x H x W`` (digits, CIFAR pickles, the generated benchmark); the view makers accept both.
@@ -34,6 +35,7 @@ class DataSpec:
 
     @property
     def num_classes(self) -> int:
+        """The number of classes."""
         return len(self.classes)
 
 
@@ -81,8 +83,10 @@ class ImageFiles(Dataset):
         return image, label
 
     def read(self, i: int, opener: Callable[[Path], Any]) -> tuple[Any, int, int]:
-        """``(opener(path), label, j)`` of file ``j = i``, or with ``skip_bad`` of the first file from i on
-        (cyclically) that ``opener`` reads without a ``UserError``, the ones before it recorded as bad.
+        """Read file ``i`` with ``opener``, or with ``skip_bad`` the first readable file from ``i`` on.
+
+        Returns ``(opener(path), label, j)``; with ``skip_bad``, j is the first file from i on (cyclically) that
+        ``opener`` reads without a ``UserError``, the ones before it recorded as bad.
         """
         n = len(self.samples)
         if not -n <= i < n:
@@ -98,12 +102,14 @@ class ImageFiles(Dataset):
                     self.bad_files.append(str(path))
                     if self.bad_log is not None:  # as bytes: a name need not be UTF-8
                         append_line(os.fsencode(path), self.bad_log)
-        raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); check the data folder")
+        raise UserError(f"none of the {n} images could be read (first bad file: {self.bad_files[0]}); "
+                        "check the data folder")
 
 
 def open_image(path: Path, advice: str = "") -> Image.Image:
-    """The image at ``path``, decoded in full here, so that a truncated file fails now, with its path (and
-    ``advice``, the caller's way out, in the message).
+    """The image at ``path``, decoded in full here, so that a truncated file fails now.
+
+    The error names the path, and ``advice``, the caller's way out.
     """
     try:
         with Image.open(path) as image:
@@ -114,6 +120,7 @@ def open_image(path: Path, advice: str = "") -> Image.Image:
 
 
 def open_rgb(path: Path) -> Image.Image:
+    """The RGB image at ``path``; a bad file raises a ``UserError`` that says how to skip it."""
     image = open_image(path, "; delete or replace it, or skip such files with --skip-bad-images (skip_bad=True)")
     return image if image.mode == "RGB" else image.convert("RGB")  # convert() would copy an RGB image
 

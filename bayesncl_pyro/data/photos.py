@@ -1,4 +1,6 @@
-"""Generated photo-like images, for the decoders' benchmark, the GPU check and the tests: smooth random colour
+"""Generated photo-like images, for the decoders' benchmark, the GPU check and the tests.
+
+Smooth random colour
 with noise, which JPEG compresses about as it does a photograph (a flat colour it would compress to nothing).
 """
 
@@ -12,7 +14,9 @@ from PIL import Image
 
 
 def photo(seed: int, size: tuple[int, int] | None = None) -> Image.Image:
-    """An RGB image of ``size`` = (width, height), by default drawn from ``seed`` in ImageNet's usual 400-500 x
+    """A photo-like RGB image drawn from ``seed``.
+
+    ``size`` = (width, height), by default drawn from ``seed`` in ImageNet's usual 400-500 x
     300-375 px: random colours on a 16 x 12 grid, upsampled bicubically, with Gaussian noise of sd 12.
     """
     rng = np.random.default_rng(seed)
@@ -32,7 +36,9 @@ def _write(job: tuple[Path, int, tuple[int, int] | None]):
 
 
 def write_photo_folder(root: Path, n: int, size: tuple[int, int] | None = None) -> Path:
-    """An image folder of ``n`` JPEGs (quality 90), ``root/{train,test}/c<i % 10>/<i>.jpg`` holding ``photo(i,
+    """Write an image folder of ``n`` generated JPEGs in 10 classes.
+
+    JPEG quality 90, ``root/{train,test}/c<i % 10>/<i>.jpg`` holding ``photo(i,
     size)``: 10 classes, each in both splits; written by one process per CPU.
     """
     with ProcessPoolExecutor(mp_context=multiprocessing.get_context("fork")) as pool:
@@ -41,10 +47,12 @@ def write_photo_folder(root: Path, n: int, size: tuple[int, int] | None = None) 
 
 
 def replicated_chroma(jpeg: bytes) -> np.ndarray:
-    """A 4:2:0 JPEG decoded as a decoder that replicates its chroma does (libjpeg's fast upsampling; nvJPEG's
-    default), ``H x W x 3`` uint8: the luma at full size, the chroma at its own half size (libjpeg's DCT scaling by
-    1/2 decodes chroma without upsampling it), each chroma pixel repeated 2 x 2, then PIL's YCbCr -> RGB. PIL's own
-    decode interpolates the chroma ("fancy" upsampling): the reference a check of a GPU decoder tells apart from it.
+    """A 4:2:0 JPEG decoded with replicated chroma, as nvJPEG's default does.
+
+    Replicated as libjpeg's fast upsampling does; ``H x W x 3`` uint8: the luma at full size, the chroma at its own half
+    size (libjpeg's DCT scaling by 1/2 decodes chroma without upsampling it), each chroma pixel repeated 2 x 2, then
+    PIL's YCbCr -> RGB. PIL's own decode interpolates the chroma ("fancy" upsampling): the reference a check of a GPU
+    decoder tells apart from it.
     """
     full = Image.open(io.BytesIO(jpeg))
     full.draft("YCbCr", full.size)

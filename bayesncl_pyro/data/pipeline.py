@@ -1,4 +1,6 @@
-"""The training steps' input: ``TrainingInput`` picks where the views are drawn and yields each step's 2B rows
+"""The training steps' input, in an order that a resumed run replays.
+
+``TrainingInput`` picks where the views are drawn and yields each step's 2B rows
 [view 1; view 2] on the training device, in the order ``EpochSampler`` gives, so that a resumed run gets the inputs
 of an uninterrupted one.
 
@@ -53,7 +55,9 @@ AHEAD = 2
 
 
 class TrainingInput:
-    """The inputs of the training steps of ``data.train`` under ``cfg`` on ``device`` (rank ``rank`` of ``world``:
+    """The inputs of the training steps, and where their views are drawn.
+
+    The steps are of ``data.train`` under ``cfg`` on ``device`` (rank ``rank`` of ``world``:
     its share of each global batch), and where their views are drawn (``views``): None, in the loader workers (per
     image, on the CPU); else on the device, in batches, of the training set held there when it fits (one size, small
     enough), else of the batch's files. ``--augment auto``: on the device when training on CUDA, whose GPU outpaces
@@ -85,7 +89,9 @@ class TrainingInput:
                                 f"{device.type} memory free; use --augment workers")
 
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]:
-        """The inputs of steps ``first`` + 1 to ``last``, on the device: 2B rows [view 1; view 2] each. Views drawn
+        """Yield the inputs of steps ``first`` + 1 to ``last`` on the device.
+
+        Each is 2B rows [view 1; view 2]. Views drawn
         on the device depend on (seed, step, rank) alone, so a resumed run draws the same ones; on CUDA they are
         drawn a batch ahead: for a set held there by CUDA graphs replayed from this thread, for files in the input
         pipeline's thread.
@@ -103,7 +109,9 @@ class TrainingInput:
                     return
 
     def loader(self, sampler: EpochSampler) -> Iterable:
-        """What the steps' inputs are made of, in ``sampler``'s order: index rows of the resident set, or a
+        """What the steps' inputs are made of, in ``sampler``'s order.
+
+        Index rows of the resident set, or a
         DataLoader of file bytes (``views``) or of views drawn in its workers.
         """
         cfg = self.cfg
@@ -134,7 +142,9 @@ class TrainingInput:
 
 
 class EpochSampler(Sampler):
-    """A permutation of the training set that depends only on (seed, epoch), started at batch ``start``:
+    """A permutation of the training set that depends only on (seed, epoch).
+
+    Started at batch ``start``:
     resuming mid-epoch replays exactly the remaining batches of the interrupted epoch. Yields
     ``epoch * n + i`` so that ``TwoViews`` can seed each item's augmentations by epoch and item.
     Under DDP rank r of W takes the r-th slice (batch_size / W items) of every global batch, so the
@@ -147,6 +157,7 @@ class EpochSampler(Sampler):
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0):
+        """Start epoch ``epoch`` at batch ``start_batch``."""
         self.epoch, self.start = epoch, start_batch
 
     def __iter__(self):
@@ -172,7 +183,9 @@ def view_generator(seed: int, step: int, rank: int) -> torch.Generator:
 
 
 class ResidentViews:
-    """Views of a training set held on the device: ``views(indices, step)``, ``indices`` a CPU long tensor; on CUDA
+    """Views of a training set held on the device.
+
+    ``views(indices, step)``, ``indices`` a CPU long tensor; on CUDA
     ``replayed`` draws a whole epoch's from CUDA graphs. Out in ``dtype`` and ``memory_format``; ``compile``: the
     views' chain is compiled (``torch.compile``) before it is captured.
     """
@@ -187,9 +200,11 @@ class ResidentViews:
         self.graphed: dict[int, _GraphedViews] = {}  # batch size -> its graphs (CUDA)
 
     def batches(self, sampler: Iterable[int], batch_size: int) -> IndexBatches:
+        """The sampler's indices in rows of ``batch_size`` (``IndexBatches``)."""
         return IndexBatches(sampler, batch_size, len(self.images))
 
     def __call__(self, indices: torch.Tensor, step: int) -> torch.Tensor:
+        """The views of rows ``indices`` of the held set, drawn from (seed, step, rank)."""
         if len(indices) not in self.drawn:
             self.drawn[len(indices)] = BatchViews(len(indices), self.image_size, self.images.shape[1],
                                                   self.images.device, rows=True, compile=self.compile, **self.form)
@@ -199,7 +214,9 @@ class ResidentViews:
         return torch.tensor([self.images.shape[-2:]], dtype=torch.float64).expand(n, 2)
 
     def replayed(self, batches: Iterable[torch.Tensor], first: int) -> Iterator[torch.Tensor]:
-        """On CUDA, the views of ``batches`` (index rows), the k-th those of step ``first`` + k + 1 (the same draws as
+        """On CUDA, the views of ``batches`` replayed from CUDA graphs, a batch ahead.
+
+        ``batches`` are index rows, the k-th those of step ``first`` + k + 1 (the same draws as
         ``views(indices, step)``): each batch is the replay of one of two CUDA graphs on the pipeline's stream, queued
         a batch ahead of the step that takes it, from this thread. A batch's tensor is rewritten two batches later:
         it is valid until the batch after it has been taken. When the iteration ends, each stream waits for the other
@@ -233,7 +250,9 @@ def _taken(x: torch.Tensor, ready: torch.cuda.Event, training: torch.cuda.Stream
 
 
 class _GraphedViews:
-    """The views of ``n`` rows of ``resident``'s set as two CUDA graphs, each writing its own output; their parameters
+    """The views of ``n`` rows of the held set as two CUDA graphs.
+
+    Each graph writes its own output; the parameters are
     drawn on the CPU (``ViewParams``), their jitter order read on the device (a static chain).
     """
 
@@ -264,7 +283,9 @@ class _GraphedViews:
 
     def launch(self, slot: int, indices: torch.Tensor, generator: torch.Generator, after: torch.cuda.Event
                ) -> torch.cuda.Event:
-        """Replay graph ``slot`` on the views of rows ``indices`` once the GPU has passed ``after``: the parameters
+        """Replay graph ``slot`` on the views of rows ``indices`` once the GPU has passed ``after``.
+
+        The parameters are
         drawn here, on the CPU, and copied over on the pipeline's stream; an event recorded after the replay.
         """
         self.params.draw(generator, rows=indices)
@@ -276,8 +297,10 @@ class _GraphedViews:
 
 
 class IndexBatches:
-    """A sampler's indices (which run past ``n`` to encode the epoch, ``EpochSampler``) in rows of ``batch_size``,
-    taken mod ``n``; a last, shorter row is dropped, as the DataLoader does with ``drop_last``.
+    """A sampler's indices in rows of ``batch_size``, taken mod ``n``.
+
+    The indices run past ``n`` to encode the epoch (``EpochSampler``); a last, shorter row is dropped, as the DataLoader
+    does with ``drop_last``.
     """
 
     def __init__(self, sampler: Iterable[int], batch_size: int, n: int):
@@ -292,7 +315,9 @@ class IndexBatches:
 
 
 class FileViews:
-    """Views of image files: ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items, decoded
+    """Views of image files decoded on the device.
+
+    ``views(batch, step)``, ``batch`` an ``EncodedBatch`` of ``EncodedImages`` items, decoded
     on the device and drawn from one padded batch (``device_views.padded_batch``). Out in ``dtype`` and
     ``memory_format``; ``compile``: the views' chain is compiled (``torch.compile``, static shapes: one compilation
     per padded shape).
@@ -306,6 +331,7 @@ class FileViews:
         self.drawn: dict[int, BatchViews] = {}  # batch size -> its views
 
     def __call__(self, batch: EncodedBatch, step: int) -> torch.Tensor:
+        """The views of ``batch``, decoded and drawn on the device from (seed, step, rank)."""
         if len(batch) not in self.drawn:
             self.drawn[len(batch)] = BatchViews(len(batch), self.image_size, 3, self.device, **self.form)
         return self.drawn[len(batch)](self.encoded.decode(batch, self.device),
@@ -314,7 +340,9 @@ class FileViews:
 
 def prefetch(batches: Iterable, make: Callable[[Any, int], torch.Tensor], device: torch.device,
              ahead: int = AHEAD) -> Iterator[torch.Tensor]:
-    """``make(batch, k)`` for the k-th of ``batches``, in order. With ``ahead`` > 0 they are made in a background
+    """``make(batch, k)`` for the k-th of ``batches``, in order, optionally made ahead in a thread.
+
+    With ``ahead`` > 0 they are made in a background
     thread (on its own stream on CUDA), at most ``ahead`` ahead of the consumer; with 0, here, when asked.
 
     The thread ends with the iteration, also when the consumer stops early (``break``, an exception: the
@@ -336,7 +364,9 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
-    """The input pipeline's stream on ``device``, one for the process: the caching allocator keeps freed blocks
+    """The input pipeline's stream on ``device``, one for the process.
+
+    The caching allocator keeps freed blocks
     per stream, so a new stream per epoch would cache another copy of the pipeline's working memory. It comes from
     PyTorch's stream pool, whose streams other users (torchvision's decoder, NCCL) may draw too: sharing one only
     serialises their work. Being non-blocking, it does not wait for the legacy default stream, nor it for it: only

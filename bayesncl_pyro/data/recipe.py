@@ -1,5 +1,7 @@
-"""SimCLR's augmentation recipe (Chen et al. 2020) for colour images: the constants and the blur kernel that the
-per-image views (``views.py``) and the batched device views (``device_views.py``) share.
+"""SimCLR's augmentation recipe (Chen et al. 2020) for colour images.
+
+The constants and the blur kernel that the per-image views (``views.py``) and the batched device views
+(``device_views.py``) share.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ def blur_kernel(image_size: int) -> int | None:
 
 
 def blur_taps(sigma: float | torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """Torchvision's 1-D Gaussian kernel (``kernel_size`` taps; ``B x kernel_size`` for B sigmas), without the
-    taps below 1e-10 (they move no pixel by a millionth of a grey level): for sigma 0.3-0.8 the outer taps are
-    subnormal floats, and arithmetic on those is 10x slower on x86 (torchvision's blur pays it).
+    """Torchvision's 1-D Gaussian kernel, without its negligible outer taps.
+
+    ``kernel_size`` taps; ``B x kernel_size`` for B sigmas. Taps below 1e-10 are zero: they move no pixel by a
+    millionth of a grey level, and for sigma 0.3-0.8 they are subnormal floats, on which x86 arithmetic is slow
+    (torchvision's blur pays for that).
     """
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     t = torch.arange(kernel_size, device=sigma.device) - (kernel_size - 1) / 2

@@ -15,8 +15,9 @@ RESIDENT_MEMORY_SHARE = 0.25
 
 
 def resident_images(dataset: Dataset, device: torch.device, workers: int = 0) -> torch.Tensor | None:
-    """The training split as one uint8 ``N x C x H x W`` tensor on ``device`` (row i = item i), or None when it
-    should be read per batch instead: its images differ in size, or they would take more than
+    """The training split as one uint8 tensor on ``device``, or None when it should be read per batch.
+
+    ``N x C x H x W``, row i = item i. None when its images differ in size, or they would take more than
     ``RESIDENT_MEMORY_SHARE`` of the device's free memory (``free_memory``).
 
     In-memory splits (digits, CIFAR pickles, compositional) are copied over. Image files are decoded once,
@@ -24,8 +25,7 @@ def resident_images(dataset: Dataset, device: torch.device, workers: int = 0) ->
     ``skip_bad`` replaces an unreadable file by the next readable one alike); the size of the first image
     decides whether that is tried at all, so an ImageNet folder costs one file read, and the first batch whose
     images differ ends it. The decoded batches fill one tensor allocated on ``device`` up front: the host holds
-    the batches in flight, never the set. CIFAR as 32 px JPEGs is 150 MB and decodes in seconds; nothing is decoded
-    per step, nvJPEG included.
+    the batches in flight, never the set. Nothing is decoded per step, nvJPEG included.
     """
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     indices = dataset.indices if isinstance(dataset, Subset) else None

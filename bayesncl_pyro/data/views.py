@@ -1,5 +1,6 @@
-"""SimCLR views drawn image by image on the CPU (in DataLoader workers), the evaluation transform and the
-two-view dataset wrapper.
+"""SimCLR views drawn image by image on the CPU, the evaluation transform and the two-view dataset.
+
+The views are drawn in DataLoader workers.
 
 Every transform takes both PIL images (image files) and uint8 ``C x H x W`` tensors (digits, CIFAR
 pickles) and returns a normalised float tensor ``C x S x S``. Randomness comes from torch's global RNG,
@@ -7,9 +8,8 @@ so ``torch.manual_seed`` reproduces views (``TwoViews`` seeds it per item).
 
 The colour training views (``SimCLRColour``, run per image in the DataLoader workers) use the ops of
 ``device_views`` on one image, in float from the crop on, not ``torchvision.transforms.v2``: at 224 px
-torchvision's pipeline spent three quarters of a worker's time in its Gaussian blur (a 23 x 23
-convolution, 10x slower still for sigma 0.3-0.8, whose outer taps are subnormal floats) and much of the
-rest in uint8 <-> float conversions around each op; one core drew 5-6x fewer views than it does now.
+torchvision's pipeline spent most of a worker's time in its Gaussian blur (a 23 x 23 convolution, slower still
+for sigma 0.3-0.8, whose outer taps are subnormal floats) and in uint8 <-> float conversions around each op.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class SimCLRColour:
         self.high = torch.tensor([1 + b, 1 + c, 1 + s, h])
 
     def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+        """One SimCLR view of an RGB image (PIL or uint8 ``3 x H x W``), normalised float ``3 x S x S``."""
         x = pil_to_tensor(image) if isinstance(image, Image.Image) else image
         if x.ndim != 3 or x.shape[0] != 3 or x.dtype != torch.uint8:
             raise UserError(f"a colour view needs an RGB image (PIL, or uint8 3 x H x W), got {x.dtype} "
@@ -112,10 +113,11 @@ class SimCLRColour:
 
 
 def gaussian_blur(x: torch.Tensor, sigma: float, kernel_size: int) -> torch.Tensor:
-    """Torchvision's ``gaussian_blur`` of float images ``... x H x W`` (``kernel_size`` taps of a Gaussian of
-    std ``sigma``, reflected at the borders), as two products with band matrices that fold the reflection in
-    (``device_views.band_matrices``). For one 224 px image on a CPU core this is twice as fast as separable grouped
-    convolutions and 10x faster than torchvision's 2-D convolution (BLAS does the work).
+    """Torchvision's ``gaussian_blur`` of float images, as two band-matrix products.
+
+    Images ``... x H x W``; ``kernel_size`` taps of a Gaussian of std ``sigma``, reflected at the borders. The band
+    matrices fold the reflection in (``device_views.band_matrices``); for one image on a CPU core, BLAS makes these
+    products faster than separable grouped convolutions or torchvision's 2-D convolution.
     """
     taps = blur_taps(sigma, kernel_size)[None]
     return D.band_matrices(taps, x.shape[-2])[0] @ x @ D.band_matrices(taps, x.shape[-1])[0].T
@@ -138,7 +140,8 @@ def eval_transform(
 
 
 def _to_normalized_float(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None) -> list:
-    default_mean, default_std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
+    default_mean, default_std = ((IMAGENET_MEAN, IMAGENET_STD) if channels == 3
+                                 else ((0.5,) * channels, (0.5,) * channels))
     mean, std = tuple(mean or default_mean), tuple(std or default_std)
     if len(mean) != channels or len(std) != channels:
         raise UserError(f"normalisation mean/std need {channels} values each (got {len(mean)} and {len(std)}); "

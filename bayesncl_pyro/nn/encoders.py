@@ -34,8 +34,9 @@ register = ENCODERS.register
 
 
 def mlp(in_dim: int, hidden: int, out_dim: int, depth: int = 2) -> nn.Sequential:
-    """``depth`` Linear layers with ReLU between them and no normalisation, as the reference's
-    projector and gating head (depth 2: Linear -> ReLU -> Linear).
+    """``depth`` Linear layers with ReLU between them and no normalisation.
+
+    As the reference's projector and gating head (depth 2: Linear -> ReLU -> Linear).
     """
     if depth < 1:
         raise ValueError(f"an MLP needs depth >= 1, got {depth}")
@@ -53,8 +54,9 @@ def resnet18(in_channels: int = 3, image_size: int = 32) -> nn.Module:
 
 
 class SmallCNN(nn.Module):
-    """Four conv-BN-ReLU blocks (32-64-128-256 channels), each followed by a 2x max-pool, then a global
-    average pool: a backbone for 8-32 px images that trains in minutes on a CPU.
+    """Four conv-BN-ReLU-max-pool blocks, then a global average pool: a backbone for small images.
+
+    32-64-128-256 channels, each block halved by a 2x max-pool; for 8-32 px images, it trains on a CPU.
     """
 
     def __init__(self, in_channels: int = 3, widths: tuple[int, ...] = (32, 64, 128, 256)):
@@ -68,11 +70,13 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
     def forward(self, x):
+        """Images ``B x C x H x W`` -> features ``B x widths[-1]``."""
         return self.features(x)
 
 
 @register("cnn")
 def cnn(in_channels: int = 3, image_size: int = 32) -> nn.Module:
+    """The small CNN backbone (``--encoder cnn``)."""
     return SmallCNN(in_channels)
 
 
@@ -96,10 +100,12 @@ def _torchvision_kwargs(name: str, image_size: int) -> dict:
 
 
 def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: int) -> list[tuple[str, nn.Module]]:
-    """(dotted path, new module) that make torchvision's ``net`` the backbone: the CIFAR stem of a small ResNet, a first
+    """The module replacements that make torchvision's ``net`` the backbone.
+
+    Pairs of (dotted path, new module): the CIFAR stem of a small ResNet, a first
     convolution for other than 3 channels, the classifier (the last ``Linear``) replaced by ``Identity``.
     """
-    import torchvision
+    import torchvision  # late: importing it costs a second, and --help needs none of it
 
     edits = []
     if isinstance(net, torchvision.models.ResNet) and image_size < CIFAR_STEM_BELOW:
@@ -117,10 +123,11 @@ def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: 
 
 
 def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] | None:
-    """The lines of Python that build the backbone of ``--encoder spec`` from torchvision alone (``backbone = ...``,
-    then its edits: :func:`torchvision_backbone`), or None when torchvision does not build it.
+    """The Python that builds the backbone of ``--encoder spec`` from torchvision alone, or None.
+
+    The lines are ``backbone = ...``, then its edits (:func:`torchvision_backbone`).
     """
-    import torchvision
+    import torchvision  # late: importing it costs a second, and --help needs none of it
 
     if spec not in torchvision.models.list_models(module=torchvision.models):  # (the project's resnet18 is)
         return None
@@ -135,7 +142,8 @@ def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] 
 
 
 def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
-    import timm
+    """The timm model ``name`` as a backbone: no classifier, ``in_channels`` input channels."""
+    import timm  # late: an optional extra, needed only by a timm: spec
 
     try:  # models with a position embedding take the image size; the others refuse the argument
         return timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, img_size=image_size)
@@ -144,15 +152,17 @@ def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
 
 
 def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
-    """``(in_channels, image_size) -> nn.Module`` for an ``--encoder`` value, or a ``UserError`` that says which
-    forms it takes. Imports what the spec names, so a run whose code is missing fails before it trains.
+    """The backbone builder for an ``--encoder`` value, or a ``UserError`` naming the forms it takes.
+
+    The builder is ``(in_channels, image_size) -> nn.Module``. Imports what the spec names, so a run whose code is
+    missing fails before it trains.
     """
     if spec in ENCODERS:
         return ENCODERS[spec]
     if spec.startswith(TIMM):
         name = spec.removeprefix(TIMM)
         try:
-            import timm
+            import timm  # late: an optional extra, needed only by a timm: spec
         except ImportError:
             raise UserError(f"--encoder {spec} needs timm: pip install -e '.[timm]' (or pip install timm)") from None
         if not timm.is_model(name):
@@ -163,7 +173,7 @@ def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
         if not callable(fn):
             raise UserError(f"--encoder {spec} is not callable; name a class or function that returns the backbone")
         return lambda in_channels, image_size: _call_with(fn, in_channels=in_channels, image_size=image_size)
-    import torchvision
+    import torchvision  # late: importing it costs a second, and --help needs none of it
 
     if spec in torchvision.models.list_models(module=torchvision.models):
         return lambda in_channels, image_size: torchvision_backbone(spec, in_channels, image_size)

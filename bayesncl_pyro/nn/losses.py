@@ -15,7 +15,9 @@ REFERENCE_KL_CLAMP = 0.01
 
 
 def partner_rows(rows: int, device=None) -> torch.Tensor:
-    """The index of each row's positive, the other view of its image: ``(i + R / 2) % R`` for rows
+    """The index of each row's positive, the other view of its image.
+
+    ``(i + R / 2) % R`` for rows
     ``[view 1 of B images; view 2 of the same B images]``.
     """
     return (torch.arange(rows, device=device) + rows // 2) % rows
@@ -30,6 +32,7 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
         temperature: tau > 0.
         columns: C x K rows to contrast against, with ``u`` at rows ``offset .. offset + R`` of it
             (the features of all ranks under DDP); defaults to ``u`` itself.
+        offset: where ``u``'s rows start among ``columns``' (this rank's offset under DDP).
 
     Returns:
         R losses ``-log(pos / (pos + neg))``, where pos is the similarity to the row's other view and
@@ -50,12 +53,15 @@ def info_nce_rows(u: torch.Tensor, temperature: float, columns: torch.Tensor | N
 def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, temperature: float,
                                max_elements: int = 2**24, every_flip: bool | None = None,
                                fused: bool | None = None) -> torch.Tensor:
-    """Every gate's exact effect on the batch's InfoNCE: D (R x K), D_ik = sum_j l_j with g_ik = 1 minus the same
+    """Every gate's exact effect on the batch's InfoNCE.
+
+    D (R x K), D_ik = sum_j l_j with g_ik = 1 minus the same
     with g_ik = 0, the other gates as given; l_j = ``info_nce_rows(normalize(features * gates), temperature)``.
 
     Args:
         features: R x K features before gating (rows ``[view 1; view 2]``).
         gates: R x K in {0, 1}.
+        temperature: tau > 0.
         max_elements: a bound on the flips x R work held at once (the flips are taken in chunks under it).
         every_flip: compute the flips of zero features too (same result); default: on a GPU, where picking the
             others would make the host wait for their count.
@@ -114,7 +120,9 @@ class _CurrentState(NamedTuple):
 
 def _flip_chunk(flat: torch.Tensor, features, step, sq, dots, columns, sim, lse, weight, inv_partition, partner,
                 temperature: float) -> torch.Tensor:
-    """D of the flips ``flat`` (M flat indices i * K + k) from the current state (:class:`_CurrentState`). Eager, it
+    """D of the flips ``flat`` from the current state.
+
+    ``flat``: M flat indices i * K + k; the state: :class:`_CurrentState`. Eager, it
     holds two M x R tensors at a time (its in-place ops); compiled (:func:`_fused_flip_chunk`), every M x R term is
     computed where one of the three reductions over the rows j consumes it.
     """
@@ -145,7 +153,9 @@ def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Te
     """The reference NT-Xent mean over all 2B rows.
 
     Args:
-        z1, z2: B x K, L2-normalised; row i of ``z1`` and of ``z2`` are two views of one image.
+        z1: B x K, L2-normalised: the first views.
+        z2: B x K, L2-normalised: row i is the second view of the image of row i of ``z1``.
+        temperature: tau > 0.
 
     Returns:
         a scalar.
@@ -169,8 +179,10 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -
 
 
 def bernoulli_kl_grad(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -> torch.Tensor:
-    """D bernoulli_kl(alpha, rho, clamp) / d alpha, elementwise, at detached alpha and rho (zero past the clamp):
-    how hard the prior pulls each gate (``infer.head.gate_pulls``, the KL part of ``gate_gradients``).
+    """The elementwise gradient of ``bernoulli_kl`` in ``alpha``, zero past the clamp.
+
+    At detached alpha and rho: how hard the prior pulls each gate (``infer.head.gate_pulls``, the KL part of
+    ``gate_gradients``).
     """
     alpha = alpha.detach().requires_grad_()
     rho = rho.detach() if torch.is_tensor(rho) else rho
