@@ -1,8 +1,10 @@
-"""Images/s of the JPEG decoders the file path can use (``data/decode.py``), on the same batches: nvImageCodec's,
-TorchCodec's and torchvision's batched decoders on ``--device``, and PIL (the worker path's reader, and the fallback
-where none is installed) on the CPU; their ratios, taken within each interleaved repeat, then the median over repeats.
-First each decoder's pixels against PIL's, beside those of the same JPEGs with their chroma replicated
-(``photos.replicated_chroma``: what a decoder without libjpeg's smooth upsampling gives).
+"""Images/s of the JPEG decoders the file path can use, on the same batches.
+
+The decoders are those of ``data/decode.py``: nvImageCodec's, TorchCodec's and torchvision's batched decoders on
+``--device``, and PIL (the worker path's reader, and the fallback where none is installed) on the CPU; their ratios,
+taken within each interleaved repeat, then the median over repeats. First each decoder's pixels against PIL's, beside
+those of the same JPEGs with their chroma replicated (``photos.replicated_chroma``: what a decoder without libjpeg's
+smooth upsampling gives).
 
     python experiments/bench_decode.py                      # CPU, photo-like JPEGs of about 450 x 340
     python experiments/bench_decode.py --device cuda --size 32

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.data.images import TensorImages
-from bayesncl_pyro.evaluate import dimensions as dm, report
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import report
 from bayesncl_pyro.evaluate.heldout import TestFeatures
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,9 +33,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 
 
 def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> TestFeatures:
-    """A stand-in run's TestFeatures: dimension k leans towards class k mod C (except a tenth, shared by all), is on
-    in about 8 % of the images, and its gate closes it on images of other classes more often; the last 2 % of the
-    dimensions are dead."""
+    """Features of a stand-in run, with class-leaning dimensions and a few dead ones.
+
+    A TestFeatures in which dimension k leans towards class k mod C (except a tenth, shared by all), is on in about 8 %
+    of the images, and its gate closes it on images of other classes more often; the last 2 % of the dimensions are
+    dead.
+    """
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(images) % classes
     home = torch.arange(dims) % classes
@@ -51,9 +55,11 @@ def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> TestFeature
 
 
 def stand_in_images(n: int, size: int = 64, seed: int = 0) -> TensorImages:
-    """n stand-in photographs at ``size`` px: smooth random colour fields with texture and noise. Their thumbnails
-    take 3.2 KB each, more than ImageNet's (2.6 KB a 64 px thumbnail, measured on 600 Imagenette validation images),
-    so the page's size is not underestimated."""
+    """N stand-in photographs that compress about as badly as real ones.
+
+    At ``size`` px: smooth random colour fields with texture and noise, whose thumbnails compress no better than
+    ImageNet's, so the page's size is not underestimated (docs/PERFORMANCE.md, "The per-dimension report").
+    """
     g = torch.Generator().manual_seed(seed)
     x = F.interpolate(torch.rand(n, 3, 4, 4, generator=g), size=size, mode="bicubic", align_corners=False)
     x = x + 0.25 * F.interpolate(torch.randn(n, 3, 16, 16, generator=g), size=size, mode="bilinear",
@@ -63,9 +69,12 @@ def stand_in_images(n: int, size: int = 64, seed: int = 0) -> TensorImages:
 
 
 def open_in_browser(page: Path) -> dict:
-    """In headless Chromium: milliseconds from navigation until the page's script has rendered its first cards
-    (``open_ms``), and the longest of five pages of cards to render and paint (``page_ms``: what scrolling to the
-    end of the list waits for), as the page's own clock measures them."""
+    """Time the report page's opening and paging in headless Chromium.
+
+    Milliseconds from navigation until the page's script has rendered its first cards (``open_ms``), and the longest of
+    five pages of cards to render and paint (``page_ms``: what scrolling to the end of the list waits for), as the
+    page's own clock measures them.
+    """
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:

@@ -72,8 +72,15 @@ from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import (METHOD_NAMES, comparison, method_configs, record, recorded_run,
-                                               train_time, write_comparison)
+from bayesncl_pyro.evaluate.comparison import (
+    METHOD_NAMES,
+    comparison,
+    method_configs,
+    record,
+    recorded_run,
+    train_time,
+    write_comparison,
+)
 from bayesncl_pyro.evaluate.matched import family
 from bayesncl_pyro.train.resolve import resolve
 

@@ -35,14 +35,13 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
     from bayesncl_pyro.cli import one_line_errors
-    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config,
-                                      run_name)
+    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name
     from bayesncl_pyro.data import DATASETS
-    from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped
     from bayesncl_pyro.infer.estimators import GATES
-    from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.nn.encoders import ENCODERS
+    from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE, code_references, read_config_file
 except KeyboardInterrupt:
@@ -178,8 +177,11 @@ def _name_value(text: str) -> tuple[str, str]:
 
 
 def config(argv: list[str]) -> tuple[Config, bool]:
-    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite): the --config
-    file's fields, if any, with the flags given on the command line over them."""
+    """The Config the command line asks for, and whether it says --overwrite.
+
+    The Config is taken before dataset defaults: the --config file's fields, if any, with the flags given on the command
+    line over them.
+    """
     p = parser()
     file = p.parse_known_args(argv)[0].config
     if file is not None:
@@ -220,9 +222,12 @@ def main(argv=None) -> int:
 
 
 def _stop_at_once(signum, frame):
-    """Outside the training loop (which saves, then stops) a scheduler's signal stops the run at once, as Ctrl-C
-    does: nothing is half-written, files are replaced by a rename. A run already on its way out (torchrun
-    terminates the other workers when one exits) just goes on."""
+    """Signal handler: stop the run at once outside the training loop.
+
+    The training loop saves, then stops; outside it a scheduler's signal stops the run at once, as Ctrl-C does: nothing
+    is half-written, files are replaced by a rename. A run already on its way out (torchrun terminates the other workers
+    when one exits) just goes on.
+    """
     if sys.exc_info()[0] is None:
         raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command "
                       "to resume", signum)
@@ -262,8 +267,11 @@ def export(trainer) -> int:
 
 
 def outcome(results: dict) -> str:
-    """What the gates did, in words, from an eval dict (empty for CL and NCL): the paper's consistency and the top-N
-    one beside post-hoc TopK of the same features, then, on generated data, which factor the dims follow."""
+    """What the gates did, in words, from an eval dict.
+
+    Empty for CL and NCL. The paper's consistency and the top-N one beside post-hoc TopK of the same features, then, on
+    generated data, which factor the dims follow.
+    """
     if "gates_open" not in results:
         return ""
     gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
@@ -295,8 +303,11 @@ def outcome(results: dict) -> str:
 
 
 def what_they_show(results: dict, posthoc: dict) -> str:
-    """The closing sentence: the gates' choice of entries against post-hoc TopK's on the same features, on the top-N
-    consistency (which sparsity cannot game), and what sparsity alone does to the paper's."""
+    """The closing sentence of the run's summary: the gates against post-hoc TopK.
+
+    The gates' choice of entries against post-hoc TopK's on the same features, on the top-N consistency (which sparsity
+    cannot game), and what sparsity alone does to the paper's.
+    """
     diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
     where = "above" if diff > 0.01 else "below" if diff < -0.01 else "level with"
     rise = posthoc["semantic_consistency"] - results["semantic_consistency_ungated"]
@@ -323,9 +334,11 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
 
 
 def command(cfg: Config, script: str, *args: str) -> str:
-    """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
-    of the user's own (``package.module:name``), with its PYTHONPATH (and --trust-run: the run is the user's own);
-    paths as seen from the current folder."""
+    """The command line that runs ``experiments/<script> args`` as this run was started.
+
+    By this run's interpreter and, for code of the user's own (``package.module:name``), with its PYTHONPATH (and
+    --trust-run: the run is the user's own); paths as seen from the current folder.
+    """
     env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
     trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
     words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
@@ -339,7 +352,7 @@ def _near(path) -> str:
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
-    """argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
+    """Argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
     kept, skip = [], False
     for a in argv:
         if skip:

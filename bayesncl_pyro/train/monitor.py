@@ -1,5 +1,6 @@
-"""Online monitoring during training (``--monitor-every``): how the representation comes along, every few epochs,
-at a small cost (the first run's two records, at epochs 5 and 10, take about 4 % of its training time).
+"""Online monitoring during training (``--monitor-every``).
+
+How the representation comes along, every few epochs, at a small cost (docs/PERFORMANCE.md).
 
 On a subset of the data drawn once from the run's seed (``BANK`` training images, ``QUERIES`` test images), in eval
 mode: ``knn_top1``, the weighted kNN top-1 of the test images' backbone features against the training images' (as
