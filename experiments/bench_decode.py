@@ -28,12 +28,14 @@ from bayesncl_pyro.device import pick_device
 
 
 def jpeg(i: int, large: bool) -> bytes:
+    """The ``i``-th photo-like test image as JPEG bytes, at about 450 x 340 px or 32 x 32."""
     buffer = io.BytesIO()
     photo(i, None if large else (32, 32)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
 
 
 def main():
+    """Compare the decoders' pixels with PIL's, then print their images/s."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--size", type=int, choices=[32, 450], default=450, help="32 px, or about 450 x 340 px")

@@ -101,6 +101,7 @@ def head_parts(cfg: Config) -> dict:
 
 
 def main(argv=None) -> int:
+    """Time each part of the Pyro layer against its plain-PyTorch counterpart and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits", help="the recipe (default: %(default)s)")
     p.add_argument("--encoder", help="default: the dataset's")

@@ -1,9 +1,9 @@
-"""Training-step throughput of CL, NCL and BayesNCL, and what the Pyro layer costs.
+r"""Training-step throughput of CL, NCL and BayesNCL, and what the Pyro layer costs.
 
     python experiments/bench_step.py                                  # CPU, digits recipe (small CNN)
     python experiments/bench_step.py --device cuda --dataset in100 --batch-size 512 --memory-batches 128,256,512
-    python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \\
-        --pipeline-batches 50                     # + data pipeline and end to end, views drawn in workers and on the GPU
+    python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \
+        --pipeline-batches 50                    # + data pipeline and end to end, views drawn in workers and on the GPU
     python experiments/bench_step.py --count-ops  # the device views' aten calls and host time per batch, then stop
 
 Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
@@ -150,6 +150,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
 
 
 def sync(device: torch.device):
+    """Wait for the device's queued work (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -215,6 +216,7 @@ def peak_memory(fn, opt, x: torch.Tensor) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of experiments/bench_step.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits", help="recipe for the defaults below, and the data of the "
                    "pipeline figure (default: %(default)s)")
@@ -253,6 +255,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the benchmarks the flags ask for and print their figures."""
     args = parser().parse_args(argv)
     if args.count_ops:
         return count_view_ops()
@@ -370,11 +373,13 @@ def trainer_steps(cfg: Config, args, channels: int, device: torch.device):
         sync(device)
         wall = time.perf_counter() - wall
         gpu = f", GPU {start.elapsed_time(end) / n:.2f} ms (events)" if start else ""
-        print(f"\ntrainer step, no pipeline (BayesNCL, cuda_graphs={args.cuda_graphs}, {n} batches): {1e3 * wall / n:.2f}"
-              f" ms per batch, host CPU {1e3 * host / n:.2f} ms{gpu}; {n * cfg.batch_size / wall:.1f} images/s")
+        print(f"\ntrainer step, no pipeline (BayesNCL, cuda_graphs={args.cuda_graphs}, {n} batches): "
+              f"{1e3 * wall / n:.2f} ms per batch, host CPU {1e3 * host / n:.2f} ms{gpu}; "
+              f"{n * cfg.batch_size / wall:.1f} images/s")
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU with its thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU, {torch.get_num_threads()} threads"
@@ -397,7 +402,8 @@ def report(runs: list[dict], batch: int):
     def ratio(times, a, b):
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}" + (f"   (median of {len(runs)} runs)" if len(runs) > 1 else ""))
+    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}"
+          + (f"   (median of {len(runs)} runs)" if len(runs) > 1 else ""))
     for name in runs[0]:
         t = statistics.median(statistics.median(times[name]) for times in runs)
         print(f"{name:16} {1e3 * t:9.2f} {batch / t:10.1f}")

@@ -3,14 +3,14 @@
     python experiments/bench_report.py                              # K = 2048, 5,000 test images, 100 classes
     python experiments/bench_report.py --dims 256 --images 1280 --classes 8 --browser
 
-The stand-in is no trained model: it is made here, to the shapes of ImageNet-100's evaluation (K features, N test
-images of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features,
-most dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the
-report's cost and size can be measured without training ResNet-50. Its images are made too, to compress no better
-than ImageNet's photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page) and, with
-``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it scrolls.
-Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what evaluation
-costs.
+The stand-in is no trained model: it is made here, to the shapes of ImageNet-100's evaluation (K features, N test images
+of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features, most
+dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the report's cost
+and size can be measured without training ResNet-50. Its images are made too, to compress no better than ImageNet's
+photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page)
+and, with ``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it
+scrolls. Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what
+evaluation costs.
 """
 
 import argparse
@@ -98,6 +98,7 @@ def open_in_browser(page: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    """Build a stand-in run's report, print each stage's time and the page's size (and, asked, its browser times)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=5000, help="test images (default: %(default)s, ImageNet-100's val)")
     p.add_argument("--dims", type=int, default=2048, help="K (default: %(default)s)")
@@ -135,7 +136,8 @@ def main(argv=None) -> int:
             print(f"  {stage:<30} {wall:7.1f} {cpu:7.1f}")
         print(f"  {'total':<30} {sum(t[0] for t in times.values()):7.1f} {sum(t[1] for t in times.values()):7.1f}")
         print(f"index.html {size / 2**20:.1f} MB: thumbnails {thumbs / 2**20:.1f} MB "
-              f"({thumbs / args.images / 1024:.1f} KB an image), the rest {(size - thumbs) / 2**20:.1f} MB; report.json "
+              f"({thumbs / args.images / 1024:.1f} KB an image), the rest {(size - thumbs) / 2**20:.1f} MB; "
+              "report.json "
               f"{(out / 'report.json').stat().st_size / 2**20:.1f} MB")
         if args.browser:
             seen = open_in_browser(page)

@@ -8,11 +8,11 @@ A run without --out goes to runs/<what it is> (runs/compositional-bayesncl-ste f
 resumes it, also on another number of processes. --config FILE (JSON or YAML, a run's config.json too) sets the
 fields the flags do not.
 
-Cost on a CPU: the default run (225 steps) took 4 min 15 s on 2 idle cores; the CIFAR-10/100 and ImageNet-100
-recipes (ResNet-18, 39,000 steps for CIFAR) are GPU recipes: a step of 256 CIFAR images takes about 20 s on 2 idle
-CPU cores (75 ms an image, forward and backward). After its first log line every run prints how long its steps left take. Defaults marked
-"dataset" come from the dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and
-a SLURM job that requeues itself: README.md and experiments/slurm_svi.sh.
+Cost on a CPU: the default run (225 steps) takes minutes; the CIFAR-10/100 and ImageNet-100 recipes (ResNet-18, 39,000
+steps for CIFAR) are GPU recipes (README.md, "Training on ImageNet-100 and other data", gives the times measured). After
+its first log line every run prints how long its steps left take. Defaults marked "dataset" come from the dataset's
+recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and a SLURM job that requeues itself: README.md
+and experiments/slurm_svi.sh.
 
 Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad
 input, a full or read-only --out, or a diverged run (one "error:" line); 130 stopped by Ctrl-C (SIGINT);
@@ -50,6 +50,7 @@ except KeyboardInterrupt:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of experiments/run_svi.py, its defaults taken from Config."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -197,6 +198,7 @@ def config(argv: list[str]) -> tuple[Config, bool]:
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/run_svi.py: train, evaluate, and export a gated run's gates."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, overwrite = config(argv)
@@ -319,7 +321,8 @@ def what_they_show(results: dict, posthoc: dict) -> str:
 def next_steps(cfg: Config, argv: list[str]) -> str:
     """The commands that look at the gates and train the NCL baseline on the same budget."""
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named else cfg.out + "-ncl"
+    base = (str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named
+            else cfg.out + "-ncl")
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
     steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "

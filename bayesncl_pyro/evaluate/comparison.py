@@ -121,6 +121,7 @@ def train_time(run_dir: Path, batch_size: int) -> float:
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
     m = sum(values) / len(values)
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
 
@@ -156,6 +157,7 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
 
 
 def table(summary: dict, columns: list, seeds: int) -> str:
+    """The methods' means (with standard deviations over several seeds) as a markdown table."""
     head = ["Method"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, stats in summary.items():
@@ -215,8 +217,8 @@ def markdown(report: dict) -> str:
         md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
                "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
                "the two nearest k of the run's own seed, NCL as k = K; blank outside their range), the same run's "
-               "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
-               "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
+               "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: "
+               "at q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
                table(summary, MATCHED_COLUMNS, len(seeds))]
     if any("semantic_consistency_topn" in r for r in runs):
         n = sorted({r["topn_n"] for r in runs if "topn_n" in r})
@@ -246,6 +248,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(runs: list[dict], path: Path):
+    """Plot each run's semantic consistency against its linear-probe top-1."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

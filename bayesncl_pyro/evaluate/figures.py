@@ -91,6 +91,7 @@ def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
 
 
 def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
+    """Plot the inclusion probabilities' histogram against the gate threshold and the prior rate."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.hist(probs.ravel(), bins=50, range=(0, 1), color="tab:blue")
     a.axvline(0.5, color="k", ls="--", lw=1, label="gate threshold 0.5")
@@ -200,6 +201,7 @@ def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
 
 
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
+    """Plot a run's per-dimension gradient conflict beside a baseline's."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     panels = [("cancellation", "pull of positives vs push of negatives", "cancellation (1 = they cancel)",
                "linear"),

@@ -105,10 +105,12 @@ class TestFeatures:
 
     @property
     def gated(self) -> bool:
+        """Whether the features come from a gated learner."""
         return self.probs is not None
 
     @property
     def num_classes(self) -> int:
+        """The number of classes."""
         return len(self.classes)
 
 
@@ -179,16 +181,16 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     each dimension tracks; the training objective on the test split (:func:`test_objective`). Fractions in [0, 1];
     ``protocol`` names how the linear probe and retrieval were done (``cfg.eval_protocol``).
 
-    For BayesNCL the interpretability metrics are also reported for the same model's features before
-    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity
-    and as a posterior (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``),
-    the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as
-    sparse as F image by image (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what
-    each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
-    (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
-    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long parts go by: the
-    features of each split, the linear probe's epochs. ``test``: the test split's :func:`test_features`, when the
-    caller has them (else they are computed here).
+    For BayesNCL the interpretability metrics are also reported for the same model's features before gating (keys ending
+    in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity and as a posterior
+    (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``), the posterior mean's
+    soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as sparse as F image by image
+    (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what each is). ``representations``
+    says what each suffix is a figure of. Consistency is given twice: the paper's (``semantic_consistency``) and the
+    top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on ``topn_n`` samples a dim, with its
+    coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long
+    parts go by: the features of each split, the linear probe's epochs. ``test``: the test split's
+    :func:`test_features`, when the caller has them (else they are computed here).
     """
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
     test = test if test is not None else test_features(learner, data, device, progress)

@@ -213,11 +213,11 @@ def orthogonality(features):
 def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
     """Precision@k of cosine nearest-neighbour retrieval on the strongest dims, for each k in ks.
 
-    features: N x K, labels: N. Keeps the ``num_dims`` dims with the largest column sum of |F|
-    (None: all alive dims; the reference protocol keeps 512, ``evaluation.protocol``), re-normalises rows, and for each query takes its top-max(ks) cosine
-    neighbours among the *other* N - 1 samples (excluded by index, so duplicates of the query still
-    count as neighbours). P@k is the mean fraction of the first k neighbours that share the
-    query's label. Returns {k: P@k}.
+    features: N x K, labels: N. Keeps the ``num_dims`` dims with the largest column sum of |F| (None: all alive dims;
+    the reference protocol keeps 512, ``evaluation.protocol``), re-normalises rows, and for each query takes its
+    top-max(ks) cosine neighbours among the *other* N - 1 samples (excluded by index, so duplicates of the query still
+    count as neighbours). P@k is the mean fraction of the first k neighbours that share the query's label. Returns {k:
+    P@k}.
     """
     if max(ks) > len(features) - 1:
         raise ValueError(f"max(ks)={max(ks)} needs at least {max(ks) + 1} samples, got {len(features)}")

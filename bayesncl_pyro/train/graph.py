@@ -37,6 +37,7 @@ class StepGraph:
         self.values: StepValues | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+        """Run one step on ``x``: eagerly, by capturing the graph, or by replaying it."""
         if self.eager_left:
             self.eager_left -= 1
             return self.step(x)

@@ -3,10 +3,10 @@
 Whether each step's loss and gradients are finite is decided on the device; the host reads the verdicts every few steps
 (``Trainer``'s checks).
 
-Each optimizer step runs inside ``DivergenceGuard.judge``, which writes one row on the device: ``[not finite,
-InfoNCE term, loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm cannot
-overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is the
-maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
+Each optimizer step runs inside ``DivergenceGuard.judge``, which writes one row on the device: ``[not finite, InfoNCE
+term, loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm
+cannot overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is
+the maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
 the rows to the host in one transfer and names what went wrong in each bad step.
 
 With ``mask`` (``--on-nan skip``) a bad step's update is undone on the device, as a fused optimizer skips its step on
@@ -54,7 +54,7 @@ class DivergenceGuard:
         self.row: torch.Tensor | None = None  # the last step's
         self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
         self.saved_buffers: list[torch.Tensor] = []
-        self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # what _copy keeps: originals, copies
+        self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # _copy's: originals, copies
 
     def begin(self):
         """With ``mask``: keep the buffers as they are before the forward pass updates them."""
@@ -65,9 +65,9 @@ class DivergenceGuard:
     def judge(self, loss: torch.Tensor, nce: torch.Tensor):
         """Context manager around a step's optimizer step that computes its verdict on the device.
 
-        The verdict goes to :attr:`row`; with ``mask``, a bad step is undone. Queues work only: nothing here waits for the
-        device, and every call queues the same work, so a CUDA graph can capture it; :meth:`keep` then files the verdict
-        under the step's number.
+        The verdict goes to :attr:`row`; with ``mask``, a bad step is undone. Queues work only: nothing here waits for
+        the device, and every call queues the same work, so a CUDA graph can capture it; :meth:`keep` then files the
+        verdict under the step's number.
         """
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = iter(torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else [])
