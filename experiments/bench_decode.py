@@ -28,7 +28,7 @@ from bayesncl_pyro.device import pick_device
 
 
 def jpeg(i: int, large: bool) -> bytes:
-    """The ``i``-th photo-like test image as JPEG bytes, at about 450 x 340 px or 32 x 32."""
+    """Photo-like image ``i`` as JPEG bytes (quality 90), at ImageNet's usual size or 32 x 32 px."""
     buffer = io.BytesIO()
     photo(i, None if large else (32, 32)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()

@@ -35,7 +35,7 @@ def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, t
     """The InfoNCE gradient w.r.t. the rows, split into its positive-pair and negative-pair parts.
 
     Returns (pos, neg), R x K each, of the gradient of ``info_nce_rows(u, tau).sum()`` w.r.t. u (R x K rows in the
-    layout ``[view 1; view 2]``), split into its positive-pair and negative-pair parts; pos + neg is the whole gradient.
+    layout ``[view 1; view 2]``); pos + neg is the whole gradient.
     """
     rows = u.shape[0]
     logits = (u @ u.T / temperature).fill_diagonal_(float("-inf"))

@@ -91,7 +91,7 @@ def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
 
 
 def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
-    """Plot the inclusion probabilities' histogram against the gate threshold and the prior rate."""
+    """Plot histograms of the inclusion probabilities, per entry and per dimension's mean."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.hist(probs.ravel(), bins=50, range=(0, 1), color="tab:blue")
     a.axvline(0.5, color="k", ls="--", lw=1, label="gate threshold 0.5")

@@ -38,7 +38,7 @@ TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "K
 
 
 class DivergenceGuard:
-    """Judges each step's loss and gradients finite on the device and can undo a bad step.
+    """Judges on the device whether each step's loss and gradients are finite; with ``mask``, undoes a bad step.
 
     Use: ``begin()`` before a step's forward pass; after ``loss.backward()``, ``optimizer.step()`` inside ``with
     judge(loss, nce)``, then ``keep(number)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between
