@@ -1,8 +1,10 @@
-"""Images/s of the JPEG decoders the file path can use (``data/decode.py``), on the same batches: nvImageCodec's,
-TorchCodec's and torchvision's batched decoders on ``--device``, and PIL (the worker path's reader, and the fallback
-where none is installed) on the CPU; their ratios, taken within each interleaved repeat, then the median over repeats.
-First each decoder's pixels against PIL's, beside those of the same JPEGs with their chroma replicated
-(``photos.replicated_chroma``: what a decoder without libjpeg's smooth upsampling gives).
+"""Images/s of the JPEG decoders the file path can use, on the same batches.
+
+The decoders are those of ``data/decode.py``: nvImageCodec's, TorchCodec's and torchvision's batched decoders on
+``--device``, and PIL (the worker path's reader, and the fallback where none is installed) on the CPU; their ratios,
+taken within each interleaved repeat, then the median over repeats. First each decoder's pixels against PIL's, beside
+those of the same JPEGs with their chroma replicated (``photos.replicated_chroma``: what a decoder without libjpeg's
+smooth upsampling gives).
 
     python experiments/bench_decode.py                      # CPU, photo-like JPEGs of about 450 x 340
     python experiments/bench_decode.py --device cuda --size 32
@@ -26,12 +28,14 @@ from bayesncl_pyro.device import pick_device
 
 
 def jpeg(i: int, large: bool) -> bytes:
+    """Photo-like image ``i`` as JPEG bytes (quality 90), at ImageNet's usual size or 32 x 32 px."""
     buffer = io.BytesIO()
     photo(i, None if large else (32, 32)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
 
 
 def main():
+    """Compare the decoders' pixels with PIL's, then print their images/s."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--size", type=int, choices=[32, 450], default=450, help="32 px, or about 450 x 340 px")

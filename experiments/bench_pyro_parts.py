@@ -1,6 +1,7 @@
-"""Where the Pyro layer's time goes in a BayesNCL training step on the CPU: the head's Pyro program (its handlers, the
-ELBO's sum over its traces, the head's own work around them) against the same maths written in plain PyTorch, part by
-part, and the divergence guard's per-step norms.
+"""Where the Pyro layer's time goes in a BayesNCL training step on the CPU.
+
+The head's Pyro program (its handlers, the ELBO's sum over its traces, the head's own work around them) against the same
+maths written in plain PyTorch, part by part, and the divergence guard's per-step norms.
 
     python experiments/bench_pyro_parts.py                        # the digits recipe
     python experiments/bench_pyro_parts.py --dataset cifar10 --encoder cnn
@@ -54,7 +55,7 @@ def cpu_time(fn, calls: int, backward: bool = False) -> float:
 
 
 def head_parts(cfg: Config) -> dict:
-    """name -> (function of no arguments, with its backward pass?): the parts of a tiny head of the recipe's kind."""
+    """Name -> (function of no arguments, with its backward pass?): the parts of a tiny head of the recipe's kind."""
     head = BayesNCLHead(FEATURES, num_train=50_000, gather_distributed=True,
                         **head_arguments(dataclasses.replace(cfg, proj_dim=4, proj_hidden=8)))
     model, guide, estimator = head.model, head.guide, head.estimator
@@ -100,6 +101,7 @@ def head_parts(cfg: Config) -> dict:
 
 
 def main(argv=None) -> int:
+    """Time each part of the Pyro layer against its plain-PyTorch counterpart and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits", help="the recipe (default: %(default)s)")
     p.add_argument("--encoder", help="default: the dataset's")

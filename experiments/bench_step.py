@@ -1,9 +1,9 @@
-"""Training-step throughput of CL, NCL and BayesNCL, and what the Pyro layer costs.
+r"""Training-step throughput of CL, NCL and BayesNCL, and what the Pyro layer costs.
 
     python experiments/bench_step.py                                  # CPU, digits recipe (small CNN)
     python experiments/bench_step.py --device cuda --dataset in100 --batch-size 512 --memory-batches 128,256,512
-    python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \\
-        --pipeline-batches 50                     # + data pipeline and end to end, views drawn in workers and on the GPU
+    python experiments/bench_step.py --device cuda --dataset in100 --data-dir /data/in100 --workers 16 \
+        --pipeline-batches 50                    # + data pipeline and end to end, views drawn in workers and on the GPU
     python experiments/bench_step.py --count-ops  # the device views' aten calls and host time per batch, then stop
 
 Variants, each one optimizer step (forward, backward, SGD) on the same synthetic batch already on the device:
@@ -50,8 +50,11 @@ from bayesncl_pyro.train.resolve import resolve
 
 
 def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
-    """``learner(x)[0]`` for the Bernoulli prior written without Pyro: InfoNCE + lambda * KL, mean per row (the
-    zero-safe ``normalize``: an all-zero gated row gets no gradient, where ``F.normalize`` would give it 1e12)."""
+    """The BayesNCL loss for the Bernoulli prior, written without Pyro.
+
+    ``learner(x)[0]``: InfoNCE + lambda * KL, mean per row (the zero-safe ``normalize``: an all-zero gated row gets no
+    gradient, where ``F.normalize`` would give it 1e12).
+    """
     model, guide, estimator = learner.model, learner.guide, learner.head.estimator
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
@@ -66,8 +69,10 @@ def plain_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
 
 
 def stock_loss(learner: ContrastiveLearner, x: torch.Tensor) -> torch.Tensor:
-    """``learner(x)[0]`` through Pyro's own ``TraceMeanField_ELBO`` on the head's program: the per-step work that
-    ``bayesncl_pyro/infer/elbo.py`` leaves out."""
+    """The BayesNCL loss through Pyro's stock ``TraceMeanField_ELBO``.
+
+    ``learner(x)[0]`` on the head's program, with the per-step work that ``bayesncl_pyro/infer/elbo.py`` leaves out.
+    """
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=learner.cfg.amp and x.is_cuda):
         h = learner.backbone(x)
         z = learner.head.projector(h)
@@ -117,9 +122,12 @@ def check_equal(fns: dict, x: torch.Tensor):
 
 
 def check_float64(cfg: Config, channels: int, x: torch.Tensor):
-    """The BayesNCL loss and gate probabilities on the device, in float32 and under the autocast training uses (the
-    backbone, the projector and the gating head's MLP in bf16), against a float64 CPU reference on the same weights
-    and the first 16 images of the batch (STE gates: deterministic on every device)."""
+    """Check the device's float32 and autocast loss against a float64 CPU reference.
+
+    The BayesNCL loss and gate probabilities in float32 and under the autocast training uses (the backbone, the
+    projector and the gating head's MLP in bf16), against a float64 CPU reference on the same weights and the first 16
+    images of the batch (STE gates: deterministic on every device).
+    """
     b, n = x.shape[0] // 2, min(x.shape[0] // 2, 16)
     x = torch.cat([x[:n], x[b:b + n]])
     learner = ContrastiveLearner(resolve(dataclasses.replace(cfg, method="bayesncl", gate="ste")), channels, 50_000)
@@ -142,6 +150,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
 
 
 def sync(device: torch.device):
+    """Wait for the device's queued work (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -167,9 +176,11 @@ def step_flops(fn, x: torch.Tensor) -> int:
 
 
 def recipe_flops(cfg: Config, channels: int) -> dict[str, int]:
-    """FLOPs of one forward and backward of NCL and BayesNCL at the recipe ``cfg``, counted on the meta device (no
-    arithmetic runs: an ImageNet-100 step is counted on any machine). The Pyro program is left out (its work is
-    InfoNCE's R x R matmul, counted for both, and the KL's elementwise terms)."""
+    """FLOPs of one forward and backward of NCL and BayesNCL, counted on the meta device.
+
+    At the recipe ``cfg`` (no arithmetic runs: an ImageNet-100 step is counted on any machine). The Pyro program is left
+    out (its work is InfoNCE's R x R matmul, counted for both, and the KL's elementwise terms).
+    """
     out = {}
     x = torch.empty(2 * cfg.batch_size, channels, cfg.image_size, cfg.image_size, device="meta")
     for method in ("ncl", "bayesncl"):
@@ -187,11 +198,13 @@ def recipe_flops(cfg: Config, channels: int) -> dict[str, int]:
 
 
 def leg_flops(rows: int, dims: int) -> int:
-    """The leg estimator's work per step beyond ste's, as one FLOP per elementwise operation (it is elementwise,
-    which PyTorch's counter does not count): two R x R x K matmuls (the gated rows' similarities and dot
-    products) and, for each of the R K flips (a GPU computes every one) and each of the R rows, nine operations
-    (``losses.info_nce_flip_differences``: the new similarity's multiply-add and scaling, its exp, the softmax
-    weight's multiply, subtraction and log1p, two sums)."""
+    """The leg estimator's FLOPs per step beyond ste's.
+
+    One FLOP per elementwise operation (it is elementwise, which PyTorch's counter does not count): two R x R x K
+    matmuls (the gated rows' similarities and dot products) and, for each of the R K flips (a GPU computes every one)
+    and each of the R rows, nine operations (``losses.info_nce_flip_differences``: the new similarity's multiply-add and
+    scaling, its exp, the softmax weight's multiply, subtraction and log1p, two sums).
+    """
     return 2 * 2 * rows * rows * dims + 9 * rows * dims * rows
 
 
@@ -203,6 +216,7 @@ def peak_memory(fn, opt, x: torch.Tensor) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of experiments/bench_step.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits", help="recipe for the defaults below, and the data of the "
                    "pipeline figure (default: %(default)s)")
@@ -241,6 +255,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the benchmarks the flags ask for and print their figures."""
     args = parser().parse_args(argv)
     if args.count_ops:
         return count_view_ops()
@@ -317,11 +332,14 @@ def measure(fns: dict, x: torch.Tensor, args) -> dict[str, list[float]]:
 
 
 def trainer_steps(cfg: Config, args, channels: int, device: torch.device):
-    """The trainer's own step (``Trainer.train_step``: the divergence guard, the schedule, and with ``--cuda-graphs``
-    the step's CUDA graph) without the data pipeline: ``--trainer-batches`` steps of BayesNCL at the recipe on one batch
-    of generated images held on the device, after ``--warmup`` steps (with --cuda-graphs, at least its 3 eager steps
-    and the capture). Per batch: wall time, the host's CPU time (the training thread's), and on a GPU the time
-    between two events on its stream."""
+    """Time the trainer's own step without the data pipeline.
+
+    ``Trainer.train_step`` (the divergence guard, the schedule, and with ``--cuda-graphs`` the step's CUDA graph)
+    without the data pipeline: ``--trainer-batches`` steps of BayesNCL at the recipe on one batch of generated images
+    held on the device, after ``--warmup`` steps (with --cuda-graphs, at least its 3 eager steps and the capture). Per
+    batch: wall time, the host's CPU time (the training thread's), and on a GPU the time between two events on its
+    stream.
+    """
     from bayesncl_pyro.data import DataSpec, TensorImages
     from bayesncl_pyro.train.graph import WARMUP_STEPS
     from bayesncl_pyro.train.trainer import Trainer
@@ -355,11 +373,13 @@ def trainer_steps(cfg: Config, args, channels: int, device: torch.device):
         sync(device)
         wall = time.perf_counter() - wall
         gpu = f", GPU {start.elapsed_time(end) / n:.2f} ms (events)" if start else ""
-        print(f"\ntrainer step, no pipeline (BayesNCL, cuda_graphs={args.cuda_graphs}, {n} batches): {1e3 * wall / n:.2f}"
-              f" ms per batch, host CPU {1e3 * host / n:.2f} ms{gpu}; {n * cfg.batch_size / wall:.1f} images/s")
+        print(f"\ntrainer step, no pipeline (BayesNCL, cuda_graphs={args.cuda_graphs}, {n} batches): "
+              f"{1e3 * wall / n:.2f} ms per batch, host CPU {1e3 * host / n:.2f} ms{gpu}; "
+              f"{n * cfg.batch_size / wall:.1f} images/s")
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU with its thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU, {torch.get_num_threads()} threads"
@@ -374,12 +394,16 @@ RATIOS = {"Pyro/plain step time, MeanFieldELBO (training):  ": ("bayesncl", "bay
 
 
 def report(runs: list[dict], batch: int):
-    """Per variant, the median over runs of each run's median time; each ratio, the median over runs of each run's
-    median over its repeats of the ratio within a repeat (with several runs, each run's figure follows)."""
+    """Print per variant the median time and ratios over runs.
+
+    Per variant, the median over runs of each run's median time; each ratio, the median over runs of each run's median
+    over its repeats of the ratio within a repeat (with several runs, each run's figure follows).
+    """
     def ratio(times, a, b):
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
-    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}" + (f"   (median of {len(runs)} runs)" if len(runs) > 1 else ""))
+    print(f"\n{'variant':16} {'ms/step':>9} {'images/s':>10}"
+          + (f"   (median of {len(runs)} runs)" if len(runs) > 1 else ""))
     for name in runs[0]:
         t = statistics.median(statistics.median(times[name]) for times in runs)
         print(f"{name:16} {1e3 * t:9.2f} {batch / t:10.1f}")
@@ -391,11 +415,13 @@ def report(runs: list[dict], batch: int):
 
 
 def pipeline(cfg: Config, args, device: torch.device):
-    """Images/s of the training data pipeline alone (read, decode, two augmented views, on the device), then
-    end to end: the same pipeline feeding BayesNCL training steps (on CUDA the device path draws the next
-    batch while a step runs). Once per place the views are drawn (``--augment``): in the loader workers, and
-    batched on the device, of the training set held there (``resident``: in-memory sets, folders of small
-    images of one size) or of each batch's files."""
+    """Images/s of the training data pipeline alone, then end to end.
+
+    The pipeline alone (read, decode, two augmented views, on the device), then end to end: the same pipeline feeding
+    BayesNCL training steps (on CUDA the device path draws the next batch while a step runs). Once per place the views
+    are drawn (``--augment``): in the loader workers, and batched on the device, of the training set held there
+    (``resident``: in-memory sets, folders of small images of one size) or of each batch's files.
+    """
     from bayesncl_pyro.data import pipeline as P
     from bayesncl_pyro.train.trainer import Trainer
 
@@ -443,10 +469,13 @@ def pipeline(cfg: Config, args, device: torch.device):
 
 @contextlib.contextmanager
 def producer_costs(trainer):
-    """Within: the device views' producer timed per batch; after: ``[line]`` saying its median CPU time per batch
-    (``time.thread_time`` of the thread that draws them: the training thread for a set held on the GPU, whose
-    graphs it replays, the input pipeline's for files) and on CUDA its median GPU time per batch (events around its
-    work on the pipeline's stream: decoding, the views; for the graphs, the parameters' copy and the replay)."""
+    """Context manager that times the device views' producer per batch.
+
+    After the block: ``[line]`` saying its median CPU time per batch (``time.thread_time`` of the thread that draws
+    them: the training thread for a set held on the GPU, whose graphs it replays, the input pipeline's for files) and on
+    CUDA its median GPU time per batch (events around its work on the pipeline's stream: decoding, the views; for the
+    graphs, the parameters' copy and the replay).
+    """
     from bayesncl_pyro.data import pipeline as P
 
     cuda = trainer.device.type == "cuda"
@@ -482,8 +511,11 @@ def producer_costs(trainer):
 
 
 def aten_calls(fn) -> int:
-    """The aten ops ``fn()`` calls, as the torch profiler records them, less those called by another aten op (what a
-    dispatcher mode sees; a compiled function's generated kernels are not aten calls, its library calls are)."""
+    """The number of top-level aten ops ``fn()`` calls.
+
+    As the torch profiler records them, less those called by another aten op (what a dispatcher mode sees; a compiled
+    function's generated kernels are not aten calls, its library calls are).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -498,15 +530,18 @@ def aten_calls(fn) -> int:
 
 
 def count_view_ops() -> int:
-    """The device views' host work per batch, on the CPU, as the GPU pipeline issues it: aten calls (``aten_calls``),
-    counted at 4 and at 8 images (the same: the ops are whole-batch ops), and host microseconds per batch of 2 images
-    (median of 20) on one thread, whose arithmetic is small beside the calls (the files' views drawn at 40 px for
-    that: the same calls as at 224, blur included). Two recipes: CIFAR's 32 px views of a training set held on the device, and
-    ImageNet's 224 px views of decoded files of varied sizes. Each eager (the CPU's path; the GPU's without
-    ``--compile``), then as the GPU pipeline draws them: the set held on the device as a CUDA graph, whose replay
-    issues no aten call, so the host only draws the parameters into its pinned buffer and copies them over (one copy,
-    which the CPU does not make: added); the files with the chain compiled (``--compile``:
-    ``torch.compile(fullgraph=True, dynamic=False)``, compiled first). The last line gives the GPU pipeline's."""
+    """The device views' host work per batch, on the CPU.
+
+    As the GPU pipeline issues it: aten calls (``aten_calls``), counted at 4 and at 8 images (the same: the ops are
+    whole-batch ops), and host microseconds per batch of 2 images (median of 20) on one thread, whose arithmetic is
+    small beside the calls (the files' views drawn at 40 px for that: the same calls as at 224, blur included). Two
+    recipes: CIFAR's 32 px views of a training set held on the device, and ImageNet's 224 px views of decoded files of
+    varied sizes. Each eager (the CPU's path; the GPU's without ``--compile``), then as the GPU pipeline draws them: the
+    set held on the device as a CUDA graph, whose replay issues no aten call, so the host only draws the parameters into
+    its pinned buffer and copies them over (one copy, which the CPU does not make: added); the files with the chain
+    compiled (``--compile``: ``torch.compile(fullgraph=True, dynamic=False)``, compiled first). The last line gives the
+    GPU pipeline's.
+    """
     from bayesncl_pyro.data.device_views import BatchViews, ViewParams
 
     cpu = torch.device("cpu")

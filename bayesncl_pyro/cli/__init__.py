@@ -1,5 +1,8 @@
-"""The command-line programs behind experiments/*.py: each module's ``main(argv=None) -> int`` parses ``argv`` and
-returns the exit status, so the scripts are a few lines and tests call ``main`` in-process."""
+"""The command-line programs behind experiments/*.py.
+
+Each module's ``main(argv=None) -> int`` parses ``argv`` and returns the exit status, so the scripts are a few lines and
+tests call ``main`` in-process.
+"""
 
 import contextlib
 import functools
@@ -10,11 +13,13 @@ from bayesncl_pyro.errors import Stopped, UserError
 
 
 def one_line_errors(main):
-    """``main`` as a script's entry point, never a traceback for what the user did: a UserError (a bad input, with its
-    fix) is one ``error:`` line on stderr and exit status 2; a run stopped by a signal after saving its checkpoint
-    (``Stopped``) one ``stopped:`` line and its exit status (130 for Ctrl-C, ``errors.REQUEUE`` for a scheduler's
-    signal), and a Ctrl-C outside such a run (``KeyboardInterrupt``) ``stopped: interrupted``, exit status 130.
-    Anything else is a bug and keeps its traceback."""
+    """Wrap ``main`` as a script's entry point that reports the user's errors in one line.
+
+    Never a traceback for what the user did: a UserError (a bad input, with its fix) is one ``error:`` line on stderr
+    and exit status 2; a run stopped by a signal after saving its checkpoint (``Stopped``) one ``stopped:`` line and its
+    exit status (130 for Ctrl-C, ``errors.REQUEUE`` for a scheduler's signal), and a Ctrl-C outside such a run
+    (``KeyboardInterrupt``) ``stopped: interrupted``, exit status 130. Anything else is a bug and keeps its traceback.
+    """
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
@@ -35,10 +40,13 @@ def one_line_errors(main):
 
 @contextlib.contextmanager
 def stopped_by_signals(what: str):
-    """Within it SIGTERM and SIGUSR1 (``kill``, a scheduler) raise ``Stopped`` where the program is, as Ctrl-C raises
+    """Context manager under which SIGTERM and SIGUSR1 raise ``Stopped``.
+
+    Within it SIGTERM and SIGUSR1 (``kill``, a scheduler) raise ``Stopped`` where the program is, as Ctrl-C raises
     ``KeyboardInterrupt``, instead of ending the process on the spot: a write under way removes its temporary files
     (``rundir.save_together``) and the script ends with one ``stopped: ... received; <what>`` line. The previous
-    handlers come back after."""
+    handlers come back after.
+    """
     def stop(signum, frame):
         raise Stopped(f"{signal.Signals(signum).name} received; {what}", signum)
 

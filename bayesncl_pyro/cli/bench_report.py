@@ -3,14 +3,14 @@
     python experiments/bench_report.py                              # K = 2048, 5,000 test images, 100 classes
     python experiments/bench_report.py --dims 256 --images 1280 --classes 8 --browser
 
-The stand-in is no trained model: it is made here, to the shapes of ImageNet-100's evaluation (K features, N test
-images of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features,
-most dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the
-report's cost and size can be measured without training ResNet-50. Its images are made too, to compress no better
-than ImageNet's photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page) and, with
-``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it scrolls.
-Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what evaluation
-costs.
+The stand-in is no trained model: it is made here, to the shapes of ImageNet-100's evaluation (K features, N test images
+of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features, most
+dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the report's cost
+and size can be measured without training ResNet-50. Its images are made too, to compress no better than ImageNet's
+photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page)
+and, with ``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it
+scrolls. Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what
+evaluation costs.
 """
 
 import argparse
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.data.images import TensorImages
-from bayesncl_pyro.evaluate import dimensions as dm, report
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import report
 from bayesncl_pyro.evaluate.heldout import TestFeatures
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,9 +33,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 
 
 def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> TestFeatures:
-    """A stand-in run's TestFeatures: dimension k leans towards class k mod C (except a tenth, shared by all), is on
-    in about 8 % of the images, and its gate closes it on images of other classes more often; the last 2 % of the
-    dimensions are dead."""
+    """Features of a stand-in run, with class-leaning dimensions and a few dead ones.
+
+    A TestFeatures in which dimension k leans towards class k mod C (except a tenth, shared by all), is on in about 8 %
+    of the images, and its gate closes it on images of other classes more often; the last 2 % of the dimensions are
+    dead.
+    """
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(images) % classes
     home = torch.arange(dims) % classes
@@ -51,9 +55,11 @@ def stand_in(images: int, dims: int, classes: int, seed: int = 0) -> TestFeature
 
 
 def stand_in_images(n: int, size: int = 64, seed: int = 0) -> TensorImages:
-    """n stand-in photographs at ``size`` px: smooth random colour fields with texture and noise. Their thumbnails
-    take 3.2 KB each, more than ImageNet's (2.6 KB a 64 px thumbnail, measured on 600 Imagenette validation images),
-    so the page's size is not underestimated."""
+    """N stand-in photographs that compress about as badly as real ones.
+
+    At ``size`` px: smooth random colour fields with texture and noise, whose thumbnails compress no better than
+    ImageNet's, so the page's size is not underestimated (docs/PERFORMANCE.md, "The per-dimension report").
+    """
     g = torch.Generator().manual_seed(seed)
     x = F.interpolate(torch.rand(n, 3, 4, 4, generator=g), size=size, mode="bicubic", align_corners=False)
     x = x + 0.25 * F.interpolate(torch.randn(n, 3, 16, 16, generator=g), size=size, mode="bilinear",
@@ -63,9 +69,12 @@ def stand_in_images(n: int, size: int = 64, seed: int = 0) -> TensorImages:
 
 
 def open_in_browser(page: Path) -> dict:
-    """In headless Chromium: milliseconds from navigation until the page's script has rendered its first cards
-    (``open_ms``), and the longest of five pages of cards to render and paint (``page_ms``: what scrolling to the
-    end of the list waits for), as the page's own clock measures them."""
+    """Time the report page's opening and paging in headless Chromium.
+
+    Milliseconds from navigation until the page's script has rendered its first cards (``open_ms``), and the longest of
+    five pages of cards to render and paint (``page_ms``: what scrolling to the end of the list waits for), as the
+    page's own clock measures them.
+    """
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
@@ -89,6 +98,7 @@ def open_in_browser(page: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    """Build a stand-in run's report, print each stage's time and the page's size (and, asked, its browser times)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=5000, help="test images (default: %(default)s, ImageNet-100's val)")
     p.add_argument("--dims", type=int, default=2048, help="K (default: %(default)s)")
@@ -126,7 +136,8 @@ def main(argv=None) -> int:
             print(f"  {stage:<30} {wall:7.1f} {cpu:7.1f}")
         print(f"  {'total':<30} {sum(t[0] for t in times.values()):7.1f} {sum(t[1] for t in times.values()):7.1f}")
         print(f"index.html {size / 2**20:.1f} MB: thumbnails {thumbs / 2**20:.1f} MB "
-              f"({thumbs / args.images / 1024:.1f} KB an image), the rest {(size - thumbs) / 2**20:.1f} MB; report.json "
+              f"({thumbs / args.images / 1024:.1f} KB an image), the rest {(size - thumbs) / 2**20:.1f} MB; "
+              "report.json "
               f"{(out / 'report.json').stat().st_size / 2**20:.1f} MB")
         if args.browser:
             seen = open_in_browser(page)

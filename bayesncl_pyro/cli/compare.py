@@ -1,39 +1,39 @@
-"""CL, NCL, NCL+TopK and BayesNCL side by side: one recipe, the same seeds, one table.
+r"""CL, NCL, NCL+TopK and BayesNCL side by side: one recipe, the same seeds, one table.
 
     python experiments/compare.py --dataset cifar10 --data-dir /data/cifar10       # CPU recipe, ~3 runs
     python experiments/compare.py --dataset compositional --methods all              # generated, no files
-    python experiments/compare.py --dataset cifar10 --data-dir /data/cifar10 --recipe reference \\
+    python experiments/compare.py --dataset cifar10 --data-dir /data/cifar10 --recipe reference \
         --methods all --seeds 0 1 2                                                  # the paper's recipe (GPU)
 
 The paper's CIFAR-100 comparison (NCL vs BayesNCL with STE gates, rho 0.8, lambda 3e-5: the published
 setting) at the reference recipe, as many of its 200 epochs as fit in 8.5 minutes on one GPU, with CIFAR-100
 in /tmp/cifar100 (torchvision's pickled batches, or JPEG folders {train,test}/<class>/):
 
-    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --recipe reference \\
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --recipe reference \
         --methods ncl,bayesncl-ste --budget-minutes 8.5 --device cuda --workers 8 --out runs/paper-cifar100
 
 The gate estimators against each other, at the published lambda and larger ones (a lambda list runs each
 BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
 
-    python experiments/compare.py --dataset compositional --methods ncl,bayesncl-ste,bayesncl-relaxed,\
-bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 --seeds 0 1 2 --workers 1 --out runs/estimators-comp
+    python experiments/compare.py --dataset compositional \
+        --methods ncl,bayesncl-ste,bayesncl-relaxed,bayesncl-st-sampled,bayesncl-leg --kl-weight 3e-5 1e-2 1e-1 \
+        --seeds 0 1 2 --workers 1 --out runs/estimators-comp
 
-Is a gate's gain more than sparsity? NCL+TopK over a grid of k against the gates at the published prior and at a
-density of open gates (--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL
-closes gates), each paired by seed with NCL, with TopK at its own sparsity and with its controls, on the paper's and
-the top-N consistency (docs/RESULTS.md, "At matched sparsity"; 90 runs, about 5 minutes each on 2 CPU cores with two
-at a time):
+Is a gate's gain more than sparsity? NCL+TopK over a grid of k against the gates at the published prior and at a density
+of open gates (--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL closes
+gates), each paired by seed with NCL, with TopK at its own sparsity and with its controls, on the paper's and the top-N
+consistency (docs/RESULTS.md, "At matched sparsity", gives the 90 runs' cost):
 
-    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \\
-        --topk 2 4 8 16 32 --gate-density 0.3 --prior-prob 0.2 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 \\
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
+        --topk 2 4 8 16 32 --gate-density 0.3 --prior-prob 0.2 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 \
         --out runs/verdict-comp --record docs/results/verdict-comp
-    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste \\
-        --topk 2 4 8 16 32 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 --out runs/verdict-comp --record docs/results/verdict-comp
+    python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste \
+        --topk 2 4 8 16 32 --seeds 0 1 2 3 4 5 6 7 8 9 --workers 0 --out runs/verdict-comp \
+        --record docs/results/verdict-comp
 
-and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; 12 runs of 585 steps, 11-14
-minutes each with two at a time):
+and its CIFAR-100 arm (CPU recipe: 10,000 training images, the small CNN, K = 256; 12 runs of 585 steps):
 
-    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \\
+    python experiments/compare.py --dataset cifar100 --data-dir /tmp/cifar100 --methods ncl,ncl+topk,bayesncl-ste \
         --topk 16 32 --seeds 0 1 2 --workers 0 --out runs/verdict-cifar100 --record docs/results/verdict-cifar100
 
 Each method and seed trains into <out>/<method>-seed<k>/ with experiments/run_svi.py's Trainer and is
@@ -72,8 +72,15 @@ from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import (METHOD_NAMES, comparison, method_configs, record, recorded_run,
-                                               train_time, write_comparison)
+from bayesncl_pyro.evaluate.comparison import (
+    METHOD_NAMES,
+    comparison,
+    method_configs,
+    record,
+    recorded_run,
+    train_time,
+    write_comparison,
+)
 from bayesncl_pyro.evaluate.matched import family
 from bayesncl_pyro.train.resolve import resolve
 
@@ -85,6 +92,7 @@ GATE_SETTINGS = ("prior_prob", "kl_weight")  # shared flags that only BayesNCL r
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of experiments/compare.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
     p.add_argument("--data-dir", help="dataset folder, as for run_svi.py")
@@ -152,6 +160,7 @@ def recipe(args) -> dict:
 
 
 def compare(args) -> dict:
+    """Train (or read from --record) every method's runs at every seed; write the comparison and return its report."""
     from bayesncl_pyro.data import load_dataset
     from bayesncl_pyro.train.budget import plan_budget
     from bayesncl_pyro.train.trainer import Trainer
@@ -215,6 +224,7 @@ def compare(args) -> dict:
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/compare.py."""
     compare(parser().parse_args(argv))
     return 0
 

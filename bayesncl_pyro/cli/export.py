@@ -22,6 +22,7 @@ from bayesncl_pyro.plugins import add_reader_flags
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/export.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py (or its checkpoint.pt)")
     p.add_argument("--out", type=Path, help="the backbone's state_dict (default: RUN_DIR/backbone.pt)")

@@ -3,16 +3,15 @@
     python experiments/gate_gradient_bias.py runs/default                  # the default run: compositional, ste
     python experiments/gate_gradient_bias.py runs/default --draws 256 --reference-draws 256 --json bias.json
 
-For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: the score-function gradient
-of the program as written, as Pyro's TraceGraph_ELBO takes it; the run's gating head as trained, or with --untrained at initialisation, only the estimator
-swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient of the same objective
-(exact in each gate, Monte Carlo over the others: bayesncl_pyro/infer/gate_gradients.py). It prints, for the
-estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
-error and the norm ratio; the mean cosine of a single draw (one training step); and the cosines between
-the two halves of the estimator's draws and of the unbiased estimate's draws (how precise each mean is:
-read the first columns only when these are near 1). The batch holds the images of the run's first
-training batch, two SimCLR views each (drawn image by image, as --augment workers draws them), through
-the encoder in eval mode.
+For each estimator (ste, relaxed, st-sampled, leg, gs, gs-reference-kl, and score: the score-function gradient of the
+program as written, as Pyro's TraceGraph_ELBO takes it; the run's gating head as trained, or with --untrained at
+initialisation, only the estimator swapped) it compares the head's gradient of -ELBO per row with an unbiased gradient
+of the same objective (exact in each gate, Monte Carlo over the others: bayesncl_pyro/infer/gate_gradients.py). It
+prints, for the estimator's mean gradient over --draws draws (its bias), the cosine with the unbiased one, the relative
+error and the norm ratio; the mean cosine of a single draw (one training step); and the cosines between the two halves
+of the estimator's draws and of the unbiased estimate's draws (how precise each mean is: read the first columns only
+when these are near 1). The batch holds the images of the run's first training batch, two SimCLR views each (drawn image
+by image, as --augment workers draws them), through the encoder in eval mode.
 """
 
 import argparse
@@ -42,6 +41,7 @@ def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/gate_gradient_bias.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
     p.add_argument("--estimators", default=",".join((*GATES, SCORE)), help="comma-separated; score is the "

@@ -27,6 +27,7 @@ from bayesncl_pyro.plugins import add_reader_flags
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/inspect_gates.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
     p.add_argument("--baseline", type=Path, help="another run folder (e.g. NCL) drawn next to it in conflict.png")

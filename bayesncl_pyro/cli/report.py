@@ -4,12 +4,12 @@
     python experiments/report.py runs/default --baseline runs/ncl  # with the NCL run's dimensions beside
 
 Writes RUN/report/ (or --out): index.html (images, script and style inline) and report.json (every number the page
-shows). The page: an overview (configuration, evaluation gated / with every gate open / the baseline's, training
-curves, the gate posterior, on the compositional benchmark which dimension tracks which factor), a card per
-dimension in use (sortable and filterable: its top test images with the gates and with every gate open, images at
-activation quantiles, the classes it fires on, q(g | x) per class, its activation histogram, its most correlated
-dimensions), and a page per test image (its dimensions with q(g | x), its nearest neighbours with and without the
-gates). bayesncl_pyro/evaluate/report.py builds it; README.md, "Looking at the gates", says what each part of a card means.
+shows). The page: an overview (configuration, evaluation gated / with every gate open / the baseline's, training curves,
+the gate posterior, on the compositional benchmark which dimension tracks which factor), a card per dimension in use
+(sortable and filterable: its top test images with the gates and with every gate open, images at activation quantiles,
+the classes it fires on, q(g | x) per class, its activation histogram, its most correlated dimensions), and a page per
+test image (its dimensions with q(g | x), its nearest neighbours with and without the gates).
+bayesncl_pyro/evaluate/report.py builds it; README.md, "Looking at the gates", says what each part of a card means.
 """
 
 import argparse
@@ -23,6 +23,7 @@ from bayesncl_pyro.plugins import add_reader_flags
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/report.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
     p.add_argument("--baseline", type=Path, help="another run on the same data (e.g. NCL): its dimensions in a list "

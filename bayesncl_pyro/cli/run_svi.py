@@ -8,11 +8,11 @@ A run without --out goes to runs/<what it is> (runs/compositional-bayesncl-ste f
 resumes it, also on another number of processes. --config FILE (JSON or YAML, a run's config.json too) sets the
 fields the flags do not.
 
-Cost on a CPU: the default run (225 steps) took 4 min 15 s on 2 idle cores; the CIFAR-10/100 and ImageNet-100
-recipes (ResNet-18, 39,000 steps for CIFAR) are GPU recipes: a step of 256 CIFAR images takes about 20 s on 2 idle
-CPU cores (75 ms an image, forward and backward). After its first log line every run prints how long its steps left take. Defaults marked
-"dataset" come from the dataset's recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and
-a SLURM job that requeues itself: README.md and experiments/slurm_svi.sh.
+Cost on a CPU: the default run (225 steps) takes minutes; the CIFAR-10/100 and ImageNet-100 recipes (ResNet-18, 39,000
+steps for CIFAR) are GPU recipes (README.md, "Training on ImageNet-100 and other data", gives the times measured). After
+its first log line every run prints how long its steps left take. Defaults marked "dataset" come from the dataset's
+recipe (bayesncl_pyro/config.py, DATASET_DEFAULTS). Several machines, and a SLURM job that requeues itself: README.md
+and experiments/slurm_svi.sh.
 
 Exit status: 0 done; 1 trained and evaluated (eval.json written) but the gate export to gates.nc failed; 2 bad
 input, a full or read-only --out, or a diverged run (one "error:" line); 130 stopped by Ctrl-C (SIGINT);
@@ -35,14 +35,13 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
     from bayesncl_pyro.cli import one_line_errors
-    from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config,
-                                      run_name)
+    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name
     from bayesncl_pyro.data import DATASETS
-    from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.errors import Stopped
     from bayesncl_pyro.infer.estimators import GATES
-    from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.models.priors import PRIORS
+    from bayesncl_pyro.nn.encoders import ENCODERS
+    from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE, code_references, read_config_file
 except KeyboardInterrupt:
@@ -51,6 +50,7 @@ except KeyboardInterrupt:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of experiments/run_svi.py, its defaults taken from Config."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
@@ -178,8 +178,11 @@ def _name_value(text: str) -> tuple[str, str]:
 
 
 def config(argv: list[str]) -> tuple[Config, bool]:
-    """(the Config the command line asks for, before dataset defaults; whether it says --overwrite): the --config
-    file's fields, if any, with the flags given on the command line over them."""
+    """The Config the command line asks for, and whether it says --overwrite.
+
+    The Config is taken before dataset defaults: the --config file's fields, if any, with the flags given on the command
+    line over them.
+    """
     p = parser()
     file = p.parse_known_args(argv)[0].config
     if file is not None:
@@ -195,6 +198,7 @@ def config(argv: list[str]) -> tuple[Config, bool]:
 
 @one_line_errors
 def main(argv=None) -> int:
+    """Entry point of experiments/run_svi.py: train, evaluate, and export a gated run's gates."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, overwrite = config(argv)
@@ -220,9 +224,12 @@ def main(argv=None) -> int:
 
 
 def _stop_at_once(signum, frame):
-    """Outside the training loop (which saves, then stops) a scheduler's signal stops the run at once, as Ctrl-C
-    does: nothing is half-written, files are replaced by a rename. A run already on its way out (torchrun
-    terminates the other workers when one exits) just goes on."""
+    """Signal handler: stop the run at once outside the training loop.
+
+    The training loop saves, then stops; outside it a scheduler's signal stops the run at once, as Ctrl-C does: nothing
+    is half-written, files are replaced by a rename. A run already on its way out (torchrun terminates the other workers
+    when one exits) just goes on.
+    """
     if sys.exc_info()[0] is None:
         raise Stopped(f"{signal.Signals(signum).name} received outside the training loop; rerun the same command "
                       "to resume", signum)
@@ -262,8 +269,11 @@ def export(trainer) -> int:
 
 
 def outcome(results: dict) -> str:
-    """What the gates did, in words, from an eval dict (empty for CL and NCL): the paper's consistency and the top-N
-    one beside post-hoc TopK of the same features, then, on generated data, which factor the dims follow."""
+    """What the gates did, in words, from an eval dict.
+
+    Empty for CL and NCL. The paper's consistency and the top-N one beside post-hoc TopK of the same features, then, on
+    generated data, which factor the dims follow.
+    """
     if "gates_open" not in results:
         return ""
     gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
@@ -295,8 +305,11 @@ def outcome(results: dict) -> str:
 
 
 def what_they_show(results: dict, posthoc: dict) -> str:
-    """The closing sentence: the gates' choice of entries against post-hoc TopK's on the same features, on the top-N
-    consistency (which sparsity cannot game), and what sparsity alone does to the paper's."""
+    """The closing sentence of the run's summary: the gates against post-hoc TopK.
+
+    The gates' choice of entries against post-hoc TopK's on the same features, on the top-N consistency (which sparsity
+    cannot game), and what sparsity alone does to the paper's.
+    """
     diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
     where = "above" if diff > 0.01 else "below" if diff < -0.01 else "level with"
     rise = posthoc["semantic_consistency"] - results["semantic_consistency_ungated"]
@@ -308,7 +321,8 @@ def what_they_show(results: dict, posthoc: dict) -> str:
 def next_steps(cfg: Config, argv: list[str]) -> str:
     """The commands that look at the gates and train the NCL baseline on the same budget."""
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named else cfg.out + "-ncl"
+    base = (str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named
+            else cfg.out + "-ncl")
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
     steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
@@ -323,9 +337,11 @@ def next_steps(cfg: Config, argv: list[str]) -> str:
 
 
 def command(cfg: Config, script: str, *args: str) -> str:
-    """The command line of ``experiments/<script> args`` as this run was started: by its interpreter and, for code
-    of the user's own (``package.module:name``), with its PYTHONPATH (and --trust-run: the run is the user's own);
-    paths as seen from the current folder."""
+    """The command line that runs ``experiments/<script> args`` as this run was started.
+
+    By this run's interpreter and, for code of the user's own (``package.module:name``), with its PYTHONPATH (and
+    --trust-run: the run is the user's own); paths as seen from the current folder.
+    """
     env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
     trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
     words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
@@ -339,7 +355,7 @@ def _near(path) -> str:
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
-    """argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
+    """Argv without the given flags and their values (``--flag value`` or ``--flag=value``)."""
     kept, skip = [], False
     for a in argv:
         if skip:

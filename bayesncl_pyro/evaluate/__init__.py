@@ -1,5 +1,7 @@
-"""What a trained run says: metrics, probes, the test split's features, diagnostics, figures, report, ArviZ,
-load_run, the weights as plain state_dicts, and several runs compared.
+"""What a trained run says: metrics, probes, diagnostics, figures, report and comparisons.
+
+Also the test split's features, the ArviZ export, load_run, and the weights as plain state_dicts.
 
 Modules: arviz_export, comparison, diagnostics, dimensions, figures, heldout, matched, metrics, probe, report, run,
-weights."""
+weights.
+"""

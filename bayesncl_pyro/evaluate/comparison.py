@@ -1,5 +1,8 @@
-"""Several methods' runs side by side (experiments/compare.py): the methods' Config fields, the runs' records, their
-means over seeds in tables, the paper's published numbers beside ours, and comparison.md and comparison.json."""
+"""Several methods' runs side by side (experiments/compare.py).
+
+The methods' Config fields, the runs' records, their means over seeds in tables, the paper's published numbers beside
+ours, and comparison.md and comparison.json.
+"""
 
 import itertools
 import json
@@ -9,8 +12,16 @@ from pathlib import Path
 from bayesncl_pyro import rundir
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.evaluate.heldout import describe_protocol
-from bayesncl_pyro.evaluate.matched import (MATCHED_COLUMNS, TOPN_COLUMNS, flat_controls, paired, paired_table,
-                                            plot_matched, plot_paired, topk_at_rate)
+from bayesncl_pyro.evaluate.matched import (
+    MATCHED_COLUMNS,
+    TOPN_COLUMNS,
+    flat_controls,
+    paired,
+    paired_table,
+    plot_matched,
+    plot_paired,
+    topk_at_rate,
+)
 from bayesncl_pyro.infer.estimators import GATES
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
@@ -57,10 +68,12 @@ RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a ru
 
 def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
                    kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
-    """Run name -> the Config fields that make that method; BayesNCL once per prior and, given several
-    ``kl_weights``, once per lambda (one lambda is a shared setting), and once per density in ``densities`` (named
-    <method>-d<D> even for one: a density target makes another method than a fixed lambda); NCL+TopK once per k
-    given several."""
+    """Run name -> the Config fields that make that method.
+
+    BayesNCL once per prior and, given several ``kl_weights``, once per lambda (one lambda is a shared setting), and
+    once per density in ``densities`` (named <method>-d<D> even for one: a density target makes another method than a
+    fixed lambda); NCL+TopK once per k given several.
+    """
     made = {}
     several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
     topks = topk if isinstance(topk, list) else [topk]
@@ -85,15 +98,20 @@ def recorded_run(folder: Path, cfg: Config) -> bool:
 
 
 def record(run_dir: Path, folder: Path):
-    """Copy a finished run's record into ``folder`` (``--record``), a real folder of the record's, by the rule of
-    ``rundir``: read and written never through a link, the three files replaced together."""
+    """Copy a finished run's record into ``folder`` (``--record``).
+
+    ``folder`` is a real folder of the record's, by the rule of ``rundir``: read and written never through a link, the
+    three files replaced together.
+    """
     folder = rundir.output_folder(folder)
     rundir.save_together([(rundir.read_bytes(run_dir / name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
 
 
 def train_time(run_dir: Path, batch_size: int) -> float:
-    """Seconds spent in training steps, summed from log.jsonl (each line's images / images_per_s); steps
-    replayed after a resume are counted once."""
+    """Seconds a run spent in training steps, from its log.jsonl.
+
+    Summed from log.jsonl (each line's images / images_per_s); steps replayed after a resume are counted once.
+    """
     by_step = {rec["step"]: rec["images_per_s"] for rec in rundir.read_log(run_dir)}
     total, last = 0.0, 0
     for step in sorted(by_step):
@@ -103,6 +121,7 @@ def train_time(run_dir: Path, batch_size: int) -> float:
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
     m = sum(values) / len(values)
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
 
@@ -119,10 +138,12 @@ def summarise(runs: list[dict], keys: list[str]) -> dict:
 
 def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: Config,
                several_lambdas: bool, budget: dict | None, wall_s: float) -> dict:
-    """What comparison.json holds: each run (``runs``: its name, family, seed, folder and eval.json's figures, each
-    given NCL+TopK's at its sparsity), each method's means over ``seeds``, and the settings every run shares, taken
-    from ``settings`` (one run's Config, a gated one's where there are gates) less what differs between runs
-    (lambda too where there are ``several_lambdas``)."""
+    """What comparison.json holds: the runs, the means over seeds and the shared settings.
+
+    Each run (``runs``: its name, family, seed, folder and eval.json's figures, each given NCL+TopK's at its sparsity),
+    each method's means over ``seeds``, and the settings every run shares, taken from ``settings`` (one run's Config, a
+    gated one's where there are gates) less what differs between runs (lambda too where there are ``several_lambdas``).
+    """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
                               + TOPN_COLUMNS))
@@ -136,6 +157,7 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
 
 
 def table(summary: dict, columns: list, seeds: int) -> str:
+    """The methods' means (with standard deviations over several seeds) as a markdown table."""
     head = ["Method"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, stats in summary.items():
@@ -151,8 +173,11 @@ def table(summary: dict, columns: list, seeds: int) -> str:
 
 
 def paper_table(dataset: str, summary: dict, protocol: str) -> str:
-    """Our means, evaluated by ``protocol``, beside the paper's numbers (evaluated by the reference's protocol)
-    for the metrics it publishes on ``dataset``; "" if none. Each column header names its protocol."""
+    """Our means beside the paper's published numbers, as a markdown table.
+
+    Our means are evaluated by ``protocol``, the paper's numbers by the reference's protocol, for the metrics it
+    publishes on ``dataset``; "" if none. Each column header names its protocol.
+    """
     paper = PAPER.get(dataset, {})
     keys = [c for c in COLUMNS if any(c[1] in numbers for numbers in paper.values())]
     if not keys:
@@ -192,8 +217,8 @@ def markdown(report: dict) -> str:
         md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
                "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
                "the two nearest k of the run's own seed, NCL as k = K; blank outside their range), the same run's "
-               "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: at "
-               "q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
+               "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: "
+               "at q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
                table(summary, MATCHED_COLUMNS, len(seeds))]
     if any("semantic_consistency_topn" in r for r in runs):
         n = sorted({r["topn_n"] for r in runs if "topn_n" in r})
@@ -223,6 +248,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(runs: list[dict], path: Path):
+    """Plot each run's semantic consistency against its linear-probe top-1."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,9 +269,11 @@ def plot(runs: list[dict], path: Path):
 
 
 def write_comparison(out: Path, report: dict) -> str:
-    """Write comparison.json, consistency_vs_probe.png, matched_sparsity.png, paired.png (where there are gated runs
-    with baselines) and comparison.md into ``out``; return
-    comparison.md's text."""
+    """Write comparison.json, its figures and comparison.md into ``out``.
+
+    The figures: consistency_vs_probe.png, matched_sparsity.png and paired.png (where there are gated runs with
+    baselines). Returns comparison.md's text.
+    """
     out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
     (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report["runs"], out / "consistency_vs_probe.png")

@@ -32,9 +32,11 @@ from bayesncl_pyro.rundir import CONFLICT, read_records
 
 
 def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pos, neg), R x K each: the gradient of ``info_nce_rows(u, tau).sum()`` w.r.t. u (R x K rows in
-    the layout ``[view 1; view 2]``), split into its positive-pair and negative-pair parts; pos + neg is
-    the whole gradient."""
+    """The InfoNCE gradient w.r.t. the rows, split into its positive-pair and negative-pair parts.
+
+    Returns (pos, neg), R x K each, of the gradient of ``info_nce_rows(u, tau).sum()`` w.r.t. u (R x K rows in the
+    layout ``[view 1; view 2]``); pos + neg is the whole gradient.
+    """
     rows = u.shape[0]
     logits = (u @ u.T / temperature).fill_diagonal_(float("-inf"))
     p = logits.softmax(dim=1)
@@ -42,9 +44,12 @@ def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, t
 
 
 def conflict_record(u: torch.Tensor, temperature: float) -> dict[str, torch.Tensor]:
-    """One batch's per-dimension summary, K each: ``pos`` and ``neg``, the means of the two gradient
-    parts over the entries where the dimension is active (NaN if it is active in no row), and ``freq``,
-    the share of rows in which it is active. u: R x K, the (gated) rows the loss sees."""
+    """One batch's per-dimension gradient-conflict summary.
+
+    K each: ``pos`` and ``neg``, the means of the two gradient parts over the entries where the dimension is active (NaN
+    if it is active in no row), and ``freq``, the share of rows in which it is active. u: R x K, the (gated) rows the
+    loss sees.
+    """
     pos, neg = nce_grad_parts(u.detach().float(), temperature)
     active = (u.abs() > ACTIVE_EPS).to(pos)
     count = active.sum(0)
@@ -88,8 +93,11 @@ def to_json(rec: dict) -> str:
 
 
 def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
-    """A run's ``conflict.jsonl`` as arrays: ``step`` (T) and ``pos``, ``neg``, ``freq``, and ``incl``
-    for gated runs (T x K, NaN for null); None if the run has none."""
+    """A run's ``conflict.jsonl`` as arrays, or None if it has none.
+
+    ``step`` (T) and ``pos``, ``neg``, ``freq``, and ``incl`` for gated runs (T x K, NaN for null); None if the run has
+    none.
+    """
     path = Path(run_dir) / CONFLICT
     recs = read_records(path)
     if not recs:
@@ -102,8 +110,11 @@ def read_conflict(run_dir: str | os.PathLike) -> dict[str, np.ndarray] | None:
 
 
 def conflict_table(run_dir: str | os.PathLike) -> dict | None:
-    """Per-dimension conflict scores of a run with its mean activation frequency and, for BayesNCL,
-    mean inclusion over the logged steps; None if the run logged no conflict records."""
+    """Per-dimension conflict scores of a run over its logged steps.
+
+    With each dimension's mean activation frequency and, for BayesNCL, mean inclusion over the logged steps; None if the
+    run logged no conflict records.
+    """
     recs = read_conflict(run_dir)
     if recs is None or len(recs["step"]) < 2:
         return None
@@ -121,9 +132,12 @@ def _median(x, mask=None) -> float:
 
 
 def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> list[str]:
-    """A conflict table (``conflict_table``) of the ``name`` run in a few lines: medians over dimensions, the rank
-    correlation of activation frequency and cancellation, and with ``gated_off`` (K bool, the dimensions mostly gated
-    on the test split: ``dimensions.mostly_gated``) the medians of the dimensions mostly open and mostly gated."""
+    """A conflict table in a few lines of text.
+
+    Of the ``name`` run (``conflict_table``): medians over dimensions, the rank correlation of activation frequency and
+    cancellation, and with ``gated_off`` (K bool, the dimensions mostly gated on the test split:
+    ``dimensions.mostly_gated``) the medians of the dimensions mostly open and mostly gated.
+    """
     freq = t["freq"]
     lines = [f"conflict ({name}), medians over dimensions: cancellation {_median(t['cancellation']):.3f}, "
              f"oscillation {_median(t['oscillation']):.3g}, sign flips {_median(t['sign_flips']):.2f}"]
@@ -141,9 +155,11 @@ def conflict_lines(name: str, t: dict, gated_off: np.ndarray | None = None) -> l
 
 
 def degeneracy_warnings(rec: dict, num_features: int) -> list[str]:
-    """Warnings for a training-log record of a degenerate run: no feature left to contrast (every row
-    is zero); for gated runs (nearly) all gates closed or all open, or a KL so small that q(g | x) is the
-    prior for every item (the gates then carry no information about the image)."""
+    """Warnings for a training-log record of a degenerate run.
+
+    No feature left to contrast (every row is zero); for gated runs (nearly) all gates closed or all open, or a KL so
+    small that q(g | x) is the prior for every item (the gates then carry no information about the image).
+    """
     out = []
     if rec["active"] == 0:
         out.append("every feature of every row is zero: InfoNCE is stuck at log(rows - 1) and no gradient flows")

@@ -1,6 +1,9 @@
-"""A run's figures and summary (experiments/inspect_gates.py): the training log's terms, the gate posterior on the test
-split (KL per dimension, inclusion probabilities, the class x dimension heatmap), the most class-consistent
-dimensions' top images, and the InfoNCE gradient conflict beside a baseline's."""
+"""A run's figures and summary (experiments/inspect_gates.py).
+
+The training log's terms, the gate posterior on the test split (KL per dimension, inclusion probabilities, the class x
+dimension heatmap), the most class-consistent dimensions' top images, and the InfoNCE gradient conflict beside a
+baseline's.
+"""
 
 import textwrap
 from pathlib import Path
@@ -26,8 +29,11 @@ plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "
 
 
 def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
-    """Write ``fig`` as a PNG to ``path`` by ``rundir.atomic_save`` (a temporary file, renamed, never through a link),
-    laid out first by tight_layout (``tight``) where it has no layout engine."""
+    """Write ``fig`` as a PNG to ``path`` atomically.
+
+    By ``rundir.atomic_save`` (a temporary file, renamed, never through a link), laid out first by tight_layout
+    (``tight``) where it has no layout engine.
+    """
     if tight and fig.get_layout_engine() is None:
         fig.tight_layout()
     atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
@@ -36,9 +42,11 @@ def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
 
 
 def plot_elbo(log: list[dict], estimator: type[GateEstimator] | None, kl_weight: float, path: Path) -> Path:
-    """The training log's terms over the steps, titled by what the log's fields are: for a gated run ``loss`` (what
-    the gate estimator minimised: -ELBO per row, or the reference's surrogate), ``nce`` and ``kl``; without gates
-    (``estimator`` None) the loss is InfoNCE alone."""
+    """Plot the training log's terms over the steps.
+
+    Titled by what the log's fields are: for a gated run ``loss`` (what the gate estimator minimised: -ELBO per row, or
+    the reference's surrogate), ``nce`` and ``kl``; without gates (``estimator`` None) the loss is InfoNCE alone.
+    """
     steps = [r["step"] for r in log]
     if estimator is not None:
         panels = [("loss", f"{estimator.loss_name} (log's loss)\n= nce + lambda * kl, lambda = {kl_weight:g}"),
@@ -61,8 +69,10 @@ def _dim_ticks(ax, order):
 
 
 def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
-    """KL per dimension, largest first: bars labelled by dimension for up to 64 dims, else the sorted curve with
-    its five largest dimensions named."""
+    """Plot KL per dimension, largest first.
+
+    Bars labelled by dimension for up to 64 dims, else the sorted curve with its five largest dimensions named.
+    """
     order = np.argsort(kl)[::-1]
     fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
     if len(kl) <= 64:
@@ -81,6 +91,7 @@ def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
 
 
 def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
+    """Plot histograms of the inclusion probabilities, per entry and per dimension's mean."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.hist(probs.ravel(), bins=50, range=(0, 1), color="tab:blue")
     a.axvline(0.5, color="k", ls="--", lw=1, label="gate threshold 0.5")
@@ -95,16 +106,22 @@ def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
 
 
 def heatmap_order(class_means: np.ndarray) -> np.ndarray:
-    """Dimensions grouped by the class they include most, each group sorted by how much more that
-    class includes them than the other classes do (most class-specific first)."""
+    """Dimension order for the class heatmap, most class-specific first within each class.
+
+    Dimensions are grouped by the class they include most, each group sorted by how much more that class includes them
+    than the other classes do (most class-specific first).
+    """
     top = class_means.argmax(0)
     specificity = class_means.max(0) - class_means.mean(0)
     return np.lexsort((-specificity, top))
 
 
 def plot_class_heatmap(class_means: np.ndarray, classes: list[str], path: Path) -> Path:
-    """Top: mean inclusion per class (``dimensions.inclusion_by_class``); bottom: the same minus the dimension's
-    mean over classes, where a class-specific dimension stands out as one warm cell in a cool column."""
+    """Plot mean inclusion per class and dimension, raw and centred per dimension.
+
+    Top: mean inclusion per class (``dimensions.inclusion_by_class``); bottom: the same minus the dimension's mean over
+    classes, where a class-specific dimension stands out as one warm cell in a cool column.
+    """
     order = heatmap_order(class_means)
     k, c = len(order), len(classes)
     fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(7.0, 0.16 * k + 2.5)), 0.6 * c + 3.2), sharex=True)
@@ -136,8 +153,11 @@ def _image(item) -> tuple[np.ndarray, str | None]:
 
 
 def plot_top_images(features, labels, dataset, classes, path: Path, dims: int = 8, per_dim: int = 10) -> Path:
-    """The test images of largest activation of the most class-consistent dimensions among those active in at least
-    ``dimensions.min_support`` test images, a row each, labelled by what the row shows."""
+    """Plot the top test images of the most class-consistent dimensions.
+
+    Dimensions are chosen among those active in at least ``dimensions.min_support`` test images, a row each, labelled by
+    what the row shows.
+    """
     least = dm.min_support(len(labels), len(classes))
     chosen = dm.consistent_dims(features, labels, len(classes), dims, least)
     if not chosen:
@@ -181,6 +201,7 @@ def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
 
 
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
+    """Plot a run's per-dimension gradient conflict beside a baseline's."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     panels = [("cancellation", "pull of positives vs push of negatives", "cancellation (1 = they cancel)",
                "linear"),
@@ -211,10 +232,13 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
 
 def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None, export: bool = False,
             **load) -> list[str]:
-    """Write the figures of a run into ``out`` (a folder the user names; by default RUN/inspect, a real folder of the
-    run: ``rundir.output_folder``) and return the summary lines; with ``export``, first (re)write the run's
-    ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of ``load_learner``. Everything is read
-    from the run folders before anything is written: a file refused there leaves no figure behind."""
+    """Write a run's figures into ``out`` and return its summary lines.
+
+    ``out``: a folder the user names; by default RUN/inspect, a real folder of the run (``rundir.output_folder``). With
+    ``export``, first (re)write the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of
+    ``load_learner``. Everything is read from the run folders before anything is written: a file refused there leaves no
+    figure behind.
+    """
     learner, cfg = load_learner(run_dir, **load)
     log, main = read_log(run_dir), conflict_table(run_dir)
     base = conflict_table(baseline) if main is not None and baseline is not None else None

@@ -1,6 +1,7 @@
-"""Evaluation of a trained learner on the held-out split: linear probe, kNN, interpretability metrics; and the test
-split's features, from one pass of the backbone (``test_features``), which the evaluation, the gate posterior
-(``dimensions.gate_posterior``) and the report read.
+"""Evaluation of a trained learner on the held-out split.
+
+Linear probe, kNN, interpretability metrics; and the test split's features, from one pass of the backbone
+(``test_features``), which the evaluation, the gate posterior (``dimensions.gate_posterior``) and the report read.
 
 Two protocols (``Config.eval_protocol``) differ in the linear probe and retrieval only: ``fast``, for small
 runs, and ``reference``, the paper's, which its published numbers were measured with (docs/METHOD.md,
@@ -14,10 +15,21 @@ from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
-from bayesncl_pyro.evaluate.matched import (CONTROLS, REPRESENTATIONS, count_matched_controls,
-                                            posterior_representations, random_mask_null)
-from bayesncl_pyro.evaluate.metrics import (closed_share, factor_tracking, interpretability_metrics, retrieval_precision,
-                                            topn_chance, topn_size)
+from bayesncl_pyro.evaluate.matched import (
+    CONTROLS,
+    REPRESENTATIONS,
+    count_matched_controls,
+    posterior_representations,
+    random_mask_null,
+)
+from bayesncl_pyro.evaluate.metrics import (
+    closed_share,
+    factor_tracking,
+    interpretability_metrics,
+    retrieval_precision,
+    topn_chance,
+    topn_size,
+)
 from bayesncl_pyro.evaluate.probe import FAST_PROBE, REFERENCE_PROBES, ProbeRecipe, knn_top1, linear_probe
 from bayesncl_pyro.loggers import Progress
 
@@ -59,8 +71,11 @@ class _Transformed(torch.utils.data.Dataset):
 @torch.no_grad()
 def extract(learner, dataset, cfg: Config, channels: int, device,
             progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h: N x D backbone features, F: N x K the method's representation, labels: N), in eval mode; ``progress``
-    (``progress.reporter``) shows the batches go by."""
+    """Backbone features, representation and labels of a dataset, in eval mode.
+
+    Returns (h: N x D backbone features, F: N x K the method's representation, labels: N); ``progress``
+    (``progress.reporter``) shows the batches go by.
+    """
     learner.eval()
     loader = DataLoader(_Transformed(dataset, eval_transform(cfg.image_size, channels)),
                         batch_size=max(cfg.batch_size, 256), num_workers=cfg.workers)
@@ -90,20 +105,25 @@ class TestFeatures:
 
     @property
     def gated(self) -> bool:
+        """Whether the features come from a gated learner."""
         return self.probs is not None
 
     @property
     def num_classes(self) -> int:
+        """The number of classes."""
         return len(self.classes)
 
 
 @torch.no_grad()
 def test_features(learner, data, device: str | torch.device | None = None,
                   progress: Progress | None = None) -> TestFeatures:
-    """The test split of ``data`` through a trained ``learner``, its backbone run once (:func:`extract`): h, F and,
-    for a gated learner, its ungated features, inclusion probabilities and evaluation mask (through the learner's
-    API: ``ungated_features``, ``gate_probs``, ``head.gate_mask``), all on the CPU; ``device``: where to compute
-    (default: the learner's). The evaluation, the gate posterior and the report all read this one pass."""
+    """The test split's features through a trained learner, from one pass of its backbone.
+
+    Through :func:`extract`: h, F and, for a gated learner, its ungated features, inclusion probabilities and evaluation
+    mask (through the learner's API: ``ungated_features``, ``gate_probs``, ``head.gate_mask``), all on the CPU;
+    ``device``: where to compute (default: the learner's). The evaluation, the gate posterior and the report all read
+    this one pass.
+    """
     device = device or next(learner.parameters()).device
     h, f, labels = extract(learner, data.test, learner.cfg, data.channels, device, progress)
     out = TestFeatures(f, labels, list(data.classes), factors=getattr(data.test, "factors", None), backbone=h)
@@ -120,15 +140,18 @@ OBJECTIVE_DRAWS = 8  # draws of q(g | x) per test batch for the test-split ELBO
 
 @torch.no_grad()
 def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: int = OBJECTIVE_DRAWS) -> dict:
-    """The training objective on the test split, as an ELBO, whatever the gate estimator trained: per row, averaged
-    over batches of ``cfg.batch_size`` test images (InfoNCE depends on the batch: the training batch size, in a
-    fixed random order, two views each drawn by the training augmentation with the run's seed), in eval mode.
+    """The training objective on the test split, as an ELBO.
+
+    Whatever the gate estimator trained: per row, averaged over batches of ``cfg.batch_size`` test images (InfoNCE
+    depends on the batch: the training batch size, in a fixed random order, two views each drawn by the training
+    augmentation with the run's seed), in eval mode.
 
     Returns ``test_neg_elbo`` (-ELBO per row: E_q[InfoNCE] + lambda * KL(q || p), the exact KL, from ``draws``
     draws of g ~ q(g | x) per batch: not at the mode), ``test_nce`` (its E_q[InfoNCE] term), ``test_kl`` (its KL
     per row, summed over the gates; 0 without gates) and ``test_nce_mode`` (InfoNCE of the evaluation's
     representation F: at the evaluation mask). For NCL and CL, -ELBO is the InfoNCE of their features, on the same
-    batches."""
+    batches.
+    """
     learner.eval()
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     views = Subset(TwoViews(dataset, simclr_transform(cfg.image_size, channels), cfg.seed), order)
@@ -151,22 +174,24 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
 
 def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None,
              test: TestFeatures | None = None) -> dict:
-    """Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics
-    and retrieval precision on the test split's representation F; on generated data whose test split
-    records its factors, which factor each dimension tracks; the training objective on the test split
-    (:func:`test_objective`). Fractions in [0, 1]; ``protocol`` names how the linear probe and retrieval were
-    done (``cfg.eval_protocol``).
+    """Evaluate a trained learner on the test split: probes, interpretability metrics, objective.
 
-    For BayesNCL the interpretability metrics are also reported for the same model's features before
-    gating (keys ending in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity
-    and as a posterior (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``),
-    the posterior mean's soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as
-    sparse as F image by image (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what
-    each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
-    (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
-    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long parts go by: the
-    features of each split, the linear probe's epochs. ``test``: the test split's :func:`test_features`, when the
-    caller has them (else they are computed here)."""
+    Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics and retrieval
+    precision on the test split's representation F; on generated data whose test split records its factors, which factor
+    each dimension tracks; the training objective on the test split (:func:`test_objective`). Fractions in [0, 1];
+    ``protocol`` names how the linear probe and retrieval were done (``cfg.eval_protocol``).
+
+    For BayesNCL the interpretability metrics are also reported for the same model's features before gating (keys ending
+    in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity and as a posterior
+    (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``), the posterior mean's
+    soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as sparse as F image by image
+    (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what each is). ``representations``
+    says what each suffix is a figure of. Consistency is given twice: the paper's (``semantic_consistency``) and the
+    top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on ``topn_n`` samples a dim, with its
+    coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long
+    parts go by: the features of each split, the linear probe's epochs. ``test``: the test split's
+    :func:`test_features`, when the caller has them (else they are computed here).
+    """
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
     test = test if test is not None else test_features(learner, data, device, progress)
     h_te, f_te, y_te = test.backbone, test.features, test.labels
@@ -197,10 +222,11 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
 
 
 def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
-    """How many dims of the representation F (N x K) track each ground-truth factor, and for a gated
-    learner (``ungated``: its N x K features before gating, ``gates``: its N x K 0/1 evaluation mask, the gates
-    F uses), how many dims of the ungated features track each factor and which share of those the gates switch
-    off.
+    """How many dims track each ground-truth factor, before and after gating.
+
+    How many dims of the representation F (N x K) track each ground-truth factor, and for a gated learner (``ungated``:
+    its N x K features before gating, ``gates``: its N x K 0/1 evaluation mask, the gates F uses), how many dims of the
+    ungated features track each factor and which share of those the gates switch off.
 
     A dim counts as switched off when its gate is closed in more than half of the samples where its
     ungated feature is active.
@@ -217,8 +243,10 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
 
 
 def format_table(results: dict) -> str:
-    """An eval dict as a text table; a gated run's ``*_ungated`` metrics go in a second column beside the
-    gated ones."""
+    """An eval dict as a text table.
+
+    A gated run's ``*_ungated`` metrics go in a second column beside the gated ones.
+    """
     ungated = {k.removesuffix(UNGATED): v for k, v in results.items() if k.endswith(UNGATED)}
     cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     rows = [(k, cell(v), cell(ungated.get(k))) for k, v in results.items()

@@ -23,8 +23,16 @@ import math
 
 import torch
 
-from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, active_entries, alive, factor_tracking,
-                                            semantic_consistency, sparsity, topn_consistency)
+from bayesncl_pyro.evaluate.metrics import (
+    activation_rate,
+    active_dims,
+    active_entries,
+    alive,
+    factor_tracking,
+    semantic_consistency,
+    sparsity,
+    topn_consistency,
+)
 from bayesncl_pyro.nn.losses import normalize
 
 RANDOM_MASKS = 5
@@ -46,8 +54,11 @@ are on backbone features, the same for all."""
 
 
 def summary(features: torch.Tensor, labels: torch.Tensor, factors: dict | None) -> dict:
-    """The figures that change with the representation: the paper's consistency and the top-N one with its coverage,
-    activation rate, dims in use and, where the factors are known, the dims tracking each."""
+    """The figures that change with the representation.
+
+    The paper's consistency and the top-N one with its coverage, activation rate, dims in use and, where the factors are
+    known, the dims tracking each.
+    """
     out = dict(semantic_consistency=semantic_consistency(features, labels), **topn_consistency(features, labels),
                activation_rate=activation_rate(features), active_dims=active_dims(features))
     if factors is not None:
@@ -61,12 +72,14 @@ def _mean(runs: list[dict], suffix: str) -> dict:
 
 def random_mask_null(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, factors: dict | None = None,
                      seed: int = 0) -> dict:
-    """The sparsity null of a gated run: its ungated features u (N x K) under random masks that keep each active entry
-    with probability ``random_mask_keep`` = (active entries of F) / (active entries of u), so that the masked
-    features have F's active entries in expectation, chosen without regard to the image. Masking an inactive entry
-    changes nothing, so this is the run's own open rate whenever the gates close active and inactive entries alike;
-    where they prefer one kind, the open rate would not keep F's sparsity, and this does. :func:`summary`'s
-    figures averaged over :data:`RANDOM_MASKS` seeded masks, keys ending in ``_random_mask``."""
+    """The sparsity null of a gated run: its ungated features under random masks.
+
+    The masks keep each active entry with probability ``random_mask_keep`` = (active entries of F) / (active entries of
+    u), so that the masked features have F's active entries in expectation, chosen without regard to the image. Masking
+    an inactive entry changes nothing, so this is the run's own open rate whenever the gates close active and inactive
+    entries alike; where they prefer one kind, the open rate would not keep F's sparsity, and this does.
+    :func:`summary`'s figures averaged over :data:`RANDOM_MASKS` seeded masks, keys ending in ``_random_mask``.
+    """
     keep = float(active_entries(features).sum() / active_entries(ungated).sum().clamp_min(1))
     g = torch.Generator().manual_seed(seed)
     runs = [summary(normalize(ungated * (torch.rand(ungated.shape, generator=g) < keep)), labels, factors)
@@ -76,9 +89,11 @@ def random_mask_null(ungated: torch.Tensor, features: torch.Tensor, labels: torc
 
 def posterior_representations(ungated: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor,
                               factors: dict | None = None, seed: int = 0) -> dict:
-    """A gated run judged as a posterior, not by its mode: :func:`summary` of normalise(u * p) (keys ending in
-    ``_posterior_mean``) and the mean of it over :data:`Q_DRAWS` seeded draws normalise(u * g), g ~ Bernoulli(p)
-    (``_q_draws``); u: N x K ungated features, p: N x K q(g = 1 | x)."""
+    """A gated run judged as a posterior: at p and at draws from q, not at its mode.
+
+    :func:`summary` of normalise(u * p) (keys ending in ``_posterior_mean``) and the mean of it over :data:`Q_DRAWS`
+    seeded draws normalise(u * g), g ~ Bernoulli(p) (``_q_draws``); u: N x K ungated features, p: N x K q(g = 1 | x).
+    """
     g = torch.Generator().manual_seed(seed)
     draws = [summary(normalize(ungated * torch.bernoulli(probs, generator=g)), labels, factors)
              for _ in range(Q_DRAWS)]
@@ -105,10 +120,13 @@ def _keep_first(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def control_masks(ungated: torch.Tensor, features: torch.Tensor, seed: int = 0) -> dict[str, list[torch.Tensor]]:
-    """The N x K bool masks of the controls (:data:`CONTROLS`): one for ``posthoc_topk``, :data:`RANDOM_MASKS` seeded
-    ones for each random control. ungated: N x K u; features: N x K F = normalise(u * m). Each mask keeps, in every
-    image, F's number of active entries, chosen among u's non-zero entries (F's non-zero entries are among them, so
-    the count is always there to keep)."""
+    """The N x K bool masks of the controls.
+
+    The controls are :data:`CONTROLS`: one for ``posthoc_topk``, :data:`RANDOM_MASKS` seeded ones for each random
+    control. ungated: N x K u; features: N x K F = normalise(u * m). Each mask keeps, in every image, F's number of
+    active entries, chosen among u's non-zero entries (F's non-zero entries are among them, so the count is always there
+    to keep).
+    """
     nonzero = ungated != 0
     counts = active_entries(features).sum(dim=1).long()
     out = {"posthoc_topk": [_keep_first(torch.where(nonzero, -ungated.double(), torch.inf), counts)]}
@@ -121,9 +139,11 @@ def control_masks(ungated: torch.Tensor, features: torch.Tensor, seed: int = 0) 
 
 def count_matched_controls(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
                            factors: dict | None = None, seed: int = 0) -> dict:
-    """The controls that separate the gates' selection from what training did to the encoder: ``{name: figures}``,
-    :func:`summary`'s and the sparsity of normalise(u * mask), averaged over each control's :func:`control_masks`.
-    ungated: N x K u, features: N x K F, labels: N."""
+    """The controls that separate the gates' selection from what training did to the encoder.
+
+    Returns ``{name: figures}``, :func:`summary`'s and the sparsity of normalise(u * mask), averaged over each control's
+    :func:`control_masks`. ungated: N x K u, features: N x K F, labels: N.
+    """
     def figures(mask):
         x = normalize(ungated * mask)
         return dict(summary(x, labels, factors), sparsity=sparsity(x))
@@ -133,7 +153,7 @@ def count_matched_controls(ungated: torch.Tensor, features: torch.Tensor, labels
 
 
 def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
-    """y at x, linear between the two nearest points (x_i, y_i) that bracket x; None outside their range."""
+    """Y at x, linear between the two nearest points (x_i, y_i) that bracket x; None outside their range."""
     points = sorted(points)
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x0 <= x <= x1:
@@ -153,12 +173,15 @@ and the share of zero entries over all K dims (what a TopK's k fixes, and what t
 
 
 def topk_at_rate(runs: list[dict]) -> list[dict]:
-    """``runs`` (compare.py's: dicts with ``name``, ``family``, ``seed`` and their eval figures), each given the
-    NCL+TopK curve of its own seed at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and
-    ``topk_<key>_at_sparsity`` for the keys in TOPK_KEYS, interpolated linearly in that measure between the two
-    nearest TopK settings of that seed (NCL, TopK with every dim kept, is a point of the curve) and left out where
-    the run lies outside the curve's range. A seed's curve is never averaged with another's: the seed draws the
-    data too (the generated benchmark's test split). Runs of the curve itself get nothing."""
+    """Give each run NCL+TopK's figures at its own activation rate and sparsity.
+
+    ``runs`` (compare.py's: dicts with ``name``, ``family``, ``seed`` and their eval figures), each given the NCL+TopK
+    curve of its own seed at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and
+    ``topk_<key>_at_sparsity`` for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest
+    TopK settings of that seed (NCL, TopK with every dim kept, is a point of the curve) and left out where the run lies
+    outside the curve's range. A seed's curve is never averaged with another's: the seed draws the data too (the
+    generated benchmark's test split). Runs of the curve itself get nothing.
+    """
     curves = {}
     for r in runs:
         if r["family"] in ("ncl+topk", "ncl"):
@@ -185,8 +208,11 @@ BASELINES = {"topk": "trained TopK at its sparsity", **{c: f"{c} (control)" for 
 
 
 def baseline_value(run: dict, baseline: str, key: str, ncl: dict) -> float | None:
-    """The value on metric ``key`` of ``baseline`` (a key of :data:`BASELINES`) for ``run``; ``ncl``: seed -> the NCL
-    run of that seed. None where the run has no such baseline."""
+    """A baseline's value on one metric for a run, or None.
+
+    ``baseline``: a key of :data:`BASELINES`; ``ncl``: seed -> the NCL run of that seed. None where the run has no such
+    baseline.
+    """
     if baseline == "topk":
         return run.get(f"topk_{key}_at_sparsity")
     if baseline in CONTROLS:
@@ -201,9 +227,12 @@ BOOTSTRAP = 10_000
 
 
 def interval(differences: list[float], level: float = 0.95, seed: int = 0) -> dict:
-    """Mean of paired ``differences`` (one per seed) with its ``level`` confidence interval two ways: Student's t
-    (``t_low``, ``t_high``, and the two-sided ``p`` of a zero mean) and the percentile bootstrap over seeds
-    (``boot_low``, ``boot_high``: :data:`BOOTSTRAP` seeded resamples), and the sign count (``above``, ``below``)."""
+    """Mean of paired differences with t and bootstrap confidence intervals.
+
+    ``differences``: one per seed; the ``level`` interval two ways: Student's t (``t_low``, ``t_high``, and the
+    two-sided ``p`` of a zero mean) and the percentile bootstrap over seeds (``boot_low``, ``boot_high``:
+    :data:`BOOTSTRAP` seeded resamples), and the sign count (``above``, ``below``).
+    """
     from scipy import stats  # late: scipy's import costs a second, and only the comparison's tables need it
 
     d = torch.tensor(differences, dtype=torch.float64)
@@ -221,9 +250,12 @@ def interval(differences: list[float], level: float = 0.95, seed: int = 0) -> di
 
 
 def paired(runs: list[dict]) -> list[dict]:
-    """Each gated method against each of :data:`BASELINES`, on each of :data:`METRICS`, paired by seed: one row per
-    (method, baseline, metric) with the seeds' differences (method - baseline, fractions) and their
-    :func:`interval`. ``runs``: as :func:`topk_at_rate` returns them (the TopK of each run's own seed)."""
+    """Each gated method against each baseline on each metric, paired by seed.
+
+    Against :data:`BASELINES` on :data:`METRICS`: one row per (method, baseline, metric) with the seeds' differences
+    (method - baseline, fractions) and their :func:`interval`. ``runs``: as :func:`topk_at_rate` returns them (the TopK
+    of each run's own seed).
+    """
     ncl = {r.get("seed"): r for r in runs if r["family"] == "ncl"}
     rows = []
     for name in dict.fromkeys(r["name"] for r in runs if r["family"].startswith("bayesncl")):
@@ -250,8 +282,11 @@ def paired_table(rows: list[dict]) -> str:
 
 
 def plot_paired(rows: list[dict], path):
-    """The paired differences as intervals: one panel a metric, one row a (method, baseline), the mean with its t
-    interval (thick) and bootstrap interval (thin), zero marked."""
+    """Plot the paired differences as intervals.
+
+    One panel a metric, one row a (method, baseline), the mean with its t interval (thick) and bootstrap interval
+    (thin), zero marked.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -317,8 +352,10 @@ def flat_controls(run: dict) -> dict:
 
 
 def family(fields: dict) -> str:
-    """The curve a run belongs to in the matched-sparsity figure: the method, TopK and gates named, without the
-    setting (k, D, lambda) that moves it along the curve."""
+    """The curve a run belongs to in the matched-sparsity figure.
+
+    The method, TopK and gates named, without the setting (k, D, lambda) that moves it along the curve.
+    """
     if fields.get("method") == "bayesncl":
         prior = fields.get("prior", "bernoulli")
         return f"bayesncl-{fields.get('gate', 'ste')}" + ("" if prior == "bernoulli" else f"+{prior}")
@@ -328,10 +365,13 @@ def family(fields: dict) -> str:
 
 
 def plot_matched(runs: list[dict], path):
-    """Consistency and LP@1 against the activation rate of F (top row) and against its active entries, 1 - sparsity
-    (bottom row): one curve per family (NCL joins NCL+TopK's, as its k = K end), one point per setting at its seeds'
-    mean, the seeds' standard deviation as error bars on both axes; for gated runs also the random-mask null's
-    consistency (dotted, bottom row: it keeps F's active entries, not its rate)."""
+    """Plot consistency and LP@1 against activation rate and active entries.
+
+    Against the activation rate of F (top row) and its active entries, 1 - sparsity (bottom row): one curve per family
+    (NCL joins NCL+TopK's, as its k = K end), one point per setting at its seeds' mean, the seeds' standard deviation as
+    error bars on both axes; for gated runs also the random-mask null's consistency (dotted, bottom row: it keeps F's
+    active entries, not its rate).
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

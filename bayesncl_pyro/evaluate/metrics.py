@@ -43,8 +43,9 @@ def _mean_over_used_dims(mass, per_dim):
 
 
 def semantic_consistency(features, labels):
-    """The paper's consistency: mean over dims of the share of the most frequent class among the samples active in
-    that dim.
+    """The paper's semantic consistency of N x K features.
+
+    The mean over dims of the share of the most frequent class among the samples active in that dim.
 
     features: N x K, labels: N. Rows are L2-normalised first (as in the reference) so the 1e-5
     threshold is scale-free. Dense features give exactly the largest class share, i.e. 1/C for
@@ -60,15 +61,21 @@ def semantic_consistency(features, labels):
 
 
 def dim_consistency(features, labels):
-    """(share, counts): per dim (K) the share of the most frequent class among the samples active in it
-    (:func:`top_class_share`), and the C x K counts of active samples per class. features: N x K, labels: N."""
+    """Per dim, the top class's share of its active samples, and the class counts.
+
+    Returns (share, counts): per dim (K) the share of the most frequent class among the samples active in it
+    (:func:`top_class_share`), and the C x K counts of active samples per class. features: N x K, labels: N.
+    """
     counts = _class_mass(active_entries(features), labels)
     return top_class_share(counts), counts
 
 
 def top_class_share(counts):
-    """K: per dim, the share of its C x K ``counts`` (active samples per class) that its most frequent class holds;
-    0 where it has none. In the dtype of ``counts`` (a float one for an integer one)."""
+    """Per dim, the share of its active samples that its most frequent class holds.
+
+    K values from the C x K ``counts`` (active samples per class); 0 where it has none. In the dtype of ``counts`` (a
+    float one for an integer one).
+    """
     return counts.max(dim=0).values / counts.sum(dim=0).clamp_min(1)
 
 
@@ -84,8 +91,10 @@ def topn_size(num_samples: int) -> int:
 
 
 def topn_consistency(features, labels, n: int | None = None) -> dict:
-    """A consistency that sparsity cannot game: per dim, the share of the most frequent class among its ``n`` samples
-    of largest value (rows L2-normalised first), averaged over the dims active in at least ``n`` samples.
+    """A consistency that sparsity cannot game, judged on each dim's top ``n`` samples.
+
+    Per dim, the share of the most frequent class among its ``n`` samples of largest value (rows L2-normalised first),
+    averaged over the dims active in at least ``n`` samples.
 
     features: N x K, labels: N; n: :func:`topn_size` of N when None. Every dim is judged on the same number of
     samples, so a class-blind dim scores :func:`topn_chance` however rarely it fires, and one that fires in fewer
@@ -93,7 +102,8 @@ def topn_consistency(features, labels, n: int | None = None) -> dict:
     by value reads magnitudes, so soft gating (features scaled by a probability) changes it. Ties in value are
     broken by sample index. Returns ``semantic_consistency_topn`` (0.0 when no dim qualifies),
     ``topn_coverage_dims`` (the qualifying dims) and ``topn_coverage_images`` (the share of samples active in at
-    least one of them)."""
+    least one of them).
+    """
     n = topn_size(len(labels)) if n is None else n
     values = F.normalize(features.double(), dim=1).abs()
     active = values > ACTIVE_EPS
@@ -108,9 +118,12 @@ def topn_consistency(features, labels, n: int | None = None) -> dict:
 
 
 def topn_chance(labels, n: int | None = None, seed: int = 0) -> float:
-    """The top-N consistency of a class-blind dim: the expected share of the most frequent class among ``n`` samples
-    drawn at random without replacement from ``labels`` (N), estimated from :data:`CHANCE_DRAWS` seeded draws
-    (standard error below 0.002 for N = 20 on 8 classes). n: :func:`topn_size` of N when None."""
+    """The top-N consistency of a class-blind dim, estimated by sampling.
+
+    The expected share of the most frequent class among ``n`` samples drawn at random without replacement from
+    ``labels`` (N), estimated from :data:`CHANCE_DRAWS` seeded draws (standard error below 0.002 for N = 20 on 8
+    classes). n: :func:`topn_size` of N when None.
+    """
     n = topn_size(len(labels)) if n is None else n
     g = torch.Generator().manual_seed(seed)
     picks = torch.rand(CHANCE_DRAWS, len(labels), generator=g).argsort(dim=1)[:, :n]
@@ -175,8 +188,11 @@ def effective_rank(features):
 
 
 def rankme(features):
-    """RankMe (Garrido et al., 2023): exp of :func:`effective_rank`, a smooth count of the directions the N x K
-    features use, from 1 (rank one) to min(N, K) (equal singular values). 1.0 for all-zero features."""
+    """RankMe: a smooth count of the directions the features use.
+
+    RankMe (Garrido et al., 2023) is exp of :func:`effective_rank`, a smooth count of the directions the N x K features
+    use, from 1 (rank one) to min(N, K) (equal singular values). 1.0 for all-zero features.
+    """
     return math.exp(effective_rank(features))
 
 
@@ -197,11 +213,11 @@ def orthogonality(features):
 def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
     """Precision@k of cosine nearest-neighbour retrieval on the strongest dims, for each k in ks.
 
-    features: N x K, labels: N. Keeps the ``num_dims`` dims with the largest column sum of |F|
-    (None: all alive dims; the reference protocol keeps 512, ``evaluation.protocol``), re-normalises rows, and for each query takes its top-max(ks) cosine
-    neighbours among the *other* N - 1 samples (excluded by index, so duplicates of the query still
-    count as neighbours). P@k is the mean fraction of the first k neighbours that share the
-    query's label. Returns {k: P@k}.
+    features: N x K, labels: N. Keeps the ``num_dims`` dims with the largest column sum of |F| (None: all alive dims;
+    the reference protocol keeps 512, ``evaluation.protocol``), re-normalises rows, and for each query takes its
+    top-max(ks) cosine neighbours among the *other* N - 1 samples (excluded by index, so duplicates of the query still
+    count as neighbours). P@k is the mean fraction of the first k neighbours that share the query's label. Returns {k:
+    P@k}.
     """
     if max(ks) > len(features) - 1:
         raise ValueError(f"max(ks)={max(ks)} needs at least {max(ks) + 1} samples, got {len(features)}")
@@ -216,8 +232,11 @@ def retrieval_precision(features, labels, ks=(1, 3, 5, 10), num_dims=None):
 
 
 def nearest_neighbours(rows, k):
-    """N x k indices of each row's k nearest other rows by dot product (cosine for L2-normalised rows), nearest
-    first; the row itself is excluded by index, so a duplicate of it still counts. rows: N x K."""
+    """Indices of each row's k nearest other rows by dot product.
+
+    N x k, nearest first (cosine for L2-normalised rows); the row itself is excluded by index, so a duplicate of it
+    still counts. rows: N x K.
+    """
     out = []
     for chunk in torch.arange(len(rows)).split(_CHUNK_ROWS):
         sims = rows[chunk] @ rows.T
@@ -231,8 +250,7 @@ def _binary_entropy(p):
 
 
 def factor_information(features, factor):
-    """K tensor in [0, 1]: per dim, the share of the entropy of its on/off pattern that ``factor`` explains beyond
-    chance.
+    """Per dim (K, in [0, 1]), the share of its on/off entropy that ``factor`` explains beyond chance.
 
     features: N x K, factor: N long (a ground-truth factor's value per sample). With a_k = 1[|F_k| >
     ACTIVE_EPS] (rows L2-normalised first), returns (I(a_k; factor) - (V - 1) / 2N) / H(a_k), V the number of
@@ -255,8 +273,11 @@ def factor_information(features, factor):
 
 
 def closed_share(ungated, gates):
-    """K: per dim, the share of the samples in which its ungated feature is active whose gate is closed (0 where it
-    is active in none). ungated: N x K features before gating; gates: N x K 0/1, the gates the representation uses."""
+    """Per dim, the share of its active ungated entries whose gate is closed.
+
+    K values, 0 for a dim active in none. ungated: N x K features before gating; gates: N x K 0/1, the gates the
+    representation uses.
+    """
     active = (ungated.abs() > ACTIVE_EPS).double()
     return ((1 - gates.double()) * active).sum(0) / active.sum(0).clamp_min(1)
 
@@ -283,8 +304,11 @@ def tracked_factors(information, min_score=0.1):
 
 
 def interpretability_metrics(features, labels):
-    """All label-aware and label-free interpretability metrics of N x K features, as one dict: the paper's
-    (semantic consistency and entropy, ...) and the top-N consistency with its coverage (:func:`topn_consistency`)."""
+    """All interpretability metrics of N x K features, as one dict.
+
+    Label-aware and label-free: the paper's (semantic consistency and entropy, ...) and the top-N consistency with its
+    coverage (:func:`topn_consistency`).
+    """
     return {
         "semantic_consistency": semantic_consistency(features, labels),
         **topn_consistency(features, labels),

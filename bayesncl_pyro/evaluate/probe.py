@@ -97,8 +97,11 @@ def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE
 
 def linear_probe(train_x, train_y, test_x, test_y, num_classes, recipe: ProbeRecipe = FAST_PROBE, *, seed=0,
                  progress: Progress | None = None):
-    """Train Linear(D, C) on frozen train features by ``recipe`` (``train_linear``); return
-    {"top1": float, "top5": float} on the test features. top5 is top-min(5, C)."""
+    """Train a linear probe on frozen features and return its test accuracy.
+
+    Linear(D, C), trained by ``recipe`` (``train_linear``); returns {"top1": float, "top5": float} on the test features.
+    top5 is top-min(5, C).
+    """
     head = train_linear(train_x, train_y, num_classes, recipe, seed=seed, progress=progress)
     test_x = test_x.float()
     if recipe.standardise:
@@ -110,7 +113,7 @@ def linear_probe(train_x, train_y, test_x, test_y, num_classes, recipe: ProbeRec
 
 
 def _standardise(x, train_x):
-    """x shifted and scaled by the mean and std of the train features."""
+    """X shifted and scaled by the mean and std of the train features."""
     std = train_x.std(dim=0).clamp_min(1e-6)  # constant dims would otherwise divide by 0
     return (x - train_x.mean(dim=0)) / std
 

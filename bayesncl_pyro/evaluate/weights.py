@@ -1,5 +1,7 @@
-"""A trained run's weights for use without this project: the backbone's and the head's plain state_dicts, and the
-lines of code that load them (experiments/export.py)."""
+"""A trained run's weights as plain state_dicts, for use without this project.
+
+The backbone's and the head's state_dicts, and the lines of code that load them (experiments/export.py).
+"""
 
 from pathlib import Path
 
@@ -10,9 +12,12 @@ from bayesncl_pyro.nn.encoders import torchvision_code
 
 
 def export_weights(run_dir: Path, out: Path, head_out: Path | None = None, trust_code: bool = False) -> list[str]:
-    """Write the backbone's and the head's state_dicts, together (``rundir.save_together``: both new or both as they
-    were); return what was written and the lines that load them. An export never replaces a file of a run (this one
-    or another): a path named as one (checkpoint.pt, log.jsonl, gates.nc, ...) is refused."""
+    """Write the backbone's and the head's state_dicts and return the code that loads them.
+
+    Written together (``rundir.save_together``: both new or both as they were); returns what was written and the lines
+    that load them. An export never replaces a file of a run (this one or another): a path named as one (checkpoint.pt,
+    log.jsonl, gates.nc, ...) is refused.
+    """
     head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
     for flag, path in (("--out", out), ("--head-out", head_out)):
         if rundir.is_run_file(path.name):

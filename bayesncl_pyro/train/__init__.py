@@ -1,4 +1,4 @@
-"""The training loop: a Config made whole, the trainer, its guard and its monitor, and the epochs that fit a time
-budget.
+"""The training loop: a Config made whole, the trainer, its guard and monitor, and the epochs for a time budget.
 
-Modules: budget, guard, monitor, resolve, trainer."""
+Modules: budget, guard, monitor, resolve, trainer.
+"""

@@ -21,8 +21,11 @@ TIMING_STEPS, TIMING_SKIP, BUDGET_USE = 25, 5, 0.9
 
 
 def budget_epochs(left_s: float, fixed_s: float, epoch_s: float, max_epochs: int, budget_minutes: float) -> int:
-    """The most epochs (at most ``max_epochs``) whose training, ``epoch_s`` seconds each, fits ``BUDGET_USE`` of
-    ``left_s`` seconds besides ``fixed_s`` (building and evaluating the runs); a UserError if not one does."""
+    """The most epochs that fit the time left.
+
+    At most ``max_epochs``, whose training, ``epoch_s`` seconds each, fits ``BUDGET_USE`` of ``left_s`` seconds besides
+    ``fixed_s`` (building and evaluating the runs); a UserError if not one does.
+    """
     epochs = min(max_epochs, math.floor((BUDGET_USE * left_s - fixed_s) / epoch_s))
     if epochs < 1:
         raise UserError(f"--budget-minutes {budget_minutes:g} is too short: one epoch of every run takes "
@@ -33,10 +36,13 @@ def budget_epochs(left_s: float, fixed_s: float, epoch_s: float, max_epochs: int
 
 def plan_budget(budget_minutes: float, max_epochs: int, shared: dict, configs: dict[str, dict], seeds: list[int],
                 out: Path, started: float) -> dict:
-    """Time a few training steps of each method (``configs``: run name -> its Config fields besides ``shared``) and
-    one evaluation, then choose the epochs that fit what is left of ``budget_minutes`` since ``started`` (a
+    """Time each method's steps and choose the epochs that fit the budget.
+
+    Time a few training steps of each method (``configs``: run name -> its Config fields besides ``shared``) and one
+    evaluation, then choose the epochs that fit what is left of ``budget_minutes`` since ``started`` (a
     ``time.perf_counter()``) for every run at every seed (``budget_epochs``), at most ``max_epochs``. The plan is kept
-    in <out>/budget.json and reused by a rerun with the same settings, so that its runs keep their configuration."""
+    in <out>/budget.json and reused by a rerun with the same settings, so that its runs keep their configuration.
+    """
     key = dict(budget_minutes=budget_minutes, max_epochs=max_epochs, runs=list(configs), seeds=seeds,
                shared={k: v for k, v in shared.items() if k not in ("epochs", "warmup_epochs")})
     path = out / "budget.json"

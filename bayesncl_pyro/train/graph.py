@@ -1,5 +1,7 @@
-"""The training step as one CUDA graph (``--cuda-graphs``): captured once, then replayed, so the host launches one graph
-a step instead of the step's hundreds of kernels (a step of small images on a fast GPU waits for the host otherwise).
+"""The training step as one CUDA graph (``--cuda-graphs``), captured once, then replayed.
+
+The host launches one graph a step instead of the step's hundreds of kernels (a step of small images on a fast GPU waits
+for the host otherwise).
 
 What a replay does is what the capture saw, so the step must queue the same work at every call: no host sync, no
 Python value that changes from step to step inside it. The trainer keeps such things out of the captured step
@@ -21,8 +23,11 @@ WARMUP_STEPS = 3
 
 
 class StepGraph:
-    """``step(x) -> (loss, values)``, called ``WARMUP_STEPS`` times eagerly, then captured as a CUDA graph at the next call
-    and replayed from then on. Every batch must have the shape of the first captured one."""
+    """A training step run eagerly at first, then captured as a CUDA graph and replayed.
+
+    ``step(x) -> (loss, values)`` is called ``WARMUP_STEPS`` times eagerly, then captured as a CUDA graph at the next
+    call and replayed from then on. Every batch must have the shape of the first captured one.
+    """
 
     def __init__(self, step: Callable[[torch.Tensor], tuple[torch.Tensor, StepValues]]):
         self.step, self.eager_left = step, WARMUP_STEPS
@@ -32,6 +37,7 @@ class StepGraph:
         self.values: StepValues | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+        """Run one step on ``x``: eagerly, by capturing the graph, or by replaying it."""
         if self.eager_left:
             self.eager_left -= 1
             return self.step(x)

@@ -1,10 +1,12 @@
-"""The divergence guard of the training step: whether each step's loss and gradients are finite, decided on the device,
-so that a step makes no host sync; the host reads the verdicts every few steps (``Trainer``'s checks).
+"""The training step's divergence guard, decided on the device without a host sync.
 
-Each optimizer step runs inside ``DivergenceGuard.judge``, which writes one row on the device: ``[not finite,
-InfoNCE term, loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm cannot
-overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is the
-maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
+Whether each step's loss and gradients are finite is decided on the device; the host reads the verdicts every few steps
+(``Trainer``'s checks).
+
+Each optimizer step runs inside ``DivergenceGuard.judge``, which writes one row on the device: ``[not finite, InfoNCE
+term, loss, 2-norm of each parameter's gradient]``. The norms are taken in float64, where a float32 gradient's norm
+cannot overflow, so a norm is finite exactly when every element of the gradient is. Under DDP the "not finite" flag is
+the maximum over the ranks (an all-reduce queued on the device), so every rank judges a step alike. ``bad_steps`` copies
 the rows to the host in one transfer and names what went wrong in each bad step.
 
 With ``mask`` (``--on-nan skip``) a bad step's update is undone on the device, as a fused optimizer skips its step on
@@ -36,9 +38,12 @@ TERMS = {"backbone.": "InfoNCE", "head.projector.": "InfoNCE", "head.model.": "K
 
 
 class DivergenceGuard:
-    """``begin()`` before a step's forward pass; after ``loss.backward()``, ``optimizer.step()`` inside
-    ``with judge(loss, nce)``, then ``keep(number)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps
-    between two ``bad_steps``."""
+    """Judges on the device whether each step's loss and gradients are finite; with ``mask``, undoes a bad step.
+
+    Use: ``begin()`` before a step's forward pass; after ``loss.backward()``, ``optimizer.step()`` inside ``with
+    judge(loss, nce)``, then ``keep(number)``; ``bad_steps()`` when the host may wait. ``rows``: the most steps between
+    two ``bad_steps``.
+    """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mask: bool, rows: int):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -49,7 +54,7 @@ class DivergenceGuard:
         self.row: torch.Tensor | None = None  # the last step's
         self.steps: list[int] = []  # the step numbers of the rows written since the last bad_steps
         self.saved_buffers: list[torch.Tensor] = []
-        self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # what _copy keeps: originals, copies
+        self.copies: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # _copy's: originals, copies
 
     def begin(self):
         """With ``mask``: keep the buffers as they are before the forward pass updates them."""
@@ -58,9 +63,12 @@ class DivergenceGuard:
 
     @contextlib.contextmanager
     def judge(self, loss: torch.Tensor, nce: torch.Tensor):
-        """Around a step's optimizer step: its verdict computed on the device (:attr:`row`) and, with ``mask``, the step
-        undone by it. Queues work only: nothing here waits for the device, and every call queues the same work, so a
-        CUDA graph can capture it; :meth:`keep` then files the verdict under the step's number."""
+        """Context manager around a step's optimizer step that computes its verdict on the device.
+
+        The verdict goes to :attr:`row`; with ``mask``, a bad step is undone. Queues work only: nothing here waits for
+        the device, and every call queues the same work, so a CUDA graph can capture it; :meth:`keep` then files the
+        verdict under the step's number.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = iter(torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else [])
         zero = loss.new_zeros((), dtype=torch.float64)
@@ -81,8 +89,11 @@ class DivergenceGuard:
         self._undo_unless(ok, tensors, saved)
 
     def keep(self, number: int):
-        """File the last verdict (:meth:`judge`'s) as step ``number``'s, for :meth:`bad_steps`: a copy on the device
-        into the row of the next unread step, which differs from step to step (out of a CUDA graph)."""
+        """File the last verdict as step ``number``'s.
+
+        The verdict is :meth:`judge`'s, kept for :meth:`bad_steps`: a copy on the device into the row of the next unread
+        step, which differs from step to step (out of a CUDA graph).
+        """
         if len(self.steps) == self.capacity:
             raise RuntimeError(f"DivergenceGuard holds {self.capacity} unread steps; call bad_steps() more often")
         if self.rows is None:
@@ -91,13 +102,18 @@ class DivergenceGuard:
         self.steps.append(number)
 
     def grad_norms(self) -> list[float]:
-        """The 2-norm of each parameter's gradient in the last step, in ``params``' order (0 where none): one host
-        sync."""
+        """The 2-norm of each parameter's gradient in the last step.
+
+        In ``params``' order (0 where none): one host sync.
+        """
         return self.row[3:].tolist()
 
     def _copy(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``tensors``, into memory allocated at the first call (and again when the tensors change, as when
-        the first step creates the optimizer's state), with one fused copy per device and dtype."""
+        """Copies of ``tensors`` into memory kept from call to call.
+
+        The memory is allocated at the first call (and again when the tensors change, as when the first step creates the
+        optimizer's state), with one fused copy per device and dtype.
+        """
         originals, copies = self.copies.get(name, ([], []))
         if len(originals) != len(tensors) or any(a is not b for a, b in zip(originals, tensors)):
             originals, copies = list(tensors), [torch.empty_like(t) for t in tensors]
@@ -113,8 +129,10 @@ class DivergenceGuard:
 
     @torch.no_grad()
     def _undo_unless(self, ok: torch.Tensor, tensors: list[torch.Tensor], saved: list[torch.Tensor]):
-        """Unless ``ok``, put back what the step changed: ``tensors`` (as ``saved``), the buffers (as ``begin`` kept
-        them), and the state it made (to zero)."""
+        """Unless ``ok``, put back what the step changed.
+
+        ``tensors`` (as ``saved``), the buffers (as ``begin`` kept them), and the state it made (to zero).
+        """
         for t, s in zip(tensors + self.buffers, saved + self.saved_buffers, strict=True):  # strict: begin() was called
             torch.where(ok, t, s, out=t)
         self.saved_buffers = []
@@ -130,8 +148,10 @@ class DivergenceGuard:
         return params + state
 
     def bad_steps(self) -> list[tuple[int, str]]:
-        """(step number, what was not finite) of each bad step since the last call, in order: one host sync (none when no
-        step was taken since)."""
+        """The bad steps since the last call, with what was not finite in each.
+
+        (step number, what was not finite), in order: one host sync (none when no step was taken since).
+        """
         if not self.steps:
             return []
         rows = self.rows[:len(self.steps)].tolist()
@@ -162,11 +182,14 @@ before every checkpoint and after the last step): the only host syncs of the tra
 DDP on GPUs, SyncBatchNorm's (one per BatchNorm layer and step: docs/PERFORMANCE.md)."""
 
 class StopRequest:
-    """Within ``with``: SIGINT, SIGTERM and SIGUSR1 only note the signal, so training stops at a step boundary
-    (the same on every rank) with a checkpoint. A second Ctrl-C acts as usual (KeyboardInterrupt), except under
-    torchrun, which forwards the terminal's Ctrl-C to workers that got it already; a repeated SIGTERM or
-    SIGUSR1 is the same request (a cluster signals the launcher, which forwards it, and the workers). Nested
-    ``with`` blocks share one request: ``fit`` holds it over training and the final checkpoint."""
+    """Context manager that turns stop signals into a request honoured at a step boundary.
+
+    Within ``with``: SIGINT, SIGTERM and SIGUSR1 only note the signal, so training stops at a step boundary (the same on
+    every rank) with a checkpoint. A second Ctrl-C acts as usual (KeyboardInterrupt), except under torchrun, which
+    forwards the terminal's Ctrl-C to workers that got it already; a repeated SIGTERM or SIGUSR1 is the same request (a
+    cluster signals the launcher, which forwards it, and the workers). Nested ``with`` blocks share one request: ``fit``
+    holds it over training and the final checkpoint.
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 

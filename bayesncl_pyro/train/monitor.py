@@ -1,5 +1,7 @@
-"""Online monitoring during training (``--monitor-every``): how the representation comes along, every few epochs,
-at a small cost (the first run's two records, at epochs 5 and 10, take about 4 % of its training time).
+"""Online monitoring during training (``--monitor-every``).
+
+How the representation comes along, every few epochs, at a small cost (README.md's table of run files gives it, under
+``log.jsonl``).
 
 On a subset of the data drawn once from the run's seed (``BANK`` training images, ``QUERIES`` test images), in eval
 mode: ``knn_top1``, the weighted kNN top-1 of the test images' backbone features against the training images' (as
@@ -30,6 +32,7 @@ class Monitor:
         self.queries = Subset(data.test, torch.randperm(len(data.test), generator=generator)[:QUERIES].tolist())
 
     def __call__(self) -> dict:
+        """One monitoring record: ``knn_top1`` and ``rankme`` on the subset."""
         training = self.learner.training
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # a loader's iterator draws its seed from the global stream
