@@ -5,8 +5,8 @@ estimate), and shows the progress of other long work (the evaluation: ``reporter
 
 import contextlib
 import json
+import logging
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +17,8 @@ import torch
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir import LOG, WANDB_DIR, append_line, atomic_save, output_folder, read_bytes
+
+logger = logging.getLogger(__name__)
 
 LONG = 30.0
 """Seconds: work estimated to take longer is announced by a line (without a bar); shorter work is not."""
@@ -30,7 +32,7 @@ def reporter(bar: bool) -> Progress:
     the rest takes."""
     def progress(items: Iterable, total: int, what: str, unit: str) -> Iterator:
         if bar:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # late: only a bar needs it
 
             yield from tqdm(items, total=total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
             return
@@ -39,8 +41,7 @@ def reporter(bar: bool) -> Progress:
             yield item
             if i == 0 and (took := time.perf_counter() - start) * total > LONG:
                 units = unit if total == 1 else unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
-                print(f"{what}: about {duration(took * (total - 1))} to go ({total} {units}, {took:.2g} s each)",
-                      file=sys.stderr, flush=True)
+                logger.info(f"{what}: about {duration(took * (total - 1))} to go ({total} {units}, {took:.2g} s each)")
 
     return progress
 
@@ -71,7 +72,7 @@ class RunLog:
     def training(self, step: int, last_step: int):
         """Around the steps after ``step`` up to ``last_step``: the bar, the clock of ``images_per_s``."""
         if self.show_bar:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # late: only a bar needs it
 
             self.bar = tqdm(total=last_step, initial=step, unit="step", dynamic_ncols=True)
         self.last_step, self.estimated = last_step, False
@@ -126,7 +127,7 @@ INCLUSION = "gates/inclusion_per_dim"
 class TensorBoardLog:
     def __init__(self, run_dir: str | os.PathLike):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # late: an optional extra, --tensorboard only
         except ImportError:  # torch's writer needs the tensorboard package, an optional extra
             raise UserError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
                             "(or pip install tensorboard), or leave --tensorboard out") from None
@@ -163,7 +164,7 @@ PROJECT = "bayesncl-pyro"
 class WandbLog:
     def __init__(self, run_dir: str | os.PathLike, config: dict):
         try:
-            import wandb
+            import wandb  # late: an optional extra, --wandb only
         except ImportError:
             raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
                             "leave --wandb out") from None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import collections
 import io
+import logging
 import math
 import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +25,8 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.images import image_files, open_rgb
 from bayesncl_pyro.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class EncodedBatch:
@@ -91,10 +93,10 @@ class EncodedImages(Dataset):
         if failure is not None and device.type == "cuda" and not self.warned:
             self.warned = True
             failed = sum(image is None for image in decoded)
-            print(f"warning: nvJPEG failed on a batch of {len(jpegs)} JPEGs ({failure.splitlines()[0]}); they were "
-                  f"decoded one at a time, a wait for the GPU each, and the {failed} that failed alone too with PIL "
-                  "(a corrupt file does this; should every batch fail, decoding is slow: pass --augment workers). "
-                  "Said once", file=sys.stderr, flush=True)
+            logger.warning(f"warning: nvJPEG failed on a batch of {len(jpegs)} JPEGs ({failure.splitlines()[0]}); "
+                           f"they were decoded one at a time, a wait for the GPU each, and the {failed} that failed "
+                           "alone too with PIL (a corrupt file does this; should every batch fail, decoding is slow: "
+                           "pass --augment workers). Said once")
         for k, image in zip(jpegs, decoded, strict=True):
             if image is None:
                 image = self.files.read(items[k][1], _read_decoded)[0].to(device)
@@ -146,21 +148,21 @@ def _installed_decoders() -> list[JpegDecoder]:
     removed). TorchCodec's writes from a stream of its own whatever its version says (0.17 does)."""
     found = []
     try:
-        from nvidia import nvimgcodec
+        from nvidia import nvimgcodec  # late: optional; each decoder is tried where it may be missing
     except (ImportError, OSError, RuntimeError):
         pass
     else:
         found.append(JpegDecoder(f"nvImageCodec {nvimgcodec.__version__}", _NvImageCodec(nvimgcodec), False))
     try:
-        import torchcodec
-        from torchcodec.decoders import decode_jpeg as codec_decode
+        import torchcodec  # late: as above
+        from torchcodec.decoders import decode_jpeg as codec_decode  # late: as above
     except (ImportError, OSError, RuntimeError):  # missing, older than 0.16, or its libraries do not load here
         pass
     else:
         found.append(JpegDecoder(f"TorchCodec {torchcodec.__version__}",
                                  lambda jpegs, device: codec_decode(jpegs, mode="RGB", device=device), True))
     try:
-        from torchvision.io import ImageReadMode, decode_jpeg as vision_decode
+        from torchvision.io import ImageReadMode, decode_jpeg as vision_decode  # late: as above
     except ImportError:
         pass
     else:
@@ -309,8 +311,8 @@ def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Ten
                 raise _Undecodable(message) from None
             _CANNOT[device, decoder.name] = message.splitlines()[0]
             if jpeg_decoders(device):
-                print(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
-                      f"{jpeg_decoders(device)[0].name} decodes them instead", file=sys.stderr, flush=True)
+                logger.info(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
+                            f"{jpeg_decoders(device)[0].name} decodes them instead")
     raise UserError(f"{no_jpeg_decoder(device)}; install nvImageCodec (nvidia-nvimgcodec-cu13 and nvidia-nvjpeg), or a "
                     f"TorchCodec (or torchvision) build made for torch {torch.__version__} with nvJPEG, or pass "
                     "--augment workers")
