@@ -1,5 +1,5 @@
 """The training device: the one check of a ``--device`` name and the one resolution of it to a ``torch.device``,
-for the trainer and for everything that loads a run (``infer.learner.load_learner``, ``load_run``)."""
+for the trainer and for everything that loads a run (``evaluate.loading.load_learner``, ``load_run``)."""
 
 import re
 

@@ -1,7 +1,7 @@
 """What a command line may take from the user's own code: an object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
 checked against the constructor they are for and converted to the types it declares; and the flags by which a script
-that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``)."""
+that opens a run folder is told to import the code its configuration names (``evaluate.loading.load_learner``)."""
 
 import argparse
 import ast
@@ -109,8 +109,8 @@ def _convert(value, param: inspect.Parameter | None, context: str):
 
 
 def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
-    """The flags of a script that opens a run folder (``infer.learner.load_learner``): --trust-run, and --data-dir if it
-    reads the run's data."""
+    """The flags of a script that opens a run folder (``evaluate.loading.load_learner``): --trust-run, and --data-dir if
+    it reads the run's data."""
     if data_dir:
         p.add_argument("--data-dir", help="the run's data folder (default: the run's own, when it is an absolute "
                        "path outside the run folder)")

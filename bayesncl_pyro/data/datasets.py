@@ -84,8 +84,8 @@ def _existing_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
 
 
 def _load_digits(seed: int) -> DataSpec:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from sklearn.datasets import load_digits  # late: scikit-learn loads in seconds, and only digits needs it
+    from sklearn.model_selection import train_test_split  # late: as above
 
     digits = load_digits()
     # Pixel values are counts 0..16; stretch them to the uint8 range real images use.

@@ -96,7 +96,7 @@ def _torchvision_kwargs(name: str, image_size: int) -> dict:
 def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: int) -> list[tuple[str, nn.Module]]:
     """(dotted path, new module) that make torchvision's ``net`` the backbone: the CIFAR stem of a small ResNet, a first
     convolution for other than 3 channels, the classifier (the last ``Linear``) replaced by ``Identity``."""
-    import torchvision
+    import torchvision  # late: as above
 
     edits = []
     if isinstance(net, torchvision.models.ResNet) and image_size < CIFAR_STEM_BELOW:
@@ -116,7 +116,7 @@ def _torchvision_edits(name: str, net: nn.Module, in_channels: int, image_size: 
 def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] | None:
     """The lines of Python that build the backbone of ``--encoder spec`` from torchvision alone (``backbone = ...``,
     then its edits: :func:`torchvision_backbone`), or None when torchvision does not build it."""
-    import torchvision
+    import torchvision  # late: as above
 
     if spec not in torchvision.models.list_models(module=torchvision.models):  # (the project's resnet18 is)
         return None
@@ -131,7 +131,7 @@ def torchvision_code(spec: str, in_channels: int, image_size: int) -> list[str] 
 
 
 def timm_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
-    import timm
+    import timm  # late: an optional extra, --encoder timm:NAME only
 
     try:  # models with a position embedding take the image size; the others refuse the argument
         return timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_channels, img_size=image_size)
@@ -147,7 +147,7 @@ def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
     if spec.startswith(TIMM):
         name = spec.removeprefix(TIMM)
         try:
-            import timm
+            import timm  # late: an optional extra, --encoder timm:NAME only
         except ImportError:
             raise UserError(f"--encoder {spec} needs timm: pip install -e '.[timm]' (or pip install timm)") from None
         if not timm.is_model(name):
@@ -158,7 +158,7 @@ def backbone_builder(spec: str) -> Callable[[int, int], nn.Module]:
         if not callable(fn):
             raise UserError(f"--encoder {spec} is not callable; name a class or function that returns the backbone")
         return lambda in_channels, image_size: _call_with(fn, in_channels=in_channels, image_size=image_size)
-    import torchvision
+    import torchvision  # late: as above
 
     if spec in torchvision.models.list_models(module=torchvision.models):
         return lambda in_channels, image_size: torchvision_backbone(spec, in_channels, image_size)
