@@ -1,7 +1,7 @@
 """The training device: the one check of a ``--device`` name and its one resolution.
 
 The name resolves to a ``torch.device`` for the trainer and for everything that loads a run
-(``infer.learner.load_learner``, ``load_run``).
+(``evaluate.loading.load_learner``, ``load_run``).
 """
 
 import re

@@ -8,8 +8,8 @@ estimate), and shows the progress of other long work (the evaluation: ``reporter
 
 import contextlib
 import json
+import logging
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -20,6 +20,8 @@ import torch
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir import LOG, WANDB_DIR, append_line, atomic_save, output_folder, read_bytes
+
+logger = logging.getLogger(__name__)
 
 LONG = 30.0
 """Seconds: work estimated to take longer is announced by a line (without a bar); shorter work is not."""
@@ -45,8 +47,7 @@ def reporter(bar: bool) -> Progress:
             yield item
             if i == 0 and (took := time.perf_counter() - start) * total > LONG:
                 units = unit if total == 1 else unit + ("es" if unit.endswith(("s", "sh", "ch", "x")) else "s")
-                print(f"{what}: about {duration(took * (total - 1))} to go ({total} {units}, {took:.2g} s each)",
-                      file=sys.stderr, flush=True)
+                logger.info(f"{what}: about {duration(took * (total - 1))} to go ({total} {units}, {took:.2g} s each)")
 
     return progress
 

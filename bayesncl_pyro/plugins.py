@@ -3,7 +3,7 @@
 An object named ``package.module:name`` (a backbone,
 a prior), imported with a one-line error, and keyword arguments given as text (``--prior-arg concentration=5``),
 checked against the constructor they are for and converted to the types it declares; and the flags by which a script
-that opens a run folder is told to import the code its configuration names (``infer.learner.load_learner``).
+that opens a run folder is told to import the code its configuration names (``evaluate.loading.load_learner``).
 """
 
 import argparse
@@ -126,7 +126,7 @@ def _convert(value, param: inspect.Parameter | None, context: str):
 def add_reader_flags(p: argparse.ArgumentParser, data_dir: bool = True):
     """The flags of a script that opens a run folder.
 
-    For ``infer.learner.load_learner``: --trust-run, and --data-dir if it
+    For ``evaluate.loading.load_learner``: --trust-run, and --data-dir if it
     reads the run's data.
     """
     if data_dir:

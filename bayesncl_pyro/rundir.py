@@ -23,19 +23,19 @@ naming it), a read takes at most a limit in bytes, and a write goes to a tempora
 folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused). Only the
 folders the user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
 configuration names unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an
-absolute path outside the run folder (``infer.learner.load_learner``).
+absolute path outside the run folder (``evaluate.loading.load_learner``).
 """
 
 import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
 import socket
 import stat
-import sys
 import tempfile
 import time
 import warnings
@@ -50,6 +50,8 @@ from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config, parse_file
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.plugins import TIMM, is_spec
+
+logger = logging.getLogger(__name__)
 
 MARKER = "bayesncl-pyro.run"
 CONFIG = "config.json"
@@ -165,8 +167,8 @@ def read_records(path: Path) -> list[dict]:
         else:
             bad.append(number)
     if bad:
-        print(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run killed "
-              "while writing one leaves it cut short); they are left out", file=sys.stderr)
+        logger.warning(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run "
+                       "killed while writing one leaves it cut short); they are left out")
     return records
 
 
@@ -212,8 +214,7 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
     else:
         what = differences(out, cfg)
         if what and not os.path.lexists(out / CHECKPOINT):
-            print(f"note: {out} holds a run with a different configuration ({what}) that wrote no checkpoint",
-                  file=sys.stderr)
+            logger.warning(f"note: {out} holds a run with a different configuration ({what}) that wrote no checkpoint")
             move_aside(out)
         elif what:
             raise UserError(f"{out} holds a run with a different configuration ({what}); "
@@ -334,7 +335,7 @@ def move_aside(out: Path):
     except OSError as e:
         raise UserError(f"cannot move the previous run aside in {out}: {e.strerror}; "
                         "choose another --out") from None
-    print(f"moved the previous run's files in {out} to {aside}", file=sys.stderr)
+    logger.info(f"moved the previous run's files in {out} to {aside}")
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
@@ -461,9 +462,9 @@ def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
         # 0.2.0 evaluated gs-reference-kl at q's mode; 0.3 at the reference's mask (0.1's gs, read as
         # gs-reference-kl, was evaluated there already)
         if gate == "gs-reference-kl":
-            print(f"note: {path} evaluated the gs-reference-kl gates at q's mode, not at the "
-                  "reference's mask 1[sigmoid(l) > 0.5] as this version does; move it away and rerun the same "
-                  "command to evaluate the checkpoint again", file=sys.stderr)
+            logger.warning(f"note: {path} evaluated the gs-reference-kl gates at q's mode, not at the reference's "
+                           "mask 1[sigmoid(l) > 0.5] as this version does; move it away and rerun the same command to "
+                           "evaluate the checkpoint again")
     return results
 
 
@@ -479,8 +480,6 @@ def load_checkpoint(path: Path) -> dict:
                             "bayesncl-pyro checkpoint (move it away to start afresh)") from None
     if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
-    if "optimizer" in state:
-        _rescale_prior_group(state)
     return state
 
 
@@ -495,31 +494,6 @@ def _load_failure(e: Exception) -> str:
               if not line.startswith(advice) and "weights_only" not in line]
     detail = next((line for line in detail if line), "")
     return "it holds objects other than tensors and plain values" + (f" ({detail.rstrip('.')})" if detail else "")
-
-
-def _rescale_prior_group(state: dict):
-    """A checkpoint written before the head divided the prior's gradients by lambda (its ``prior`` optimizer group
-    has no ``grad_scale``) trained that group on raw gradients at lr gate_lr / lambda (SGD, LARS) or gate_lr (AdamW).
-    Its optimizer and scheduler state are put in the current units, so that the resumed run takes the steps the
-    old one would have taken."""
-    lam, optimizer = state["config"]["kl_weight"], state["optimizer"]
-    for i, group in enumerate(optimizer["param_groups"]):
-        if group.get("name") != "prior" or "grad_scale" in group:
-            continue
-        group["grad_scale"] = 1.0 / lam
-        moments = [optimizer["state"][p] for p in group["params"] if p in optimizer["state"]]
-        if state["config"]["optimizer"] == "adamw":  # scale-free: its moments take the new gradients' scale
-            for m in moments:
-                m["exp_avg"], m["exp_avg_sq"] = m["exp_avg"] / lam, m["exp_avg_sq"] / lam**2
-            continue
-        for key in ("lr", "initial_lr"):
-            group[key] = group[key] * lam
-        for m in moments:
-            if m.get("momentum_buffer") is not None:
-                m["momentum_buffer"] = m["momentum_buffer"] / lam
-        for key in ("base_lrs", "_last_lr"):
-            if key in state["scheduler"]:
-                state["scheduler"][key][i] = state["scheduler"][key][i] * lam
 
 
 def run_folder(run: str | os.PathLike) -> Path:
@@ -544,4 +518,4 @@ def check_code(cfg: Config, path: Path, trust: bool):
     if not trust:
         raise UserError(f"{path} names code that opening it would import and run: {named}; open it with "
                         "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
-    print(f"note: trusting {path}: importing its {named}", file=sys.stderr)
+    logger.warning(f"note: trusting {path}: importing its {named}")

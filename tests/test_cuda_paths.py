@@ -5,6 +5,7 @@ tests also run on the CPU), and the step as a CUDA graph."""
 
 import collections
 import gc
+import logging
 import runpy
 import threading
 from pathlib import Path
@@ -317,7 +318,7 @@ def test_a_file_run_on_the_second_gpu_draws_its_views_there(fake_cuda, tmp_path)
     assert isinstance(trainer.input.views, pipeline.FileViews) and ("input-pipeline", 1) in fake_cuda.set_devices
 
 
-def test_the_cuda_random_stream_continues_on_whichever_gpu_resumes(fake_cuda, tmp_path, capsys):
+def test_the_cuda_random_stream_continues_on_whichever_gpu_resumes(fake_cuda, tmp_path, caplog):
     """Every visible GPU's state was saved and restored by index: a resume on another GPU got another GPU's stream, one
     where fewer GPUs are visible raised IndexError."""
     drawn = torch.arange(16, dtype=torch.uint8)  # the state of cuda:1's stream after the run's draws
@@ -337,12 +338,12 @@ def test_the_cuda_random_stream_continues_on_whichever_gpu_resumes(fake_cuda, tm
     torch.save(state, path)
     fake_cuda.count = 2
     Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
-    assert torch.equal(torch.cuda.get_rng_state(CUDA1), drawn) and "random stream" not in capsys.readouterr().err
+    assert torch.equal(torch.cuda.get_rng_state(CUDA1), drawn) and "random stream" not in caplog.text
     state["rng"][0]["cuda"] = [other]  # none for cuda:1: its stream restarts, and the user is told
     torch.save(state, path)
     Trainer(_digits(tmp_path, device="cuda:1"), progress=False)
     assert not torch.equal(torch.cuda.get_rng_state(CUDA1), other)
-    assert "holds the CUDA random states of 1 GPU(s), none for cuda:1" in capsys.readouterr().err
+    assert "holds the CUDA random states of 1 GPU(s), none for cuda:1" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- the prefetcher
@@ -550,7 +551,7 @@ def test_a_corrupt_jpeg_on_the_gpu_waits_for_the_decoder_then_falls_back(fake_cu
     assert skipping.bad_files == [str(bad)]
 
 
-def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fake_cuda, tmp_path, monkeypatch, capsys):
+def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fake_cuda, tmp_path, monkeypatch, caplog):
     """Any RuntimeError fell back to decoding image by image, then to PIL, silently: an out-of-memory error, nvJPEG's
     own allocation failures (a status code) and a decoder without nvJPEG too."""
     from bayesncl_pyro.data import decode
@@ -562,7 +563,7 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
     batch = EncodedBatch([encoded[0], encoded[[path for path, _ in spec.train.samples].index(bad)], encoded[1]])
     for _ in range(2):
         assert [image.device for image in encoded.decode(batch, CUDA0)] == [CUDA0] * 3
-    err = capsys.readouterr().err
+    err = caplog.text
     assert err.count("warning: nvJPEG failed on a batch of 3 JPEGs") == 1 and "the 1 that failed alone too" in err
 
     calls = []
@@ -603,10 +604,11 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
     monkeypatch.setattr(decode, "JPEG_DECODERS", [
         decode.JpegDecoder("TorchCodec 9.9", lambda jpegs, device: calls.append(1) or (_ for _ in ()).throw(error), False),
         *decode.JPEG_DECODERS])
+    caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # a note: INFO
     for _ in range(2):
         assert [image.device for image in encoded.decode(good, CUDA0)] == [CUDA0] * 2
     assert len(calls) == 1
-    assert capsys.readouterr().err.count("note: TorchCodec 9.9 cannot decode JPEGs on cuda:0 (Failed to initialize "
+    assert caplog.text.count("note: TorchCodec 9.9 cannot decode JPEGs on cuda:0 (Failed to initialize "
                                          "nvjpeg with hardware backend: 7); torchvision (fake) decodes them instead") == 1
 
 

@@ -1,6 +1,7 @@
 """The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
 
 import io
+import logging
 import subprocess
 import sys
 import types
@@ -289,7 +290,7 @@ def test_a_rotated_jpeg_is_decoded_by_the_worker_as_pil_reads_it(tmp_path):
                                torch.device("cpu"))[0].shape == (3, 50, 30)
 
 
-def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, monkeypatch, capsys):
+def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, monkeypatch, caplog):
     """nvImageCodec's decoder is preferred (PIL's chroma upsampling), then TorchCodec's (torchvision 0.29 deprecates
     its own, to be removed), then torchvision's; with none the loader workers decode the JPEGs (PIL), as on the worker
     path."""
@@ -313,8 +314,9 @@ def test_each_jpeg_decoder_is_found_and_with_none_the_workers_decode(tmp_path, m
     cfg = Config(dataset="imagefolder", data_dir=str(tmp_path / "data"), encoder="cnn", image_size=16, proj_hidden=16,
                  proj_dim=8, batch_size=4, epochs=1, warmup_epochs=0, workers=0, device="cpu", augment="device",
                  out=str(tmp_path / "run"))
+    caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # a note: INFO
     trainer = Trainer(cfg, progress=False)
-    assert "note: no JPEG decoder is installed" in capsys.readouterr().err
+    assert "note: no JPEG decoder is installed" in caplog.text
     assert all(trainer.input.views.encoded[i][0].ndim == 3 for i in range(len(trainer.input.views.encoded)))
     trainer.train(2)
 
@@ -362,7 +364,7 @@ def _jpeg_batch(encoded):
     return EncodedBatch([encoded[i] for i in range(len(encoded)) if encoded[i][0].ndim == 1])
 
 
-def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(tmp_path, monkeypatch, capsys):
+def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(tmp_path, monkeypatch, caplog):
     """A batch nvImageCodec fails on is tried against a JPEG known to be good: where that fails too, nvImageCodec cannot
     decode on this device at all; the next decoder takes over, once, and no file is decoded one by one or blamed."""
     from bayesncl_pyro.data import decode
@@ -375,10 +377,11 @@ def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(t
     monkeypatch.setattr(decode, "_CANNOT", {})
     encoded = EncodedImages(load_dataset("imagefolder", photo_tree(tmp_path)).train)
     batch = _jpeg_batch(encoded)
+    caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # a note: INFO
     for _ in range(2):
         images = encoded.decode(batch, cpu)
     assert broken.calls == 2  # the first batch and the known-good JPEG, then never again
-    assert "note: nvImageCodec (fake) cannot decode JPEGs on cpu" in capsys.readouterr().err
+    assert "note: nvImageCodec (fake) cannot decode JPEGs on cpu" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(images, fallback.decode([d for d, _ in batch], cpu), strict=True))
 
 

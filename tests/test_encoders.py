@@ -11,7 +11,7 @@ from torch import nn
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.nn import encoders
 from bayesncl_pyro.nn.encoders import ENCODERS, build_backbone
 from bayesncl_pyro.train.resolve import resolve

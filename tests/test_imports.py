@@ -54,8 +54,8 @@ def layers() -> tuple[list[str], set[str]]:
     root), and the names of those root modules, the leaves, as it lists them."""
     doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / "__init__.py").read_text()))
     rows = re.findall(r"^    (\*\.py|\w+/) +(.*)$", doc, re.M)
-    leaves = re.search(r"the leaves: ([\w, ]+)", dict(rows)["*.py"]).group(1)
-    return ["" if row == "*.py" else row.rstrip("/") for row, _ in rows], set(leaves.replace(" ", "").split(","))
+    leaves = re.search(r"the leaves: ([\w,\s]+)", doc).group(1)  # the list may go on over the lines below
+    return ["" if row == "*.py" else row.rstrip("/") for row, _ in rows], set(re.split(r"[,\s]+", leaves.strip()))
 
 
 def layer_of(module: str) -> str:

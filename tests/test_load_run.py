@@ -86,7 +86,7 @@ def test_the_checkpoint_file_loads_as_its_folder_and_bad_arguments_are_one_line(
         load_run(run_dir, device="cuda")
 
 
-def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_images, tmp_path, capsys):
+def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_images, tmp_path, caplog):
     """``gates_open`` (``gate_rate`` before: the log's name for the mean inclusion probability) is the share of
     (image, feature) gates that the representation keeps; an earlier version's eval.json reads under the new name."""
     results = read_eval(run_dir)
@@ -97,6 +97,6 @@ def test_eval_json_counts_the_gates_open_at_the_evaluation_mask(run_dir, test_im
     # before the reference protocol, every evaluation was the fast one
     assert read_eval(tmp_path) == {"gates_open": 0.25, "semantic_consistency": 0.5, "protocol": "fast"}
     # 0.2.0 evaluated gs-reference-kl at q's mode: its numbers are kept, and the user hears how to redo them
-    capsys.readouterr()
+    caplog.clear()
     assert read_eval(tmp_path, "gs-reference-kl")["gates_open"] == 0.25
-    assert "evaluated the gs-reference-kl gates at q's mode" in capsys.readouterr().err
+    assert "evaluated the gs-reference-kl gates at q's mode" in caplog.text

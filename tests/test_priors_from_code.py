@@ -19,7 +19,7 @@ from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.models.priors import BernoulliPrior, Prior
 from bayesncl_pyro.train.resolve import resolve
 from helpers import RUN_SVI, TINY_RUN

@@ -4,6 +4,7 @@ foreign checkpoints. docs/RELIABILITY.md maps every case to its test here."""
 import errno
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -27,7 +28,7 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import ImageFiles
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import REQUEUE, Stopped, UserError
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.rundir import load_checkpoint
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
@@ -332,13 +333,13 @@ def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")  # Pyro's, for the NaN made on purpose
-def test_on_nan_skip_skips_the_step_and_reports_it(tmp_path, capsys):
+def test_on_nan_skip_skips_the_step_and_reports_it(tmp_path, caplog):
     trainer = Trainer(fast(tmp_path / "run", on_nan="skip"), progress=False)
     _nan_at_step(trainer, 2, "InfoNCE")
     trainer.train(4)
     assert trainer.step == 4 and trainer.skipped_steps == 1
     assert all(p.isfinite().all() for p in trainer.learner.parameters())
-    assert "warning: step 2: the InfoNCE term is nan; step skipped" in capsys.readouterr().err
+    assert "warning: step 2: the InfoNCE term is nan; step skipped" in caplog.text
     trainer.save()
     assert Trainer(fast(tmp_path / "run", on_nan="skip"), progress=False).skipped_steps == 1
 
@@ -378,22 +379,23 @@ def test_no_readable_image_at_all_is_named(tmp_path):
         ImageFiles([(p, 0) for p in bad], skip_bad=True)[0]
 
 
-def test_skip_bad_images_trains_and_counts_them_across_workers(tmp_path, capsys):
+def test_skip_bad_images_trains_and_counts_them_across_workers(tmp_path, caplog):
     bad = _tree_with_a_bad_image(tmp_path / "data")
     Trainer(_image_run(tmp_path, skip_bad_images=True), progress=False).fit().evaluate()
-    assert "warning: 1 unreadable images were skipped" in capsys.readouterr().err
+    assert "warning: 1 unreadable images were skipped" in caplog.text
     assert set((tmp_path / "run" / "bad_images.txt").read_text().splitlines()) == {str(bad)}
 
 
 # ------------------------------------------------------------------------------------- the run folder
 
 
-def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, capsys):
+def test_overwrite_moves_the_previous_run_aside_and_deletes_nothing(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # the move is said at INFO
     old = Trainer(fast(tmp_path / "run"), progress=False)
     old.save()
     Trainer(fast(tmp_path / "run", temperature=0.5), progress=False, overwrite=True)
     aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("previous-")]
-    assert len(aside) == 1 and "moved the previous run's files" in capsys.readouterr().err
+    assert len(aside) == 1 and "moved the previous run's files" in caplog.text
     assert {p.name for p in aside[0].iterdir()} == {"config.json", "checkpoint.pt"}
     assert json.loads((aside[0] / "config.json").read_text())["temperature"] == 0.2
     assert json.loads((tmp_path / "run" / "config.json").read_text())["temperature"] == 0.5

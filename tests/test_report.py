@@ -15,7 +15,7 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import dimensions as dm, heldout, report
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.rundir import read_eval
 from bayesncl_pyro.train.trainer import Trainer
 from helpers import TINY_RUN

@@ -381,10 +381,10 @@ def test_a_users_file_named_like_a_temporary_one_is_kept(unfinished, tmp_path, c
     assert "holds files that are not a bayesncl-pyro run (config.json.draft.tmp)" in capsys.readouterr().err
 
 
-def test_a_cut_short_log_line_is_left_out_with_a_note_and_the_next_line_stays_whole(tmp_path, capsys):
+def test_a_cut_short_log_line_is_left_out_with_a_note_and_the_next_line_stays_whole(tmp_path, caplog):
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')  # a run killed while writing its second record
     rundir.append_line('{"step": 2, "loss": 0.5}', log)  # the rerun's
     assert rundir.read_log(tmp_path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
-    assert capsys.readouterr().err == (f"note: {log}: 1 line(s) are not records of a run (the first: line 2; a run "
-                                       "killed while writing one leaves it cut short); they are left out\n")
+    assert caplog.messages == [f"note: {log}: 1 line(s) are not records of a run (the first: line 2; a run killed "
+                               "while writing one leaves it cut short); they are left out"]

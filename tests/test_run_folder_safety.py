@@ -104,12 +104,12 @@ def test_code_a_run_names_is_refused_by_every_reader_unless_trusted(trained, tmp
     assert not gadget_module.exists() and "this" not in sys.modules
 
 
-def test_trusting_a_run_names_what_it_imports_and_loads_it(trained, tmp_path, gadget_module, capsys):
+def test_trusting_a_run_names_what_it_imports_and_loads_it(trained, tmp_path, gadget_module, caplog):
     run = _forged(trained, tmp_path / "theirs", encoder="t30_gadget:small")
     loaded = load_run(run, trust_code=True)
     assert gadget_module.exists()  # the module ran: trusted
     assert f"note: trusting {run / 'checkpoint.pt'}: importing its encoder t30_gadget:small (module t30_gadget)" \
-        in capsys.readouterr().err
+        in caplog.messages
     torch.testing.assert_close(loaded.learner.state_dict(), load_run(trained).learner.state_dict())
 
 

@@ -6,7 +6,7 @@ import torch
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.nn.optim import (LARS, WARMUP_START_LR, build_optimizer, build_scheduler, load_optimizer_state,
                                     load_scheduler_state, warmup_cosine)
 from bayesncl_pyro.rundir import load_checkpoint, read_log
@@ -228,7 +228,7 @@ def test_training_writes_the_conflict_diagnostic(tmp_path):
     assert all(len(r[k]) == 32 for r in conflict for k in ("pos", "neg", "freq", "incl"))
 
 
-def test_degenerate_gates_are_warned_about_in_the_log(tmp_path, capsys):
+def test_degenerate_gates_are_warned_about_in_the_log(tmp_path, caplog):
     # a prior rate of 0.001 and a heavy KL weight shut every gate in one step
     # sampled gates: some stay open by chance, so the features are not all zero (STE's threshold would close all)
     cfg = tiny(tmp_path, epochs=1, warmup_epochs=0, prior_prob=0.001, kl_weight=1.0, gate_lr=1.0, gate="relaxed")
@@ -236,7 +236,7 @@ def test_degenerate_gates_are_warned_about_in_the_log(tmp_path, capsys):
     first, second = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
     assert "warnings" not in first
     assert any("closed" in w for w in second["warnings"]) and any("KL collapse" in w for w in second["warnings"])
-    assert "warning: step 2: nearly all gates are closed" in capsys.readouterr().err
+    assert "warning: step 2: nearly all gates are closed" in caplog.text
 
 
 def test_a_run_of_version_0_1_loads_and_resumes_as_it_was(tmp_path):

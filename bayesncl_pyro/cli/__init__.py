@@ -6,6 +6,7 @@ tests call ``main`` in-process.
 
 import contextlib
 import functools
+import logging
 import signal
 import sys
 
@@ -19,11 +20,13 @@ def one_line_errors(main):
     and exit status 2; a run stopped by a signal after saving its checkpoint (``Stopped``) one ``stopped:`` line and its
     exit status (130 for Ctrl-C, ``errors.REQUEUE`` for a scheduler's signal), and a Ctrl-C outside such a run
     (``KeyboardInterrupt``) ``stopped: interrupted``, exit status 130. Anything else is a bug and keeps its traceback.
+    The library's messages are shown meanwhile (:func:`library_messages`).
     """
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
-            return main(*args, **kwargs)
+            with library_messages():
+                return main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -36,6 +39,27 @@ def one_line_errors(main):
             return 128 + signal.SIGINT
 
     return run
+
+
+@contextlib.contextmanager
+def library_messages():
+    """Show the library's log messages on stderr as a script's lines.
+
+    Within it the ``bayesncl_pyro`` loggers' messages (notes at INFO, warnings at WARNING) are lines of their own text
+    on stderr, each written out at once. Where the library is used from Python they go to Python's logging, which a
+    user configures or silences.
+    """
+    logger = logging.getLogger("bayesncl_pyro")
+    handler = logging.StreamHandler(sys.stderr)  # the stderr of now: a test's capture, a redirected stream
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

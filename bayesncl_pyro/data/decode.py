@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import collections
 import io
+import logging
 import math
 import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -28,6 +28,8 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.data.images import image_files, open_rgb
 from bayesncl_pyro.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class EncodedBatch:
@@ -101,10 +103,10 @@ class EncodedImages(Dataset):
         if failure is not None and device.type == "cuda" and not self.warned:
             self.warned = True
             failed = sum(image is None for image in decoded)
-            print(f"warning: nvJPEG failed on a batch of {len(jpegs)} JPEGs ({failure.splitlines()[0]}); they were "
-                  f"decoded one at a time, a wait for the GPU each, and the {failed} that failed alone too with PIL "
-                  "(a corrupt file does this; should every batch fail, decoding is slow: pass --augment workers). "
-                  "Said once", file=sys.stderr, flush=True)
+            logger.warning(f"warning: nvJPEG failed on a batch of {len(jpegs)} JPEGs ({failure.splitlines()[0]}); "
+                           f"they were decoded one at a time, a wait for the GPU each, and the {failed} that failed "
+                           "alone too with PIL (a corrupt file does this; should every batch fail, decoding is slow: "
+                           "pass --augment workers). Said once")
         for k, image in zip(jpegs, decoded, strict=True):
             if image is None:
                 image = self.files.read(items[k][1], _read_decoded)[0].to(device)
@@ -347,8 +349,8 @@ def _decode(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Ten
                 raise _Undecodable(message) from None
             _CANNOT[device, decoder.name] = message.splitlines()[0]
             if jpeg_decoders(device):
-                print(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
-                      f"{jpeg_decoders(device)[0].name} decodes them instead", file=sys.stderr, flush=True)
+                logger.info(f"note: {decoder.name} cannot decode JPEGs on {device} ({_CANNOT[device, decoder.name]}); "
+                            f"{jpeg_decoders(device)[0].name} decodes them instead")
     raise UserError(f"{no_jpeg_decoder(device)}; install nvImageCodec (nvidia-nvimgcodec-cu13 and nvidia-nvjpeg), or a "
                     f"TorchCodec (or torchvision) build made for torch {torch.__version__} with nvJPEG, or pass "
                     "--augment workers")

@@ -32,9 +32,9 @@ CUDA's stream semantics: the training stream waits for an event recorded after t
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -49,6 +49,8 @@ from bayesncl_pyro.data.images import DataSpec, image_files
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
 from bayesncl_pyro.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 AHEAD = 2
 """Batches the prefetcher may hold ready on CUDA; one more is being drawn meanwhile, and the step holds its own."""
@@ -81,7 +83,7 @@ class TrainingInput:
             elif files is not None:
                 why_not = no_jpeg_decoder(device)
                 if why_not is not None and rank == 0:
-                    print(f"note: {why_not}; JPEGs are decoded in the loader workers instead", file=sys.stderr)
+                    logger.info(f"note: {why_not}; JPEGs are decoded in the loader workers instead")
                 self.views = FileViews(EncodedImages(data.train, why_not is None), cfg.image_size, cfg.seed, rank,
                                        device, **form)
             elif cfg.augment == "device":

@@ -1,7 +1,7 @@
 """What a trained run says: metrics, probes, diagnostics, figures, report and comparisons.
 
-Also the test split's features, the ArviZ export, load_run, and the weights as plain state_dicts.
+Also the test split's features, the ArviZ export, load_learner and load_run, and the weights as plain state_dicts.
 
-Modules: arviz_export, comparison, diagnostics, dimensions, figures, heldout, matched, metrics, probe, report, run,
-weights.
+Modules: arviz_export, comparison, diagnostics, dimensions, figures, heldout, loading, matched, metrics, probe, report,
+run, weights.
 """

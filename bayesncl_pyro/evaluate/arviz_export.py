@@ -153,7 +153,7 @@ def read_gates(path: str | os.PathLike):
 
 
 def _from_dict(groups: dict, coords: dict, dims: dict) -> xr.DataTree:
-    from arviz_base import from_dict  # arviz-base alone: `import arviz` would also load arviz-stats and -plots
+    from arviz_base import from_dict  # late: ArviZ 1.x only; arviz-base alone (`import arviz` loads its stats, plots)
 
     return from_dict(groups, coords=coords, dims=dims)
 
@@ -164,7 +164,7 @@ def _from_dict(groups: dict, coords: dict, dims: dict) -> xr.DataTree:
 def _arviz0():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces its 1.x refactor on import
-        import arviz
+        import arviz  # late: ArviZ 0.2x only, under the filter above
 
     return arviz
 

@@ -249,9 +249,9 @@ def markdown(report: dict) -> str:
 
 def plot(runs: list[dict], path: Path):
     """Plot each run's semantic consistency against its linear-probe top-1."""
-    import matplotlib
+    import matplotlib  # late: only a plot needs it, with the Agg backend chosen first
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # late: after the backend
 
     fig, ax = plt.subplots(figsize=(5, 4))
     names = list(dict.fromkeys(r["name"] for r in runs))

@@ -30,10 +30,11 @@ from pyro import poutine
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
                                             nearest_neighbours, top_class_share, tracked_factors)
 from bayesncl_pyro.infer.head import own_params
-from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
+from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
 
 QUANTILES = tuple((j + 0.5) / 10 for j in range(10))
@@ -287,7 +288,7 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
             estimator (training's value is another matter: ``ste`` trains on the mode); 0 = only the
             exact probabilities.
         device: where to compute; by default the learner's own device (cpu for a run folder).
-        trust_code: import the code that a run folder's configuration names (``infer.learner.load_learner``).
+        trust_code: import the code that a run folder's configuration names (``evaluate.loading.load_learner``).
         test: this learner's :func:`test_features` of ``data``, when the caller has them (the evaluation's):
             the backbone is not run again.
     """

@@ -20,8 +20,8 @@ from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
 from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  # noqa: E402
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
+from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
-from bayesncl_pyro.infer.learner import load_learner  # noqa: E402
 from bayesncl_pyro.rundir import INSPECT_DIR, atomic_save, output_folder, read_log, run_folder  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,

@@ -287,9 +287,9 @@ def plot_paired(rows: list[dict], path):
     One panel a metric, one row a (method, baseline), the mean with its t interval (thick) and bootstrap interval
     (thin), zero marked.
     """
-    import matplotlib
+    import matplotlib  # late: only a plot needs it, with the Agg backend chosen first
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # late: after the backend
 
     labels = list(dict.fromkeys((r["method"], r["baseline"]) for r in rows))
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 0.35 * len(labels) + 1.5), sharey=True)
@@ -372,9 +372,9 @@ def plot_matched(runs: list[dict], path):
     error bars on both axes; for gated runs also the random-mask null's consistency (dotted, bottom row: it keeps F's
     active entries, not its rate).
     """
-    import matplotlib
+    import matplotlib  # late: only a plot needs it, with the Agg backend chosen first
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # late: after the backend
 
     def stats(rs, key):
         vals = [r[key] for r in rs if key in r]

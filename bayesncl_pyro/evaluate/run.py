@@ -22,7 +22,8 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.images import IMAGE_EXTENSIONS, open_image
 from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import ContrastiveLearner, load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.rundir import run_folder
 
 
@@ -33,7 +34,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, 
 
     A run folder is data: one whose encoder or prior is code of its writer's (``package.module:name``) is refused
     unless ``trust_code=True``, which imports it; ``data_dir`` names the run's data folder (by default the run's own
-    when it is an absolute path outside the run folder): ``infer.learner.load_learner``."""
+    when it is an absolute path outside the run folder): ``evaluate.loading.load_learner``."""
     learner, cfg = load_learner(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     return TrainedRun(learner, cfg, run_folder(run_dir))
 

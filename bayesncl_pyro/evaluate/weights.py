@@ -7,7 +7,8 @@ from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.learner import head_arguments, load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.infer.learner import head_arguments
 from bayesncl_pyro.nn.encoders import torchvision_code
 
 

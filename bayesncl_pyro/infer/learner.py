@@ -3,22 +3,17 @@ BayesNCL alike."""
 
 import dataclasses
 import inspect
-import os
-import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from bayesncl_pyro._deprecated import moved
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data.datasets import FOLDER_DATASETS
-from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.head import BayesNCLHead
 from bayesncl_pyro.nn.encoders import build_backbone
-from bayesncl_pyro.rundir import CHECKPOINT, check_code, load_checkpoint, run_folder
 
 # the head's arguments are named as the Config's fields (and the command-line flags): each is passed along
 _HEAD_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name in inspect.signature(BayesNCLHead).parameters]
@@ -112,41 +107,7 @@ def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
                         f"{__version__}: {'; '.join(problems[:3])}{more}; load it with the version that wrote it")
     learner.load_state_dict(theirs)
 
-def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
-                 data_dir: str | os.PathLike | None = None) -> tuple[ContrastiveLearner, Config]:
-    """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
-    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), and its config.
 
-    A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
-    (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
-    given, else the run's own if it is absolute and outside the run folder (else None: loading the run's data then
-    asks for ``--data-dir``)."""
-    folder = run_folder(run_dir)
-    path = folder / CHECKPOINT
-    if not path.exists():
-        raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
-    device = pick_device(str(device), flag="device")
-    state = load_checkpoint(path)
-    cfg = Config.from_dict(state["config"])
-    check_code(cfg, path, trust_code)
-    cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))
-    learner = ContrastiveLearner(cfg, state["channels"], state["num_train"])
-    load_weights(learner, state, path)
-    return learner.to(device).eval(), cfg
-
-def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
-    """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
-    shared file system); a relative one depends on where the command runs, and one in the run folder is the
-    sender's: None, said in a note."""
-    if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
-        return cfg.data_dir
-    saved = Path(cfg.data_dir)
-    real, run = saved.resolve(), folder.resolve()
-    why = "is relative" if not saved.is_absolute() else \
-        "is the run folder or lies in it" if real == run or run in real.parents else \
-        "holds the run folder" if real in run.parents else None
-    if why:
-        print(f"note: {path} names the data folder {cfg.data_dir!r}, which {why}; a run's data folder is read only "
-              "from an absolute path outside the run: name it with --data-dir (data_dir= in Python)", file=sys.stderr)
-        return None
-    return cfg.data_dir
+def __getattr__(name: str):
+    # load_learner moved to evaluate/loading (a run folder is read there, not in infer/)
+    return moved(__name__, name)

@@ -132,3 +132,28 @@ def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler, state:
     tensors. Floats fill device rates in place as well."""
     scheduler.load_state_dict(state)
     scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
+
+
+def rescale_prior_group(optimizer: dict, scheduler: dict, kl_weight: float, name: str):
+    """Put a checkpoint's optimizer and scheduler state (``state_dict``s, changed in place) in the current units.
+
+    Before the head divided the prior's gradients by lambda (``kl_weight``), its ``prior`` group (one without
+    ``grad_scale``) trained on raw gradients at lr gate_lr / lambda (SGD, LARS) or gate_lr (AdamW, ``name``); the
+    resumed run then takes the steps the old one would have taken."""
+    for i, group in enumerate(optimizer["param_groups"]):
+        if group.get("name") != "prior" or "grad_scale" in group:
+            continue
+        group["grad_scale"] = 1.0 / kl_weight
+        moments = [optimizer["state"][p] for p in group["params"] if p in optimizer["state"]]
+        if name == "adamw":  # scale-free: its moments take the new gradients' scale
+            for m in moments:
+                m["exp_avg"], m["exp_avg_sq"] = m["exp_avg"] / kl_weight, m["exp_avg_sq"] / kl_weight**2
+            continue
+        for key in ("lr", "initial_lr"):
+            group[key] = group[key] * kl_weight
+        for m in moments:
+            if m.get("momentum_buffer") is not None:
+                m["momentum_buffer"] = m["momentum_buffer"] / kl_weight
+        for key in ("base_lrs", "_last_lr"):
+            if key in scheduler:
+                scheduler[key][i] = scheduler[key][i] * kl_weight

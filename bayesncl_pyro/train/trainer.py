@@ -9,6 +9,7 @@ since the last one. ``docs/RELIABILITY.md`` lists every fault handled and what t
 """
 
 import contextlib
+import logging
 import math
 import random
 import signal
@@ -34,13 +35,16 @@ from bayesncl_pyro.infer.density import shortfall
 from bayesncl_pyro.infer.head import StepValues
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
-from bayesncl_pyro.nn.optim import build_optimizer, build_scheduler, load_optimizer_state, load_scheduler_state
+from bayesncl_pyro.nn.optim import (build_optimizer, build_scheduler, load_optimizer_state, load_scheduler_state,
+                                    rescale_prior_group)
 from bayesncl_pyro.rundir import (BAD_IMAGES, CHECKPOINT, CONFIG, CONFLICT, EVAL, TEXT_LIMIT, append_line, atomic_save,
                                   read_bytes, write_json)
 from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
 from bayesncl_pyro.train.monitor import Monitor
 from bayesncl_pyro.train.resolve import resolve
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -157,6 +161,8 @@ class Trainer:
             raise UserError(f"{path} was trained on {state['num_train']} images but the training set now "
                             f"holds {len(self.data.train)}; point --data-dir at the data it was made with")
         load_weights(self.learner, state, path)
+        rescale_prior_group(state["optimizer"], state["scheduler"], state["config"]["kl_weight"],
+                            state["config"]["optimizer"])
         load_optimizer_state(self.optimizer, state["optimizer"])
         load_scheduler_state(self.scheduler, state["scheduler"])
         self.step = state["step"]
@@ -169,10 +175,10 @@ class Trainer:
         else:  # each process's own streams cannot be split or merged: every rank starts one from (seed, step, rank)
             pyro.set_rng_seed(((self.cfg.seed * 1_000_003 + self.step) * 1_009 + self.rank) % 2**32)
             if self.rank == 0:
-                print(f"note: {path} was written by {len(state['rng'])} process(es), this run has {self.world}: the "
-                      f"global batch ({self.cfg.batch_size}), data order and schedule continue; gate noise and "
-                      "device-drawn views come from per-process random streams, which restart, so the numbers "
-                      "differ from an uninterrupted run's", file=sys.stderr, flush=True)
+                logger.warning(f"note: {path} was written by {len(state['rng'])} process(es), this run has "
+                               f"{self.world}: the global batch ({self.cfg.batch_size}), data order and schedule "
+                               "continue; gate noise and device-drawn views come from per-process random streams, "
+                               "which restart, so the numbers differ from an uninterrupted run's")
         # a run finished at --max-steps trains on when rerun with a larger one (a finished evaluation stays until the
         # new one replaces it)
         self.finished = state["finished"] and self.step >= self.last_step
@@ -185,9 +191,9 @@ class Trainer:
         if isinstance(saved, list):
             index = self.device.index
             if saved and index >= len(saved):
-                print(f"note: {path} holds the CUDA random states of {len(saved)} GPU(s), none for {self.device}: its "
-                      "CUDA random stream (gate noise) restarts, so the numbers differ from an uninterrupted run's",
-                      file=sys.stderr, flush=True)
+                logger.warning(f"note: {path} holds the CUDA random states of {len(saved)} GPU(s), none for "
+                               f"{self.device}: its CUDA random stream (gate noise) restarts, so the numbers differ "
+                               "from an uninterrupted run's")
             saved = saved[index] if index < len(saved) else None
         if saved is not None:
             torch.cuda.set_rng_state(saved, self.device)
@@ -229,7 +235,7 @@ class Trainer:
         print(heldout.format_table(results))
         missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"))
         if missed:
-            print(missed, file=sys.stderr)
+            logger.warning(missed)
         self._report_skipped()
         return results
 
@@ -313,7 +319,7 @@ class Trainer:
         for step, what in self.guard.bad_steps():
             if self.cfg.on_nan == "skip":
                 self.skipped_steps += 1
-                print(f"warning: step {step}: {what}; step skipped (--on-nan skip)", file=sys.stderr)
+                logger.warning(f"warning: step {step}: {what}; step skipped (--on-nan skip)")
                 continue
             kept = f"the last good checkpoint (step {self.saved_step})" if self.saved_step else "no checkpoint"
             raise UserError(f"training diverged at step {step}: {what}; {kept} is kept in {self.out}. "
@@ -332,12 +338,12 @@ class Trainer:
     def _report_skipped(self):
         """Warn about what the run skipped: non-finite steps (--on-nan skip), unreadable images."""
         if self.skipped_steps:
-            print(f"warning: {self.skipped_steps} of {self.step} steps were skipped for a non-finite loss or "
-                  "gradient", file=sys.stderr)
+            logger.warning(f"warning: {self.skipped_steps} of {self.step} steps were skipped for a non-finite loss "
+                           "or gradient")
         bad = self.out / BAD_IMAGES
         if bad.exists():
             count = len(set(read_bytes(bad, TEXT_LIMIT).splitlines()))
-            print(f"warning: {count} unreadable images were skipped; they are listed in {bad}", file=sys.stderr)
+            logger.warning(f"warning: {count} unreadable images were skipped; they are listed in {bad}")
 
     def _record(self, loss: torch.Tensor, stats: dict, images_per_s: float) -> dict:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
@@ -357,7 +363,7 @@ class Trainer:
         if warnings:
             rec["warnings"] = warnings
             if not self._degenerate:  # every record carries them; the terminal hears once per episode
-                print(f"warning: step {self.step}: " + "; ".join(warnings), file=sys.stderr, flush=True)
+                logger.warning(f"warning: step {self.step}: " + "; ".join(warnings))
         self._degenerate = bool(warnings)
         return rec
 

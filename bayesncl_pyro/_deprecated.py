@@ -1,0 +1,33 @@
+"""The paths that moved and still work, for one release, with a DeprecationWarning naming the new one.
+
+A module that lost a name ends with ``def __getattr__(name): return moved(__name__, name)`` (PEP 562), and
+``bayesncl_pyro/posterior.py`` is a module that moved whole. The new home is named by a string and imported on first
+use: an old path lies below its new home (``infer/`` gave ``load_learner`` to ``evaluate/``), and an import statement
+there would be an upward import. This table is the whole list of such references; CHANGELOG.md says the same, and
+both go in 0.5.0.
+"""
+
+import importlib
+import warnings
+
+REMOVED_IN = "0.5.0"
+
+MOVED = {
+    # old module -> {name: "new.module:name"}
+    "bayesncl_pyro.infer.learner": {"load_learner": "bayesncl_pyro.evaluate.loading:load_learner"},
+    # the module was merged into evaluate/dimensions in 0.3.0 without a word
+    "bayesncl_pyro.posterior": {"gate_posterior": "bayesncl_pyro.evaluate.dimensions:gate_posterior",
+                                "GatePosterior": "bayesncl_pyro.evaluate.dimensions:GatePosterior"},
+}
+
+
+def moved(module: str, name: str):
+    """``name`` of ``module`` from its new home, with a DeprecationWarning naming it; AttributeError for a name that
+    did not move, as a module without ``__getattr__`` would raise."""
+    target = MOVED.get(module, {}).get(name)
+    if target is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new_module, _, new_name = target.partition(":")
+    warnings.warn(f"{module}.{name} moved to {new_module}.{new_name}; import it from there (the old path goes in "
+                  f"bayesncl-pyro {REMOVED_IN})", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new_module), new_name)
