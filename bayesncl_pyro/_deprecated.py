@@ -23,7 +23,8 @@ MOVED = {
 
 def moved(module: str, name: str):
     """``name`` of ``module`` from its new home, with a DeprecationWarning naming it; AttributeError for a name that
-    did not move, as a module without ``__getattr__`` would raise."""
+    did not move, as a module without ``__getattr__`` would raise.
+    """
     target = MOVED.get(module, {}).get(name)
     if target is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")

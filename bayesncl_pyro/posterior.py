@@ -1,5 +1,6 @@
 """Deprecated: the gate posterior lives in ``bayesncl_pyro.evaluate.dimensions`` (and ``bayesncl_pyro.gate_posterior``);
-this path works until bayesncl-pyro 0.5.0, with a DeprecationWarning."""
+this path works until bayesncl-pyro 0.5.0, with a DeprecationWarning.
+"""
 
 from bayesncl_pyro._deprecated import moved
 

@@ -87,7 +87,8 @@ def is_run_file(name: str) -> bool:
 
 def _open(path: Path, flags: int, follow: bool = False) -> int:
     """``os.open(path, flags)`` of a regular file, never through a symbolic link (``follow``: a file the user named
-    may be one) and without waiting on a FIFO; anything else is a UserError naming it. Other OSErrors pass."""
+    may be one) and without waiting on a FIFO; anything else is a UserError naming it. Other OSErrors pass.
+    """
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
     except OSError as e:
@@ -115,7 +116,8 @@ def _not_a_file(path: Path, kind: str, follow: bool) -> str:
 
 def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
     """``path`` open for reading, by the rule of this module: a regular file of at most ``limit`` bytes, not reached
-    through a symbolic link (``follow``: a file the user named, such as ``--config``, may be one)."""
+    through a symbolic link (``follow``: a file the user named, such as ``--config``, may be one).
+    """
     try:
         fd = _open(Path(path), os.O_RDONLY, follow)
     except OSError as e:
@@ -140,7 +142,8 @@ def read_bytes(path: Path, limit: int, *, follow: bool = False) -> bytes:
 
 def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what a run writes: move it away"):
     """The JSON document in ``path`` (:func:`read_bytes`); one that does not parse (or nests too deep for Python) is
-    a UserError ending with ``fix``."""
+    a UserError ending with ``fix``.
+    """
     data = read_bytes(path, limit)
     try:
         return json.loads(data)
@@ -151,7 +154,8 @@ def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what
 
 def read_records(path: Path) -> list[dict]:
     """The records of a ``.jsonl`` file of a run, one JSON object with a ``step`` per line (empty if there is no
-    file). A line that is no record, as the last one of a run killed while writing it, is left out, with a note."""
+    file). A line that is no record, as the last one of a run killed while writing it, is left out, with a note.
+    """
     if not os.path.lexists(path):
         return []
     records, bad = [], []
@@ -174,7 +178,8 @@ def read_records(path: Path) -> list[dict]:
 
 def read_config_file(path: str | os.PathLike) -> dict:
     """The Config fields that a JSON or YAML file sets (``run_svi.py --config``; ``config.parse_file``), read by the
-    rule of this module; the user names the file, so it may be a link."""
+    rule of this module; the user names the file, so it may be a link.
+    """
     return parse_file(Path(path), read_bytes(Path(path), JSON_LIMIT, follow=True))
 
 
@@ -192,7 +197,8 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
     never wrote a checkpoint (it was refused or diverged at its first steps) is moved aside: it holds nothing to
     resume. Writes the marker, no file of the run: the trainer writes ``config.json`` once the run is set up, so
     that a run refused before it trains (a batch larger than the data set) leaves nothing that would refuse the
-    corrected command."""
+    corrected command.
+    """
     _check_place(out, cfg.data_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +232,8 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
 def holds_a_run(folder: Path) -> bool:
     """Whether ``folder`` holds a run of ours: our marker, which every run writes when it claims its folder, or, from
     a version before the marker, a checkpoint of ours (read to tell: one that is not ours is a UserError saying
-    so). Never a ``config.json``, which any project may hold."""
+    so). Never a ``config.json``, which any project may hold.
+    """
     if os.path.lexists(folder / MARKER):
         return read_bytes(folder / MARKER, 4096).startswith(_MARK)
     if os.path.lexists(folder / CHECKPOINT):
@@ -237,7 +244,8 @@ def holds_a_run(folder: Path) -> bool:
 
 def differences(folder: Path, cfg: Config) -> str | None:
     """How the run whose configuration ``folder`` holds differs from ``cfg`` (``Config.differences``: "" for this very
-    run), None if it holds none; one that cannot be read is a UserError, never taken for another run."""
+    run), None if it holds none; one that cannot be read is a UserError, never taken for another run.
+    """
     saved = folder / CONFIG
     if not os.path.lexists(saved):
         return None
@@ -252,7 +260,8 @@ def differences(folder: Path, cfg: Config) -> str | None:
 def _check_place(out: Path, data_dir: str | None):
     """Refuse an ``out`` that is the working folder or the data folder, or a folder above one of them (moving its
     files aside, --overwrite, would move the user's repository or data set), or a folder in the data folder (its
-    lock and files would sit in the data set, read as data)."""
+    lock and files would sit in the data set, read as data).
+    """
     real = out.expanduser().resolve()
     for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
         if place is None:
@@ -274,7 +283,8 @@ def _remove_temporaries(out: Path):
 
 class RunLock:
     """An exclusive ``flock`` on ``OUT/run.lock``, held while this object lives (the trainer's: the run's life, or
-    until its process ends, whatever kills it). The file holds the holder's pid, for the next run's message."""
+    until its process ends, whatever kills it). The file holds the holder's pid, for the next run's message.
+    """
 
     def __init__(self, out: Path):
         path = out / LOCK
@@ -303,7 +313,8 @@ _HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionar
 
 def _forget_locks():
     """In a forked child (a loader worker): close its copy of the lock files. The parent's lock stays (it goes when
-    every copy is closed), and no longer outlives the parent in a worker left behind by a SIGKILL."""
+    every copy is closed), and no longer outlives the parent in a worker left behind by a SIGKILL.
+    """
     for held in list(_HELD.values()):
         held.file.close()
     _HELD.clear()
@@ -314,7 +325,8 @@ os.register_at_fork(after_in_child=_forget_locks)
 
 def lock(out: Path) -> RunLock:
     """The lock of run folder ``out``: taken, or the one this process holds already (a second Trainer in one
-    process resumes there, as a rerun would); a UserError where it can be neither."""
+    process resumes there, as a rerun would); a UserError where it can be neither.
+    """
     key = out.resolve()
     held = _HELD.get(key)
     if held is None:
@@ -324,7 +336,8 @@ def lock(out: Path) -> RunLock:
 
 def move_aside(out: Path):
     """Move every file of the run folder (but its marker, its lock and earlier ``previous-*`` folders) into a new
-    ``previous-<time>`` subfolder: restarting never deletes results."""
+    ``previous-<time>`` subfolder: restarting never deletes results.
+    """
     old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS) and p.name not in (LOCK, MARKER)]
     if not old:
         return
@@ -343,7 +356,8 @@ def move_aside(out: Path):
 
 def output_folder(path: Path, named: bool = False) -> Path:
     """``path``, a folder to write into, created if missing: a real folder, not a symbolic link, which could point
-    anywhere (``named``: a folder the user named, ``--out``, may be one)."""
+    anywhere (``named``: a folder the user named, ``--out``, may be one).
+    """
     if not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
                         "run folder (it may point anywhere): move it away, or pass --out")
@@ -373,7 +387,8 @@ def save_together(items: list[tuple[Content, Path]]):
     ``path``: first all to temporary files of this process beside them (created afresh, never through a link), each
     fsynced, then each renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a
     full disk or a signal leaves the previous files or all the new ones, never a mix, and no temporary file: any
-    failure, an interrupt too, removes them. A failed write (disk full, read-only) raises ``UserError``."""
+    failure, an interrupt too, removes them. A failed write (disk full, read-only) raises ``UserError``.
+    """
     temporaries, path = [], None
     try:
         for obj, path in items:
@@ -417,7 +432,8 @@ def save_together(items: list[tuple[Content, Path]]):
 
 def append_line(line: str | bytes, path: Path):
     """Append one line (opened and closed each time: nothing lost to a buffer on a crash), never through a link. A
-    line cut short by a crash is ended first, so that it stays one bad line (``read_records`` leaves it out)."""
+    line cut short by a crash is ended first, so that it stays one bad line (``read_records`` leaves it out).
+    """
     data = line if isinstance(line, bytes) else line.encode()
     try:
         fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
@@ -450,7 +466,8 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
 def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
     """A run's ``eval.json`` (``gate``: the run's gate estimator). An earlier version's reads in today's terms: the
     share of gates open at the evaluation mask, which it named ``gate_rate`` (the log's name for the mean inclusion
-    probability), as ``gates_open``, and one written before the reference protocol existed as ``protocol: fast``."""
+    probability), as ``gates_open``, and one written before the reference protocol existed as ``protocol: fast``.
+    """
     path = Path(run_dir) / EVAL
     results = read_json(path)
     if not isinstance(results, dict):
@@ -485,7 +502,8 @@ def load_checkpoint(path: Path) -> dict:
 
 def _load_failure(e: Exception) -> str:
     """What a weights-only ``torch.load`` failed on, without torch's advice to load the file with
-    ``weights_only=False`` (which runs the code a pickle names: never for a file of unknown origin)."""
+    ``weights_only=False`` (which runs the code a pickle names: never for a file of unknown origin).
+    """
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines or not lines[0].startswith("Weights only load failed"):
         return f"{e.__class__.__name__}: {lines[0] if lines else ''}"
@@ -504,7 +522,8 @@ def run_folder(run: str | os.PathLike) -> Path:
 
 def code_references(cfg: Config) -> dict[str, str]:
     """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference. An encoder
-    ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a module."""
+    ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a module.
+    """
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
             if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
 

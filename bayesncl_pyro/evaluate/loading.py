@@ -32,7 +32,8 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
     (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
     given, else the run's own if it is absolute and outside the run folder (else None: loading the run's data then
-    asks for ``--data-dir``)."""
+    asks for ``--data-dir``).
+    """
     folder = run_folder(run_dir)
     path = folder / CHECKPOINT
     if not path.exists():
@@ -50,7 +51,8 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
 def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
     """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
     shared file system); a relative one depends on where the command runs, and one in the run folder is the
-    sender's: None, said in a note."""
+    sender's: None, said in a note.
+    """
     if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
         return cfg.data_dir
     saved = Path(cfg.data_dir)

@@ -34,7 +34,8 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, 
 
     A run folder is data: one whose encoder or prior is code of its writer's (``package.module:name``) is refused
     unless ``trust_code=True``, which imports it; ``data_dir`` names the run's data folder (by default the run's own
-    when it is an absolute path outside the run folder): ``evaluate.loading.load_learner``."""
+    when it is an absolute path outside the run folder): ``evaluate.loading.load_learner``.
+    """
     learner, cfg = load_learner(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     return TrainedRun(learner, cfg, run_folder(run_dir))
 
@@ -72,7 +73,8 @@ class TrainedRun:
 
     def posterior(self, data=None, num_draws: int = 0):
         """The gate posterior on the run's test split (or on ``data``, a ``DataSpec``), as
-        ``bayesncl_pyro.evaluate.dimensions.gate_posterior`` gives it."""
+        ``bayesncl_pyro.evaluate.dimensions.gate_posterior`` gives it.
+        """
         from bayesncl_pyro.evaluate.dimensions import gate_posterior  # late: it loads the evaluation code
 
         return gate_posterior(self.learner, data, num_draws=num_draws)
@@ -93,7 +95,8 @@ class TrainedRun:
 
     def _one(self, image):
         """One image as what the transform takes: a PIL image of the run's mode, or a C x H x W tensor checked
-        against the run's channels (uint8, or float in [0, 1])."""
+        against the run's channels (uint8, or float in [0, 1]).
+        """
         if isinstance(image, (str, os.PathLike)):
             image = open_image(Path(image))
         if isinstance(image, Image.Image):

@@ -69,7 +69,8 @@ class LARS(torch.optim.Optimizer):
 def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float, lr_on_device: bool = False):
     """``lr_on_device``: each group's learning rate a 0-d tensor on its parameters' device, which the schedule writes
     in place and the step reads there, so that a CUDA graph of the step follows the schedule (``--cuda-graphs``);
-    torch's SGD reads it back to the host at every step, so it is refused."""
+    torch's SGD reads it back to the host at every step, so it is refused.
+    """
     groups = [dict(g, weight_decay=g.get("weight_decay", weight_decay)) for g in groups]
     if lr_on_device:
         if name == "sgd":
@@ -95,7 +96,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     a GPU would resume on a CPU as capturable, which AdamW refuses. So torch is handed the kept flag with the state,
     and places each step count by it: float32 on its parameter's device when capturable, else as loaded (on the CPU,
     where checkpoints are read to). The learning rates keep this optimizer's kind too (``build_optimizer``'s
-    ``lr_on_device``: its tensors, filled with the saved values)."""
+    ``lr_on_device``: its tensors, filled with the saved values).
+    """
     groups = [dict(saved, capturable=mine["capturable"]) if "capturable" in mine else saved  # SGD, LARS: no flag
               for saved, mine in zip(state["param_groups"], optimizer.param_groups)]
     mine = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in optimizer.param_groups]
@@ -129,7 +131,8 @@ def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler, state:
     """``scheduler.load_state_dict(state)`` with float base rates. With ``lr_on_device`` torch keeps them as the
     groups' device tensors, and a checkpoint's would come back as CPU tensors that the schedule then writes into the
     groups of an optimizer without ``lr_on_device`` (a resume without ``--cuda-graphs``): its rates would become CPU
-    tensors. Floats fill device rates in place as well."""
+    tensors. Floats fill device rates in place as well.
+    """
     scheduler.load_state_dict(state)
     scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
 
@@ -139,7 +142,8 @@ def rescale_prior_group(optimizer: dict, scheduler: dict, kl_weight: float, name
 
     Before the head divided the prior's gradients by lambda (``kl_weight``), its ``prior`` group (one without
     ``grad_scale``) trained on raw gradients at lr gate_lr / lambda (SGD, LARS) or gate_lr (AdamW, ``name``); the
-    resumed run then takes the steps the old one would have taken."""
+    resumed run then takes the steps the old one would have taken.
+    """
     for i, group in enumerate(optimizer["param_groups"]):
         if group.get("name") != "prior" or "grad_scale" in group:
             continue
