@@ -30,7 +30,7 @@ models/ and guides/ sit at the top of the repository, where the Pyro program is 
 bayesncl_pyro.models and bayesncl_pyro.guides.
 """
 
-from bayesncl_pyro._version import __version__
+from bayesncl_pyro._version import __version__ as __version__  # re-exported: the package's version
 
 __all__ = ["BayesNCLHead", "Config", "PRIORS", "Prior", "Trainer", "export_gates", "gate_posterior", "load_run",
            "read_gates", "register"]

@@ -22,8 +22,9 @@ MOVED = {
 
 
 def moved(module: str, name: str):
-    """``name`` of ``module`` from its new home, with a DeprecationWarning naming it; AttributeError for a name that
-    did not move, as a module without ``__getattr__`` would raise.
+    """Return ``name`` of ``module`` from its new home, with a DeprecationWarning naming that home.
+
+    A name that did not move raises AttributeError, as a module without ``__getattr__`` would.
     """
     target = MOVED.get(module, {}).get(name)
     if target is None:

@@ -86,8 +86,10 @@ def is_run_file(name: str) -> bool:
 
 
 def _open(path: Path, flags: int, follow: bool = False) -> int:
-    """``os.open(path, flags)`` of a regular file, never through a symbolic link (``follow``: a file the user named
-    may be one) and without waiting on a FIFO; anything else is a UserError naming it. Other OSErrors pass.
+    """Return ``os.open(path, flags)`` of a regular file, never through a symbolic link, without waiting on a FIFO.
+
+    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it; other
+    OSErrors pass.
     """
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
@@ -110,13 +112,16 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
 
 
 def _not_a_file(path: Path, kind: str, follow: bool) -> str:
+    """The message refusing ``path``, which is ``kind`` (a folder, a FIFO, ...), not a regular file."""
     return f"{path} is {kind}, not a regular file; " + (
         "pass a regular file" if follow else "a run's files are regular files: move it away")
 
 
 def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
-    """``path`` open for reading, by the rule of this module: a regular file of at most ``limit`` bytes, not reached
-    through a symbolic link (``follow``: a file the user named, such as ``--config``, may be one).
+    """Open ``path`` for reading, by the rule of this module.
+
+    It must be a regular file of at most ``limit`` bytes, not reached through a symbolic link (``follow``: a file the
+    user named, such as ``--config``, may be one).
     """
     try:
         fd = _open(Path(path), os.O_RDONLY, follow)
@@ -141,8 +146,9 @@ def read_bytes(path: Path, limit: int, *, follow: bool = False) -> bytes:
 
 
 def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what a run writes: move it away"):
-    """The JSON document in ``path`` (:func:`read_bytes`); one that does not parse (or nests too deep for Python) is
-    a UserError ending with ``fix``.
+    """Return the JSON document in ``path`` (:func:`read_bytes`).
+
+    One that does not parse (or nests too deep for Python) is a UserError ending with ``fix``.
     """
     data = read_bytes(path, limit)
     try:
@@ -153,8 +159,9 @@ def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of a ``.jsonl`` file of a run, one JSON object with a ``step`` per line (empty if there is no
-    file). A line that is no record, as the last one of a run killed while writing it, is left out, with a note.
+    """Return the records of a run's ``.jsonl`` file, one JSON object with a ``step`` per line (empty if no file).
+
+    A line that is no record, as the last one of a run killed while writing it, is left out, with a note.
     """
     if not os.path.lexists(path):
         return []
@@ -177,8 +184,9 @@ def read_records(path: Path) -> list[dict]:
 
 
 def read_config_file(path: str | os.PathLike) -> dict:
-    """The Config fields that a JSON or YAML file sets (``run_svi.py --config``; ``config.parse_file``), read by the
-    rule of this module; the user names the file, so it may be a link.
+    """Return the Config fields that a JSON or YAML file sets (``run_svi.py --config``; ``config.parse_file``).
+
+    The file is read by the rule of this module; the user names it, so it may be a link.
     """
     return parse_file(Path(path), read_bytes(Path(path), JSON_LIMIT, follow=True))
 
@@ -187,9 +195,10 @@ def read_config_file(path: str | os.PathLike) -> dict:
 
 
 def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
-    """Create the run folder ``out`` for ``cfg``, or check that the one there holds this very run; with
-    ``overwrite`` move the run it holds aside first. Returns the folder's lock, to be held for the life of the run:
-    a run that cannot take it is refused.
+    """Claim the run folder ``out`` for ``cfg`` and return its lock, to be held for the life of the run.
+
+    The folder is created, or checked to hold this very run; with ``overwrite`` the run it holds is moved aside
+    first. A run that cannot take the lock is refused.
 
     Refused: ``out`` being the working folder or the data folder, holding either, or lying in the data folder; a
     folder held by another running process; and one that holds files but no run of ours (:func:`holds_a_run`:
@@ -230,9 +239,11 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
 
 
 def holds_a_run(folder: Path) -> bool:
-    """Whether ``folder`` holds a run of ours: our marker, which every run writes when it claims its folder, or, from
-    a version before the marker, a checkpoint of ours (read to tell: one that is not ours is a UserError saying
-    so). Never a ``config.json``, which any project may hold.
+    """Whether ``folder`` holds a run of ours.
+
+    That is our marker, which every run writes when it claims its folder, or, from a version before the marker, a
+    checkpoint of ours (read to tell: one that is not ours is a UserError saying so). Never a ``config.json``, which
+    any project may hold.
     """
     if os.path.lexists(folder / MARKER):
         return read_bytes(folder / MARKER, 4096).startswith(_MARK)
@@ -243,8 +254,9 @@ def holds_a_run(folder: Path) -> bool:
 
 
 def differences(folder: Path, cfg: Config) -> str | None:
-    """How the run whose configuration ``folder`` holds differs from ``cfg`` (``Config.differences``: "" for this very
-    run), None if it holds none; one that cannot be read is a UserError, never taken for another run.
+    """Return how the run in ``folder`` differs from ``cfg`` (``Config.differences``: "" for this very run).
+
+    None if the folder holds no configuration; one that cannot be read is a UserError, never taken for another run.
     """
     saved = folder / CONFIG
     if not os.path.lexists(saved):
@@ -258,9 +270,11 @@ def differences(folder: Path, cfg: Config) -> str | None:
 
 
 def _check_place(out: Path, data_dir: str | None):
-    """Refuse an ``out`` that is the working folder or the data folder, or a folder above one of them (moving its
-    files aside, --overwrite, would move the user's repository or data set), or a folder in the data folder (its
-    lock and files would sit in the data set, read as data).
+    """Refuse an ``out`` that is, holds or lies in the working folder or the data folder.
+
+    Refused: the working folder or the data folder, or a folder above one of them (moving its files aside,
+    --overwrite, would move the user's repository or data set), or a folder in the data folder (its lock and files
+    would sit in the data set, read as data).
     """
     real = out.expanduser().resolve()
     for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
@@ -282,8 +296,10 @@ def _remove_temporaries(out: Path):
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``OUT/run.lock``, held while this object lives (the trainer's: the run's life, or
-    until its process ends, whatever kills it). The file holds the holder's pid, for the next run's message.
+    """An exclusive ``flock`` on ``OUT/run.lock``, held while this object lives.
+
+    The trainer's lives as long as the run, or until its process ends, whatever kills it. The file holds the holder's
+    pid, for the next run's message.
     """
 
     def __init__(self, out: Path):
@@ -312,8 +328,10 @@ _HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionar
 
 
 def _forget_locks():
-    """In a forked child (a loader worker): close its copy of the lock files. The parent's lock stays (it goes when
-    every copy is closed), and no longer outlives the parent in a worker left behind by a SIGKILL.
+    """Close a forked child's (a loader worker's) copy of the lock files.
+
+    The parent's lock stays (it goes when every copy is closed), and no longer outlives the parent in a worker left
+    behind by a SIGKILL.
     """
     for held in list(_HELD.values()):
         held.file.close()
@@ -324,8 +342,9 @@ os.register_at_fork(after_in_child=_forget_locks)
 
 
 def lock(out: Path) -> RunLock:
-    """The lock of run folder ``out``: taken, or the one this process holds already (a second Trainer in one
-    process resumes there, as a rerun would); a UserError where it can be neither.
+    """Take the lock of run folder ``out``, or return the one this process holds already.
+
+    A second Trainer in one process resumes there, as a rerun would; a UserError where the lock can be neither.
     """
     key = out.resolve()
     held = _HELD.get(key)
@@ -335,8 +354,9 @@ def lock(out: Path) -> RunLock:
 
 
 def move_aside(out: Path):
-    """Move every file of the run folder (but its marker, its lock and earlier ``previous-*`` folders) into a new
-    ``previous-<time>`` subfolder: restarting never deletes results.
+    """Move the run folder's files into a new ``previous-<time>`` subfolder: restarting never deletes results.
+
+    Its marker, its lock and earlier ``previous-*`` folders stay.
     """
     old = [p for p in out.iterdir() if not p.name.startswith(PREVIOUS) and p.name not in (LOCK, MARKER)]
     if not old:
@@ -355,8 +375,10 @@ def move_aside(out: Path):
 
 
 def output_folder(path: Path, named: bool = False) -> Path:
-    """``path``, a folder to write into, created if missing: a real folder, not a symbolic link, which could point
-    anywhere (``named``: a folder the user named, ``--out``, may be one).
+    """Return ``path``, a folder to write into, created if missing.
+
+    It must be a real folder, not a symbolic link, which could point anywhere (``named``: a folder the user named,
+    ``--out``, may be one).
     """
     if not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
@@ -374,20 +396,23 @@ Content = bytes | Callable[[BinaryIO], object] | object  # bytes, a function tha
 
 
 def atomic_save(obj: Content, path: Path):
-    """``obj`` written to ``path`` by :func:`save_together`."""
+    """Write ``obj`` to ``path`` by :func:`save_together`."""
     save_together([(obj, path)])
 
 
 def write_json(obj, path: Path):
+    """Write ``obj`` as indented JSON to ``path``, atomically (:func:`atomic_save`)."""
     atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
 
 
 def save_together(items: list[tuple[Content, Path]]):
-    """Write each ``obj`` (bytes; a function that writes into a binary file; else what ``torch.save`` takes) to its
-    ``path``: first all to temporary files of this process beside them (created afresh, never through a link), each
-    fsynced, then each renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a
-    full disk or a signal leaves the previous files or all the new ones, never a mix, and no temporary file: any
-    failure, an interrupt too, removes them. A failed write (disk full, read-only) raises ``UserError``.
+    """Write each ``obj`` to its ``path``, all or none: no crash or signal leaves a mix of old and new files.
+
+    ``obj`` is bytes, a function that writes into a binary file, or else what ``torch.save`` takes. All go first to
+    temporary files of this process beside them (created afresh, never through a link), each fsynced, then each is
+    renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a full disk or a signal
+    leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too, removes them.
+    A failed write (disk full, read-only) raises ``UserError``.
     """
     temporaries, path = [], None
     try:
@@ -431,8 +456,10 @@ def save_together(items: list[tuple[Content, Path]]):
 
 
 def append_line(line: str | bytes, path: Path):
-    """Append one line (opened and closed each time: nothing lost to a buffer on a crash), never through a link. A
-    line cut short by a crash is ended first, so that it stays one bad line (``read_records`` leaves it out).
+    """Append one line to ``path``, never through a link.
+
+    The file is opened and closed each time: nothing is lost to a buffer on a crash. A line cut short by a crash is
+    ended first, so that it stays one bad line (``read_records`` leaves it out).
     """
     data = line if isinstance(line, bytes) else line.encode()
     try:
@@ -449,6 +476,7 @@ def append_line(line: str | bytes, path: Path):
 
 
 def cannot_write(path: Path, e: OSError) -> str:
+    """The message for a failed write of ``path``, with the fix that its errno calls for."""
     fix = "choose another --out, in a folder you can write" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) \
         else "free some space or choose another --out" if e.errno in (errno.ENOSPC, errno.EDQUOT) \
         else "move it away or choose another --out"  # a folder in the file's place (EISDIR), ...
@@ -464,9 +492,11 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def read_eval(run_dir: str | os.PathLike, gate: str | None = None) -> dict:
-    """A run's ``eval.json`` (``gate``: the run's gate estimator). An earlier version's reads in today's terms: the
-    share of gates open at the evaluation mask, which it named ``gate_rate`` (the log's name for the mean inclusion
-    probability), as ``gates_open``, and one written before the reference protocol existed as ``protocol: fast``.
+    """Return a run's ``eval.json`` (``gate``: the run's gate estimator), in today's terms.
+
+    An earlier version's file reads as today's: the share of gates open at the evaluation mask, which it named
+    ``gate_rate`` (the log's name for the mean inclusion probability), as ``gates_open``, and one written before the
+    reference protocol existed as ``protocol: fast``.
     """
     path = Path(run_dir) / EVAL
     results = read_json(path)
@@ -501,8 +531,9 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def _load_failure(e: Exception) -> str:
-    """What a weights-only ``torch.load`` failed on, without torch's advice to load the file with
-    ``weights_only=False`` (which runs the code a pickle names: never for a file of unknown origin).
+    """Say what a weights-only ``torch.load`` failed on, without torch's advice to pass ``weights_only=False``.
+
+    That advice runs the code a pickle names: never for a file of unknown origin.
     """
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines or not lines[0].startswith("Weights only load failed"):
@@ -521,8 +552,10 @@ def run_folder(run: str | os.PathLike) -> Path:
 
 
 def code_references(cfg: Config) -> dict[str, str]:
-    """The settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference. An encoder
-    ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a module.
+    """Return the settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference.
+
+    An encoder ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a
+    module.
     """
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
             if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}

@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
                  data_dir: str | os.PathLike | None = None) -> tuple[ContrastiveLearner, Config]:
-    """The trained learner of a run folder (or of its ``checkpoint.pt``), for notebooks and evaluation, in eval mode
-    on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), and its config.
+    """Load the trained learner of a run folder (or of its ``checkpoint.pt``) and its config.
+
+    The learner is in eval mode on ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, as ``--device``), for
+    notebooks and evaluation.
 
     A run folder is data, perhaps a colleague's: an encoder or prior of its config that is code
     (``package.module:name``) is refused unless ``trust_code``, and the config's ``data_dir`` is ``data_dir`` when
@@ -49,9 +51,10 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def _own_data_dir(cfg: Config, folder: Path, path: Path) -> str | None:
-    """The run's own data folder when it may be read: an absolute path outside the run folder (the same data on a
-    shared file system); a relative one depends on where the command runs, and one in the run folder is the
-    sender's: None, said in a note.
+    """Return the run's own data folder when it may be read, else None (said in a note).
+
+    It may be read when it is an absolute path outside the run folder (the same data on a shared file system); a
+    relative one depends on where the command runs, and one in the run folder is the sender's.
     """
     if cfg.data_dir is None or cfg.dataset not in FOLDER_DATASETS:
         return cfg.data_dir

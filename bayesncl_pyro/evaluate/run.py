@@ -29,8 +29,10 @@ from bayesncl_pyro.rundir import run_folder
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, trust_code: bool = False,
              data_dir: str | os.PathLike | None = None) -> "TrainedRun":
-    """The trained run in ``run_dir`` (a folder written by ``experiments/run_svi.py``, or its ``checkpoint.pt``), on
-    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``).
+    """Load the trained run in ``run_dir`` as a :class:`TrainedRun`.
+
+    ``run_dir`` is a folder written by ``experiments/run_svi.py``, or its ``checkpoint.pt``; ``device`` is ``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto``.
 
     A run folder is data: one whose encoder or prior is code of its writer's (``package.module:name``) is refused
     unless ``trust_code=True``, which imports it; ``data_dir`` names the run's data folder (by default the run's own
@@ -55,6 +57,7 @@ class TrainedRun:
 
     @property
     def device(self) -> torch.device:
+        """The device the learner's parameters are on, where inputs are sent."""
         return next(self.learner.parameters()).device
 
     def gate_probs(self, images, batch_size: int = 256) -> torch.Tensor:
@@ -72,8 +75,9 @@ class TrainedRun:
         return self._apply(images, batch_size, lambda h: h)
 
     def posterior(self, data=None, num_draws: int = 0):
-        """The gate posterior on the run's test split (or on ``data``, a ``DataSpec``), as
-        ``bayesncl_pyro.evaluate.dimensions.gate_posterior`` gives it.
+        """Return the gate posterior on the run's test split (or on ``data``, a ``DataSpec``).
+
+        It is what ``bayesncl_pyro.evaluate.dimensions.gate_posterior`` gives for this run's learner.
         """
         from bayesncl_pyro.evaluate.dimensions import gate_posterior  # late: it loads the evaluation code
 
@@ -94,8 +98,10 @@ class TrainedRun:
         return torch.cat(out)
 
     def _one(self, image):
-        """One image as what the transform takes: a PIL image of the run's mode, or a C x H x W tensor checked
-        against the run's channels (uint8, or float in [0, 1]).
+        """Turn one image into what the transform takes.
+
+        That is a PIL image of the run's mode, or a C x H x W tensor checked against the run's channels (uint8, or
+        float in [0, 1]).
         """
         if isinstance(image, (str, os.PathLike)):
             image = open_image(Path(image))

@@ -25,6 +25,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Take one LARS step on every parameter with a gradient (``closure`` is accepted and not called)."""
         # foreach ops: a few kernels for all of a group's tensors, where one op per parameter would launch hundreds
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -67,7 +68,9 @@ class LARS(torch.optim.Optimizer):
 
 
 def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay: float, lr_on_device: bool = False):
-    """``lr_on_device``: each group's learning rate a 0-d tensor on its parameters' device, which the schedule writes
+    """Build the optimizer ``name`` (``lars``, ``sgd`` or ``adamw``) over the parameter ``groups``.
+
+    ``lr_on_device``: each group's learning rate a 0-d tensor on its parameters' device, which the schedule writes
     in place and the step reads there, so that a CUDA graph of the step follows the schedule (``--cuda-graphs``);
     torch's SGD reads it back to the host at every step, so it is refused.
     """
@@ -90,7 +93,8 @@ def build_optimizer(name: str, groups: list[dict], momentum: float, weight_decay
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
-    """``optimizer.load_state_dict(state)``, keeping this optimizer's ``capturable`` (AdamW's: True on CUDA, above).
+    """Run ``optimizer.load_state_dict(state)``, keeping this optimizer's ``capturable`` (AdamW's: True on CUDA).
+
     torch restores the saved flag and places the step counts by it, so a checkpoint written on a CPU would resume on a
     GPU with its step counts on the CPU, which the divergence guard's masked step cannot write into, and one written on
     a GPU would resume on a CPU as capturable, which AdamW refuses. So torch is handed the kept flag with the state,
@@ -128,10 +132,11 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int):
 
 
 def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler, state: dict):
-    """``scheduler.load_state_dict(state)`` with float base rates. With ``lr_on_device`` torch keeps them as the
-    groups' device tensors, and a checkpoint's would come back as CPU tensors that the schedule then writes into the
-    groups of an optimizer without ``lr_on_device`` (a resume without ``--cuda-graphs``): its rates would become CPU
-    tensors. Floats fill device rates in place as well.
+    """Run ``scheduler.load_state_dict(state)``, keeping the base rates floats.
+
+    With ``lr_on_device`` torch keeps them as the groups' device tensors, and a checkpoint's would come back as CPU
+    tensors that the schedule then writes into the groups of an optimizer without ``lr_on_device`` (a resume without
+    ``--cuda-graphs``): its rates would become CPU tensors. Floats fill device rates in place as well.
     """
     scheduler.load_state_dict(state)
     scheduler.base_lrs = [float(lr) for lr in scheduler.base_lrs]
