@@ -1,21 +1,8 @@
 """Data-parallel training under ``torchrun``: process group, global negatives, rank-0-only side effects.
 
-Why the per-rank loss is the plain ``-ELBO / num_rows`` of the local batch
---------------------------------------------------------------------------
-With W ranks of R rows each, rank r's loss is ``L_r = mean over its rows of (InfoNCE_i + lambda KL_i)``
-(the rows plate has the global data set size and the local batch, so it scales by num_rows / R), where
-InfoNCE_i contrasts against the rows of *all* ranks. The gather's backward sums, onto each rank's
-rows, the gradients of every rank's loss; DDP then averages the parameter gradients over ranks. So
-the update is ``(1 / W) * grad(sum_r L_r) = grad(mean over all W R rows)``: exactly the gradient of
-one process training on the global batch (``tests/test_distributed.py`` checks it).
-
-Several machines, stops and restarts
-------------------------------------
-Nothing here counts machines: torchrun's rendezvous numbers the processes of every node, and two launchers
-train the weights of one launcher of as many processes, bit for bit. The small control messages (each step's
-stop and checkpoint vote, the RNG states a checkpoint gathers, barriers) go over a gloo group on the CPU, so
-they never wait for a GPU. Every rank takes part in a checkpoint, rank 0 writes it, and no rank goes on before
-it is on disk: a stopped, killed or restarted group resumes from a complete one.
+Each rank's loss is the plain ``-ELBO / num_rows`` of its local batch, whose gradient, averaged by DDP, is the
+global batch's: docs/METHOD.md, "Data-parallel training". The control messages go over a gloo group on the CPU;
+several machines, stops and restarts: docs/RELIABILITY.md, "Several processes and machines".
 """
 
 import os

@@ -72,14 +72,8 @@ def info_nce_flip_differences(features: torch.Tensor, gates: torch.Tensor, tempe
     Returns:
         D in the dtype of ``features``, detached; 0 exactly where a feature is 0 (its gate changes nothing).
 
-    Flipping g_ik changes row i of the gated features only, so each flip's new losses follow from the current
-    similarities S, row i's new ones and every row's log-partition: O(R^2 K) for all R K flips, where
-    recomputing the loss for each would be O(R^3 K^2). Only the flipped state is computed (the current one is
-    the forward's); every change is a log-ratio near 0, which float32 keeps to about 1e-6 in loss units
-    (``tests/test_losses.py`` checks it against float64 at K = 2048 and against recomputing the loss), except
-    where closing a gate leaves its row a small remainder (a feature carrying all but 1 % of the row's norm: up
-    to 3e-4, from the cancellation in its new norm). The similarities' exps reach e^(1 / temperature), which
-    leaves float32's range below temperature 0.0113: below 0.025 the differences are computed in float64.
+    The O(R^2 K) algorithm and its float32 error (float64 below temperature 0.025): docs/METHOD.md, "The ELBO's
+    gradient through the gates".
     """
     f, g = features.detach(), gates.detach().to(features.dtype)
     if f.dtype == torch.float32 and temperature < 0.025:
