@@ -47,8 +47,8 @@ while step < args.steps:
         step += 1
         if step % 20 == 0 or step == args.steps:
             pulls = head.pulls(stats)  # read after backward: how hard InfoNCE and the prior move the gates
-            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats['nce'].item():.4f}, KL "
-                  f"{stats['kl'].item():.2f}, mean P(on) {stats['gate_rate'].item():.0%}, pulls "
+            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats.nce.item():.4f}, KL "
+                  f"{stats.kl.item():.2f}, mean P(on) {stats.gate_rate.item():.0%}, pulls "
                   f"{pulls['gate_nce_pull']:.2g} (InfoNCE) {pulls['gate_prior_pull']:.2g} (prior)")
         if step == args.steps:
             break

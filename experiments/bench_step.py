@@ -133,7 +133,7 @@ def check_float64(cfg: Config, channels: int, x: torch.Tensor):
         learner.cfg = dataclasses.replace(learner.cfg, amp=name != "float32")
         got, stats = learner(x)
         rel = abs(got.item() - expected.item()) / abs(expected.item())
-        probs = (stats["probs"].cpu().double() - expected_stats["probs"]).abs().max().item()
+        probs = (stats.probs.cpu().double() - expected_stats["probs"]).abs().max().item()
         print(f"check: {x.device.type} {name} loss {got.item():.6f} vs CPU float64 {expected.item():.6f}: relative "
               f"difference {rel:.1e}; gate probabilities differ by at most {probs:.1e} (tolerance {tol:.0e} for both)")
         if not (rel <= tol and probs <= tol):

@@ -16,7 +16,7 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.datasets import FOLDER_DATASETS
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.head import BayesNCLHead
+from bayesncl_pyro.infer.head import BayesNCLHead, HeadOutput
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.rundir import CHECKPOINT, check_code, load_checkpoint, run_folder
 
@@ -62,7 +62,7 @@ class ContrastiveLearner(nn.Module):
         """The head's Pyro guide (None without gates)."""
         return self.head.guide
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
         # autocast covers the backbone and the projector; the head runs its Pyro program at full precision. Its cache
         # of weights cast to bf16 is off in a step a CUDA graph captures, as PyTorch's CUDA graph notes ask
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda,
