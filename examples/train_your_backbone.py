@@ -44,11 +44,12 @@ while step < args.steps:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        head.update_density(stats)  # with gate_density, lambda's next value; without, nothing
         step += 1
         if step % 20 == 0 or step == args.steps:
             pulls = head.pulls(stats)  # read after backward: how hard InfoNCE and the prior move the gates
-            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats['nce'].item():.4f}, KL "
-                  f"{stats['kl'].item():.2f}, mean P(on) {stats['gate_rate'].item():.0%}, pulls "
+            print(f"step {step}: loss {loss.item():.4f}, InfoNCE {stats.nce.item():.4f}, KL "
+                  f"{stats.kl.item():.2f}, mean P(on) {stats.gate_rate.item():.0%}, pulls "
                   f"{pulls['gate_nce_pull']:.2g} (InfoNCE) {pulls['gate_prior_pull']:.2g} (prior)")
         if step == args.steps:
             break

@@ -81,7 +81,7 @@ def head_parts(cfg: Config) -> dict:
         return run
 
     def plain_sum():
-        q = guide_trace.nodes["g"]["fn"].base_dist.q
+        q = guide_trace.nodes["g"]["fn"].base_dist
         kl = bernoulli_kl(estimator.kl_probs(q), model.prior.rate(), estimator.kl_clamp).sum(1).mean()
         return model_trace.nodes["nce"]["fn"].log_factor + model.kl_weight * kl
 

@@ -148,16 +148,19 @@ class GateGuide(PyroModule):
                 raw = self.head(h.detach()).to(h.dtype)
         return b * torch.tanh(raw / b)
 
-    def posterior(self, h: torch.Tensor) -> BernoulliGates:
-        """q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws."""
-        return self.family(self.logits(h), self.temperature)
+    def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None) -> BernoulliGates:
+        """q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws;
+        ``family``: another family on the same logits (default the guide's)."""
+        return (family or self.family)(self.logits(h), self.temperature)
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor) -> BernoulliGates:
-        """Samples the gates (and the prior's global latents) from q; returns q(g | x)."""
-        with poutine.scale(scale=self.kl_weight):
+    def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,
+                family: type[BernoulliGates] | None = None) -> BernoulliGates:
+        """Samples the gates (and the prior's global latents) from q; returns q(g | x). ``kl_weight``: this call's
+        lambda (default: the constructor's); ``family``: as :meth:`posterior`'s."""
+        with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
             if self.rate_guide is not None:
                 self.rate_guide()
-            q = self.posterior(h)
+            q = self.posterior(h, family)
             with rows_plate(self.num_rows, h.shape[0], h.device):
                 pyro.sample("g", q.to_event(1))
         return q

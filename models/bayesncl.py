@@ -23,7 +23,7 @@ right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) pro
 p(g) exp(-InfoNCE / lambda). With a density target (``--gate-density D``, ``bayesncl_pyro/infer/density.py``) lambda
 is not chosen by hand but is the Lagrange multiplier of the constraint "share of open gates = D", found by dual
 ascent during training: in this reading, the Gibbs posterior's temperature chosen by a constraint on the posterior's
-mode, rather than a fixed hyperparameter (``kl_weight`` is then the multiplier's current value, a 0-d tensor). The
+mode, rather than a fixed hyperparameter (the head passes the multiplier's current value as ``kl_weight``). The
 program says what is random; how training differentiates through the
 gates is the inference's choice (``bayesncl_pyro/infer/estimators.py``): with the ``ste`` estimator the likelihood
 term is InfoNCE at the posterior mode, not its expectation under q, the reference's deterministic surrogate.
@@ -85,10 +85,11 @@ class ContrastiveModel(PyroModule):
             z = z * topk_mask(z, self.topk)
         return normalize(z)
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None):
+    def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None, kl_weight=None):
         """z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
         this rank's rows -> (every rank's rows, the offset of ours), for global negatives
-        (``bayesncl_pyro.distributed.gather_rows``). Rows are ``[view 1 of B images; view 2 of the same B images]``.
+        (``bayesncl_pyro.distributed.gather_rows``); kl_weight: this call's lambda (default: the constructor's).
+        Rows are ``[view 1 of B images; view 2 of the same B images]``.
 
         Besides the gate site ``g`` and the factor ``nce``, it returns what it computed, detached, for whoever reads
         the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw (R x K); and
@@ -98,7 +99,7 @@ class ContrastiveModel(PyroModule):
         u = ungated = self.features(z)
         rows = u.shape[0]
         if self.prior is not None:
-            with poutine.scale(scale=self.kl_weight):
+            with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
                 gates = self.prior(rows)  # global latents outside the plate, each row's gates inside it
                 with rows_plate(self.num_rows, rows, u.device):
                     g = pyro.sample("g", gates)

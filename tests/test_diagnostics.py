@@ -100,7 +100,7 @@ def test_gate_pulls_split_the_gate_gradient_into_likelihood_and_prior(kl_weight)
     x = torch.randn(24, 1, 8, 8)
     loss, stats = learner(x)
     loss.backward()
-    nce, prior = gate_pulls(stats["gates"].grad, stats["probs"], learner.model.prior.rate(), kl_weight,
+    nce, prior = gate_pulls(stats.gates.grad, stats.probs, learner.model.prior.rate(), kl_weight,
                             0.01)
     assert learner.head.pulls(stats) == dict(gate_nce_pull=nce, gate_prior_pull=prior)
     # expected, from the plain formula: InfoNCE's gradient w.r.t. the 0/1 gates, and lambda * dKL/dalpha

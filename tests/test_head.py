@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.infer.head import HeadOutput
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
@@ -51,7 +52,7 @@ def test_head_loss_and_gradients_equal_the_trainer_step(tmp_path, prior):
     logged = read_log(cfg.out)[0]
     assert loss.item() == pytest.approx(logged["loss"], abs=1e-6)
     for key in ("nce", "kl", "gate_rate", "incl_min", "incl_max", "active"):
-        assert stats[key].item() == pytest.approx(logged[key], abs=1e-6, rel=1e-6), key
+        assert getattr(stats, key).item() == pytest.approx(logged[key], abs=1e-6, rel=1e-6), key
     assert head.pulls(stats) == pytest.approx({k: logged[k] for k in ("gate_nce_pull", "gate_prior_pull")}, rel=1e-5)
     mine = dict([*backbone.named_parameters(prefix="backbone"), *head.named_parameters(prefix="head")])
     assert mine.keys() == grads.keys()
@@ -71,12 +72,12 @@ def test_head_stats_are_its_return_values_and_match_the_formula():
     u = normalize(head.model.features(head.projector(h1)) * (alpha > 0.5).float())
     nce, kl = info_nce_rows(u, 0.2).mean(), bernoulli_kl(alpha, 0.7, 0.01).sum(1).mean()
     torch.testing.assert_close(loss1, nce + 0.05 * kl)
-    torch.testing.assert_close(s1["nce"], nce.detach())
-    torch.testing.assert_close(s1["kl"], kl.detach(), rtol=1e-4, atol=1e-4)  # (loss - nce) / lambda in float32
-    torch.testing.assert_close(s1["probs"], alpha.detach())
-    torch.testing.assert_close(s1["gate_rate"], alpha.mean().detach())
-    assert s1["features"].shape == s1["gates"].shape == (R, K) and not s1["nce"].requires_grad
-    assert s2["nce"] != s1["nce"]
+    torch.testing.assert_close(s1.nce, nce.detach())
+    torch.testing.assert_close(s1.kl, kl.detach(), rtol=1e-4, atol=1e-4)  # (loss - nce) / lambda in float32
+    torch.testing.assert_close(s1.probs, alpha.detach())
+    torch.testing.assert_close(s1.gate_rate, alpha.mean().detach())
+    assert s1.features.shape == s1.gates.shape == (R, K) and not s1.nce.requires_grad
+    assert s2.nce != s1.nce
     loss1.backward()
     assert set(head.pulls(s1)) == {"gate_nce_pull", "gate_prior_pull"}
 
@@ -98,17 +99,15 @@ def test_the_monitoring_values_change_no_bit_of_the_loss_and_are_computed_from_t
     alone.backward()
     assert torch.equal(loss, alone) and all(torch.equal(p.grad, g) for p, g in zip(head.parameters(), grads, strict=True))
 
-    assert set(stats) == {"nce", "kl", "features", "probs", "kl_probs", "gates", "prior_rate", "kl_weight", "active",
-                          "gate_rate", "incl_min", "incl_max", "gates_open"}
-    with pytest.raises(KeyError):
-        stats["density_target"]
+    assert isinstance(stats, HeadOutput) and stats.kl_weight == 0.05 and stats.estimator is head.estimator
+    assert stats.q.probs.shape == stats.gates.shape == (R, K) and stats.prior_rate.shape == (K,)
     head(torch.randn(R, D))  # the next step, before the figures are read
-    u, probs = stats["features"], stats["probs"]
-    mask = (stats["kl_probs"] > 0.5) if gate == "gs-reference-kl" else (probs > 0.5)
-    assert torch.equal(stats["active"], (u.abs() > 1e-5).float().mean())
-    assert torch.equal(stats["gate_rate"], probs.mean())
-    assert torch.equal(stats["incl_min"], probs.mean(0).min()) and torch.equal(stats["incl_max"], probs.mean(0).max())
-    assert torch.equal(stats["gates_open"], mask.float().mean())
+    u, probs = stats.features, stats.probs
+    mask = (stats.kl_probs > 0.5) if gate == "gs-reference-kl" else (probs > 0.5)
+    assert torch.equal(stats.active, (u.abs() > 1e-5).float().mean())
+    assert torch.equal(stats.gate_rate, probs.mean())
+    assert torch.equal(stats.incl_min, probs.mean(0).min()) and torch.equal(stats.incl_max, probs.mean(0).max())
+    assert torch.equal(stats.gates_open, mask.float().mean())
 
 
 @pytest.mark.parametrize("nonneg", ["rep_relu", "none"])
@@ -119,7 +118,7 @@ def test_without_a_prior_the_head_is_ncl_or_simclr(nonneg):
     z = head.projector(h)
     u = normalize(F.relu(z) if nonneg == "rep_relu" else z)
     torch.testing.assert_close(loss, info_nce_rows(u, 0.2).mean())
-    assert set(stats) == {"nce", "kl", "active", "features"} and stats["kl"] == 0
+    assert stats.kl == 0 and stats.gates is None and stats.q is None and stats.kl_weight is None
     assert head.param_groups(0.1)[0]["params"] == list(head.projector.parameters()) and len(head.param_groups(0.1)) == 1
     assert ((head.representation(h) < 0).any()) == (nonneg == "none")
 
@@ -267,7 +266,7 @@ def test_the_logged_kl_is_summed_not_recovered_from_the_loss():
     _, stats = head(h)
     expected = bernoulli_kl(head.gate_probs(h).double(), 0.8, 0.01).sum(1).mean()
     assert 0.001 < expected < 0.01
-    assert stats["kl"].item() == pytest.approx(expected.item(), rel=1e-3)
+    assert stats.kl.item() == pytest.approx(expected.item(), rel=1e-3)
 
 
 @pytest.mark.parametrize("prior, gate", [("beta-bernoulli", "ste"), ("bernoulli", "gs-reference-kl")])
@@ -293,9 +292,9 @@ def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(pr
     else:
         rate, global_kl = torch.full((K,), 0.7), 0.0
         assert not torch.allclose(alpha, q.probs)
-    torch.testing.assert_close(stats["prior_rate"], rate)
-    torch.testing.assert_close(stats["kl_probs"], alpha)
-    torch.testing.assert_close(stats["kl"], bernoulli_kl(alpha, rate, 0.0).sum(1).mean() + global_kl)
+    torch.testing.assert_close(stats.prior_rate, rate)
+    torch.testing.assert_close(stats.kl_probs, alpha)
+    torch.testing.assert_close(stats.kl, bernoulli_kl(alpha, rate, 0.0).sum(1).mean() + global_kl)
     loss.backward()
     alpha.requires_grad_()
     pull, = torch.autograd.grad(bernoulli_kl(alpha, rate, 0.0).sum(), alpha)
@@ -428,8 +427,28 @@ def test_the_gating_mlp_runs_under_the_callers_autocast_and_keeps_the_loss_to_fl
     with torch.autocast("cpu", dtype=torch.bfloat16):
         pyro.set_rng_seed(0)
         loss, stats = head(h)
-    assert dtypes[-1] == torch.bfloat16 and loss.dtype == stats["probs"].dtype == torch.float32
+    assert dtypes[-1] == torch.bfloat16 and loss.dtype == stats.probs.dtype == torch.float32
     assert abs(loss.item() - expected_loss.item()) <= 2e-2 * abs(expected_loss.item())
-    assert (stats["probs"].double() - expected["probs"]).abs().max() < 2e-2
+    assert (stats.probs.double() - expected["probs"]).abs().max() < 2e-2
     head.gate_probs(h)
     assert dtypes[-1] == torch.float32 and head.guide.mlp_autocast is None
+
+
+def test_a_forward_pass_changes_nothing_and_the_density_moves_at_the_explicit_update():
+    """With a density target, lambda is the multiplier's value: the head's forward (in training mode) leaves the
+    multiplier as it was; ``update_density`` after the step takes its dual step from that step's share of open
+    gates, and the next forward's lambda is the new multiplier."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, prior_prob=0.2, gate_density=0.3, kl_weight=0.05).train()
+    h = torch.randn(R, D)
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    loss, out = head(h)
+    for k, v in head.state_dict().items():  # the target is NaN before the first update
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0, equal_nan=True, msg=k)
+    assert out.kl_weight.item() == pytest.approx(0.05)
+    control = copy.deepcopy(head.density)
+    control.update(out.gates_open)
+    head.update_density(out)
+    assert torch.equal(head.density.eta, control.eta) and not torch.equal(head.density.eta, state["density.eta"])
+    _, after = head(h)
+    assert torch.equal(after.kl_weight, control.weight())

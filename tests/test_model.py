@@ -96,7 +96,7 @@ def test_kl_weight_scales_only_the_kl():
     for lam in (1e-3, 2e-3):
         torch.manual_seed(5)
         loss, stats = BayesNCLHead(D, K, 16, num_train=N // 2, kl_weight=lam)(h)
-        runs[lam] = loss.item(), stats["nce"].item(), stats["kl"].item()
+        runs[lam] = loss.item(), stats.nce.item(), stats.kl.item()
     # same init (same seed) -> same gates -> same InfoNCE; the KL part doubles, the KL itself stays
     (loss1, nce1, kl1), (loss2, nce2, kl2) = runs[1e-3], runs[2e-3]
     assert nce1 == nce2 and kl1 > 0

@@ -206,7 +206,7 @@ def test_a_prior_without_an_analytic_kl_trains_on_the_monte_carlo_kl(gate):
         loss.backward()
         runs.append((loss, stats, head.guide.head[0].weight.grad))
     (loss, stats, grad), (mc_loss, mc_stats, mc_grad) = runs
-    assert torch.equal(stats["nce"], mc_stats["nce"]) and torch.isfinite(mc_loss)
-    assert not torch.equal(stats["kl"], mc_stats["kl"])  # a draw of the KL, not the KL
+    assert torch.equal(stats.nce, mc_stats.nce) and torch.isfinite(mc_loss)
+    assert not torch.equal(stats.kl, mc_stats.kl)  # a draw of the KL, not the KL
     assert mc_grad is not None and mc_grad.abs().sum() > 0 and not torch.equal(grad, mc_grad)
-    torch.testing.assert_close(mc_stats["prior_rate"], torch.full((8,), 0.7))
+    torch.testing.assert_close(mc_stats.prior_rate, torch.full((8,), 0.7))

@@ -1,5 +1,6 @@
 """The mean-field ELBO without Pyro's per-step tax: the same program, the same loss and gradients."""
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -12,9 +13,10 @@ from pyro.infer.util import is_validation_enabled
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 from pyro.util import warn_if_nan
-from torch.distributions import kl_divergence
+from torch.distributions import Bernoulli, Independent, kl_divergence
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.nn.losses import bernoulli_kl
 
 
 class ELBOTerms(NamedTuple):
@@ -43,7 +45,20 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     Each latent site's KL term is kept in its guide site as ``site["kl"]``, as a trace keeps a site's
     ``log_prob_sum``, and the KL part is summed from there. With Pyro validation on, the traces are Pyro's
     (``get_importance_trace``, which runs its checks of the program).
+
+    Args:
+        kl_clamp: None, each site's registered KL; a number c, for a site whose q and p are both Bernoullis (the
+            gates), the KL with both rates clamped to [c, 1 - c] (``nn.losses.bernoulli_kl``; 0.01 the reference's
+            clamp, 0 the exact KL): the training objective, which no distribution's KL states.
+        kl_probs: with ``kl_clamp``, q's rates the KL is taken at, from q's Bernoulli (default its ``probs``;
+            ``gs-reference-kl`` takes sigmoid(l)).
+        **kwargs: ``TraceMeanField_ELBO``'s (``num_particles``, ...).
     """
+
+    def __init__(self, kl_clamp: float | None = None, kl_probs: Callable[[Bernoulli], torch.Tensor] | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.kl_clamp, self.kl_probs = kl_clamp, kl_probs or _probs
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         return self.terms(model, guide, *args, **kwargs).loss
@@ -76,8 +91,36 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     def _differentiable_loss_particle(self, model_trace: Trace, guide_trace: Trace) -> tuple[torch.Tensor,
                                                                                            torch.Tensor]:
         """(-ELBO detached, -ELBO) of one pair of traces: the mean-field terms (:func:`_particle`)."""
-        loss = _particle(model_trace, guide_trace)
+        loss = _particle(model_trace, guide_trace, self._kl)
         return loss.detach(), loss
+
+    def _kl(self, q, p) -> torch.Tensor:
+        """KL(q || p) of one latent site, summed over its event dimensions: the clamped Bernoulli KL for a pair of
+        Bernoullis when a clamp is given, else the registered one (NotImplementedError where none is)."""
+        if self.kl_clamp is not None:
+            q_base, p_base, event_dims = _bernoulli_pair(q, p)
+            if q_base is not None:
+                kl = bernoulli_kl(self.kl_probs(q_base), p_base.probs, self.kl_clamp)
+                # as torch's KL of two Independents sums its base KL
+                return kl.reshape(kl.shape[:-event_dims] + (-1,)).sum(-1) if event_dims else kl
+        return kl_divergence(q, p)
+
+
+def _probs(q: Bernoulli) -> torch.Tensor:
+    return q.probs
+
+
+def _bernoulli_pair(q, p) -> tuple[Bernoulli | None, Bernoulli | None, int]:
+    """(q's Bernoulli, p's Bernoulli, their event dimensions) when both are Bernoullis of equal event dimensions
+    (bare or wrapped in one Independent each), else (None, None, 0)."""
+    dims = q.reinterpreted_batch_ndims if isinstance(q, Independent) else 0
+    if isinstance(p, Independent) != bool(dims) or (dims and p.reinterpreted_batch_ndims != dims):
+        return None, None, 0
+    if dims:
+        q, p = q.base_dist, p.base_dist
+    if isinstance(q, Bernoulli) and isinstance(p, Bernoulli):
+        return q, p, dims
+    return None, None, 0
 
 
 def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
@@ -90,8 +133,9 @@ def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
     return kl
 
 
-def _particle(model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
-    """-ELBO of one pair of traces; each latent site's KL term, detached, kept in its guide site as ``"kl"``."""
+def _particle(model_trace: Trace, guide_trace: Trace, kl) -> torch.Tensor:
+    """-ELBO of one pair of traces, with ``kl(q, p)`` the KL of a latent site; each latent site's KL term, detached,
+    kept in its guide site as ``"kl"``."""
     elbo = 0.0
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site) or site_is_deterministic(site):
@@ -106,7 +150,7 @@ def _particle(model_trace: Trace, guide_trace: Trace) -> torch.Tensor:
                     f"latent site {name!r} ({type(q['fn']).__name__}) is not reparameterised: its gradient "
                     "needs a score-function term; train with pyro.infer.TraceGraph_ELBO")
             try:
-                term = -kl_divergence(q["fn"], site["fn"])
+                term = -kl(q["fn"], site["fn"])
             except NotImplementedError:  # one-draw Monte Carlo KL at q's value, TraceMeanField_ELBO's fallback
                 term = site["fn"].log_prob(site["value"]) - q["fn"].log_prob(site["value"])
             scale, mask = q["scale"], q["mask"]  # TraceMeanField scales the KL by the guide site's

@@ -6,9 +6,10 @@ gate site is discrete, so Pyro differentiates it by the score function (unbiased
 every gate of the batch: its signal falls as 1 / sqrt(gates)). Training instead runs the guide under
 ``poutine.reparam(config={"g": estimator})`` with one of the estimators below, each a
 :class:`pyro.infer.reparam.Reparam` that sets the site's value, the gates InfoNCE sees, together with the
-gradient path that value carries, and the KL the mean-field ELBO subtracts for the site. The program is the
-same for every estimator; only inference changes. (Unlike Pyro's own reparameterisers, which keep the site's
-distribution, ``ste``'s value is no draw of it: it is the reference's surrogate, and says so.)
+gradient path that value carries, and keeps q as the site's distribution; and the ELBO it trains with, which takes
+the site's KL as the estimator trains it. The program is the same for every estimator; only inference changes.
+(As Pyro's own reparameterisers keep the site's distribution; but ``ste``'s value is no draw of it: it is the
+reference's surrogate, and says so.)
 
 =====================  ===========================  ============================================  ==================
 name                   q(g | x) (the guide's)       the gates' value in training                  its head gradient
@@ -59,11 +60,12 @@ it trains with (:meth:`GateEstimator.elbo`), the mean-field ELBO for all but ``l
 program train leg's gating head on the KL only.
 
 Every estimator trains with the KL clamped as the reference clamps it (``kl_clamp``: both rates in
-[c, 1 - c]; 0 gives the exact KL): the site's distribution in the trace becomes :class:`TrainedGates`, q's
-Bernoulli with that KL registered, so the ELBO's KL term is the training objective's.
+[c, 1 - c]; 0 gives the exact KL). The clamp is its ELBO's argument (``MeanFieldELBO(kl_clamp=...)``), not the
+site's: the reparam keeps q as the site's distribution and sets its value only.
 """
 
-import pyro.distributions as dist
+import copy
+
 import torch
 from pyro.infer.reparam.reparam import Reparam
 
@@ -71,7 +73,7 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
 from bayesncl_pyro.models.bayesncl import computed
-from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, bernoulli_kl, info_nce_flip_differences
+from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
 GATES: Registry = Registry()  # the one home of the estimator names (``--gate``): config, run_svi and compare read it
@@ -85,43 +87,14 @@ def gate_class(name: str) -> type["GateEstimator"]:
     return GATES[name]
 
 
-class TrainedGates(dist.Bernoulli):
-    """The gate site as an estimator trains it: q's Bernoulli (``sample``, ``log_prob``: q's), with the KL the
-    estimator trains with (:func:`_kl_trained`) and ``rsample`` the estimator's training value: a draw from q that
-    carries the estimator's gradient (``relaxed``, ``st-sampled``, ``gs``), a draw with no gradient path (``leg``,
-    whose head gradient its ELBO adds: :class:`LocalExpectationELBO`), or for ``ste`` the mode of q with the
-    identity backward, the reference's surrogate and no draw at all. So the site is pathwise (``has_rsample``): an
-    ELBO takes no score-function term for it, and the gradient through the gates is the estimator's."""
-
-    has_rsample = True
-
-    def __init__(self, q: BernoulliGates, estimator: "GateEstimator", validate_args=None):
-        self.q, self.estimator = q, estimator
-        self.kl_probs, self.kl_clamp = estimator.kl_probs(q), estimator.kl_clamp
-        super().__init__(probs=q.probs, validate_args=validate_args)
-
-    def rsample(self, sample_shape=torch.Size()) -> torch.Tensor:
-        q = self.q.expand(self._extended_shape(sample_shape)) if sample_shape else self.q
-        return self.estimator.value(q)
-
-    def expand(self, batch_shape, _instance=None):
-        new = self._get_checked_instance(type(self), _instance)
-        new.q, new.estimator = self.q.expand(batch_shape), self.estimator
-        new.kl_probs, new.kl_clamp = self.kl_probs.expand(batch_shape), self.kl_clamp
-        return super().expand(batch_shape, _instance=new)
-
-
-@torch.distributions.kl.register_kl(TrainedGates, torch.distributions.Bernoulli)
-def _kl_trained(q, p):
-    return bernoulli_kl(q.kl_probs, p.probs, q.kl_clamp)
-
-
 class GateEstimator(Reparam):
-    """One way of differentiating through the gate site: its training value and KL (``apply``), and the ELBO it
-    trains with (``elbo``).
+    """One way of differentiating through the gate site: its training value (``apply``, a reparam that sets the
+    site's value and nothing else), and the ELBO it trains with (``elbo``, which takes the KL as this estimator
+    trains it: clamped, at :meth:`kl_probs`).
 
     Args:
-        kl_clamp: the KL's rates are clamped to [kl_clamp, 1 - kl_clamp]; 0.01 as the reference, 0 = exact.
+        kl_clamp: the KL's rates are clamped to [kl_clamp, 1 - kl_clamp] by its ELBO; 0.01 as the reference, 0 =
+            exact.
     """
 
     name: str
@@ -148,9 +121,10 @@ class GateEstimator(Reparam):
         return q.mode
 
     def elbo(self, temperature: float) -> MeanFieldELBO:
-        """The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO,
-        the estimator's gradient carried by the gates' value; ``leg`` adds its head gradient there."""
-        return MeanFieldELBO()
+        """The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO
+        with this estimator's KL (clamped at ``kl_clamp``, taken at :meth:`kl_probs`), the estimator's gradient
+        carried by the gates' value; ``leg`` adds its head gradient there."""
+        return MeanFieldELBO(kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
     @classmethod
     def kl_label(cls, kl_clamp: float) -> str:
@@ -166,8 +140,10 @@ class GateEstimator(Reparam):
             raise UserError(f"the {self.name} estimator trains a {self.family.__name__} gate site, but site "
                             f"{msg['name']!r} draws from a {type(fn).__name__}; build the guide with "
                             f"family={self.family.__name__}")
-        trained = TrainedGates(fn, self)
-        return {"fn": self._wrap(trained, event_dim), "value": trained.rsample(), "is_observed": False}
+        # the site keeps q (a copy of this call's, so the guide's own q is left as it is), pathwise: an ELBO takes no
+        # score-function term for it, and the gradient through the gates is the value's
+        pathwise = copy.copy(fn).has_rsample_(True)
+        return {"fn": self._wrap(pathwise, event_dim), "value": self.value(fn), "is_observed": False}
 
 
 @register("ste")
@@ -220,7 +196,7 @@ class LocalExpectation(Draw):
     unbiased = True
 
     def elbo(self, temperature):
-        return LocalExpectationELBO(temperature)
+        return LocalExpectationELBO(temperature, kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
 
 class LocalExpectationELBO(MeanFieldELBO):
@@ -232,13 +208,13 @@ class LocalExpectationELBO(MeanFieldELBO):
 
     whose gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
     batch's summed InfoNCE (module docstring). It reads from the traces the gate site ``g`` (q's probabilities from
-    the guide's :class:`TrainedGates`, the draw from the model), the model's ``ungated`` features and the scale of
-    its ``nce`` factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which
+    the guide's site, the draw from the model), the model's ``ungated`` features and the scale of its ``nce``
+    factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which
     the guide trace's ``g`` site keeps as ``infer["local_expectation_probs"]``: its gradient after backward is
     InfoNCE's alone (the KL's reaches q through another path)."""
 
-    def __init__(self, temperature: float):
-        super().__init__()
+    def __init__(self, temperature: float, **kwargs):
+        super().__init__(**kwargs)
         self.temperature = temperature
 
     def _differentiable_loss_particle(self, model_trace, guide_trace):
@@ -249,7 +225,7 @@ class LocalExpectationELBO(MeanFieldELBO):
 def local_expectation_term(model_trace, guide_trace, temperature: float) -> torch.Tensor:
     """:class:`LocalExpectationELBO`'s term for one pair of traces (value 0, on the loss's scale)."""
     site = guide_trace.nodes["g"]
-    probs = site["fn"].base_dist.q.probs * 1.0  # a node of its own (LocalExpectationELBO)
+    probs = site["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
     site["infer"]["local_expectation_probs"] = probs
     features = computed(model_trace)["ungated"]
     dtype = torch.promote_types(features.dtype, torch.float32)

@@ -72,9 +72,10 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
 
     ``estimators``: names in ``GATES``, and ``score``: the score-function (REINFORCE) gradient of InfoNCE at one
     draw of q, no baseline, the KL's gradient exact: unbiased, and the estimator Pyro's ``TraceGraph_ELBO``
-    takes on the program as written (one scalar, the batch's InfoNCE, weights every gate's score). For every estimator (the head's weights as trained, only the estimator swapped) returns a
-    dict: ``cosine``, ``relative_error`` (||mean - unbiased|| / ||unbiased||) and ``norm_ratio``
-    (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
+    takes on the program as written (one scalar, the batch's InfoNCE, weights every gate's score). For every
+    estimator (the head's weights as trained; the estimator and its q family passed to the head's training path,
+    the learner left as it was) returns a dict: ``cosine``, ``relative_error`` (||mean - unbiased|| /
+    ||unbiased||) and ``norm_ratio`` (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
     ``ste``), which removes its noise and leaves its bias;
     ``single_draw_cosine``, the mean cosine of one draw's gradient (one training step); ``split_cosine`` and
     ``reference_split_cosine``, the cosine between the mean gradients of two halves of the estimator's draws
@@ -98,22 +99,27 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
         z = head.projector(h)
         features = model.features(z)
     rate = model.prior.rate().detach()
+    kl_weight = head.kl_weight
     params = list(guide.head.parameters())
     logits = guide.logits(h)
     results, references = [], {}  # estimators with the same q (ste, relaxed, ...; gs and its variant) share one
     try:
         for name in estimators:
-            head.estimator = gate_class(trained.name if name == SCORE else name)(trained.kl_clamp)
-            family = guide.family = head.estimator.family
+            # the head's weights as trained, this estimator and its q family passed to each step: nothing is swapped
+            estimator = gate_class(trained.name if name == SCORE else name)(trained.kl_clamp)
+            family = estimator.family
             if family not in references:
-                per_draw = unbiased_gradient(features, logits, family, rate, guide.kl_weight, head.estimator.kl_clamp,
+                per_draw = unbiased_gradient(features, logits, family, rate, kl_weight, estimator.kl_clamp,
                                              model.temperature, reference_draws)
                 references[family] = [_head_gradient(logits, params, d.mean(0))
                                       for d in (per_draw, *per_draw.chunk(2))]
             ref_head, *halves = references[family]
             heads = []
             for _ in range(1 if name == "ste" else draws):
-                loss = _score_loss(head, z, h) if name == SCORE else head.elbo_terms(z, h)[0]  # the training path
+                if name == SCORE:
+                    loss = _score_loss(head, z, h, estimator)
+                else:  # the training path
+                    loss = head.elbo_terms(z, h, estimator=estimator, family=family, kl_weight=kl_weight).loss
                 heads.append(_flat(torch.autograd.grad(loss, params)))
             mean = torch.stack(heads).mean(0)
             results.append(dict(
@@ -125,18 +131,15 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
                 if len(heads) > 1 else 1.0,
                 reference_split_cosine=_cosine(*halves), draws=len(heads), reference_draws=reference_draws))
     finally:
-        head.estimator, guide.family = trained, trained.family
         learner.train(training)
     return results
 
 
-def _score_loss(head, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """One draw of the score-function surrogate of the head's loss: at a draw g ~ q (no gradient through it), the
-    loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is InfoNCE's REINFORCE term and the KL's."""
-    trained, head.estimator = head.estimator, Draw(head.estimator.kl_clamp)
-    try:
-        loss, _, model_trace, guide_trace = head.elbo_terms(z, h)
-    finally:
-        head.estimator = trained
-    q, gates = guide_trace.nodes["g"]["fn"].base_dist.q, model_trace.nodes["g"]["value"]
+def _score_loss(head, z: torch.Tensor, h: torch.Tensor, estimator) -> torch.Tensor:
+    """One draw of the score-function surrogate of the head's loss under ``estimator``'s q family and KL clamp: at a
+    draw g ~ q (no gradient through it), the loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is
+    InfoNCE's REINFORCE term and the KL's."""
+    loss, _, model_trace, guide_trace = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp),
+                                                        family=estimator.family)
+    q, gates = guide_trace.nodes["g"]["fn"].base_dist, model_trace.nodes["g"]["value"]
     return loss + computed(model_trace)["row_nce"].mean() * q.log_prob(gates).sum()

@@ -4,7 +4,9 @@
     backbone.fc = torch.nn.Identity()                                   # images -> h, R x 2048
     head = BayesNCLHead(2048, num_train=len(train_set))
     optimizer = torch.optim.SGD(head.param_groups(lr=0.3, backbone=backbone), lr=0.3, momentum=0.9)
-    loss, stats = head(backbone(torch.cat([view1, view2])))             # rows [view 1; view 2]
+    loss, out = head(backbone(torch.cat([view1, view2])))               # rows [view 1; view 2]
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    head.update_density(out)                                            # with gate_density: lambda's next value
 
 The head takes the backbone's features h, not projections: it owns the projector (h -> z, the reference's
 2-layer MLP), the gating head that infers the gates from h.detach(), the prior, the Pyro model and guide
@@ -23,22 +25,25 @@ not need.
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
+import warnings
 import weakref
-from collections.abc import Callable, Mapping
 
 import pyro
 import torch
 from pyro import poutine
+from pyro.nn import PyroModule
 from torch import nn
+from torch.distributions import Distribution
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.errors import UserError, quoted
-from bayesncl_pyro.guides.gates import GateGuide
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
-from bayesncl_pyro.infer.estimators import GATES, Draw, LocalExpectation, gate_class
+from bayesncl_pyro.infer.estimators import GATES, Draw, GateEstimator, LocalExpectation, gate_class
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.encoders import mlp
@@ -91,6 +96,29 @@ def _check_size(args: dict, name):
                         f"machine's {memory / 2**30:.3g} GiB of memory; lower one of them")
 
 
+def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float,
+                  prior_args: dict | None = None) -> tuple[Prior | None, PyroModule | None]:
+    """The one place a head's prior is built and checked: ``(prior, its guide)`` for a registry name,
+    ``package.module:Class`` or a built :class:`Prior` of ``proj_dim`` gates, the guide checked against the prior
+    (``checked_guide``); ``(None, None)`` for None. :class:`BayesNCLHead` calls it, and ``train.resolve``, so a bad
+    prior is refused before a run's folder is claimed and its data loaded."""
+    if prior_args and not isinstance(prior, str):
+        raise UserError("prior_args are the arguments of a prior given by name; " + (
+            "prior=None has no prior to take them" if prior is None else
+            f"a {type(prior).__name__} is built already: pass them to its constructor"))
+    if prior is None:
+        return None, None
+    if isinstance(prior, str):
+        prior = build_prior(prior, proj_dim, prior_prob, **(prior_args or {}))
+    elif not isinstance(prior, Prior):
+        raise UserError(f"prior must be a registry name, package.module:Class, a Prior or None, not a "
+                        f"{type(prior).__name__}")
+    if prior.num_features != proj_dim:
+        raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
+                        f"prior with num_features={proj_dim} (the head's proj_dim)")
+    return prior, checked_guide(prior)
+
+
 def own_params():
     """An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
     prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
@@ -110,30 +138,81 @@ def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
 
 
-class StepValues(Mapping):
-    """The values a step of the head computed, by name (:meth:`BayesNCLHead.forward` lists them): a read-only mapping
-    whose summary figures are computed from the step's tensors when first read, then kept: each a function of those
-    tensors alone, so :meth:`unread` can compute them again. Read them before anything writes into the tensors they
-    come from (the head never does)."""
+@dataclasses.dataclass(eq=False)
+class HeadOutput:
+    """What one step of the head computed (:meth:`BayesNCLHead.forward`), detached but ``gates``. The 0-d values stay
+    on the device: ``.item()`` them when you log. The summary figures (the properties) are computed from the step's
+    tensors when first read, then kept; read them before anything writes into those tensors (the head never does)."""
 
-    def __init__(self, values: dict[str, torch.Tensor], lazy: dict[str, Callable[[], torch.Tensor]]):
-        self._values, self._lazy, self._made = values, dict(lazy), lazy
+    nce: torch.Tensor
+    """0-d: the mean InfoNCE per row at the gates training used."""
+    kl: torch.Tensor
+    """0-d: the KL term per row (summed over the gates, averaged over the rows; plus a prior's global latents' KL /
+    2N); 0 without gates."""
+    features: torch.Tensor
+    """R x K: the rows InfoNCE saw."""
+    kl_weight: torch.Tensor | float | None = None
+    """With gates: this step's lambda (with a density target, the multiplier's value, 0-d)."""
+    gates: torch.Tensor | None = None
+    """With gates, R x K: the tensor InfoNCE's gradient reaches, the gate values (for ``leg`` the inclusion
+    probabilities its ELBO used), whose gradient :meth:`BayesNCLHead.pulls` reads after ``loss.backward()``."""
+    q: BernoulliGates | None = None
+    """With gates: q(g | x) of the step's rows."""
+    prior: Distribution | None = None
+    """With gates: p(g) of the step's rows (for a hierarchical prior, at this step's draw of its global latents)."""
+    estimator: GateEstimator | None = None
+    """With gates: the gate estimator that trained the step."""
 
-    def unread(self) -> "StepValues":
+    def unread(self) -> "HeadOutput":
         """The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
         graph's outputs, ``train/graph.py``)."""
-        return StepValues({k: v for k, v in self._values.items() if k not in self._made}, self._made)
+        return dataclasses.replace(self)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._values:
-            self._values[name] = self._lazy.pop(name)()  # a KeyError for a name it does not hold
-        return self._values[name]
+    @functools.cached_property
+    def active(self) -> torch.Tensor:
+        """0-d: the share of feature entries that take part in the loss."""
+        return (self.features.abs() > ACTIVE_EPS).float().mean()
 
-    def __iter__(self):
-        return iter([*self._values, *self._lazy])
+    @functools.cached_property
+    def probs(self) -> torch.Tensor:
+        """R x K: q(g = 1 | x)."""
+        return self.q.probs.detach()
 
-    def __len__(self) -> int:
-        return len(self._values) + len(self._lazy)
+    @functools.cached_property
+    def kl_probs(self) -> torch.Tensor:
+        """R x K: the probabilities the KL was taken at: :attr:`probs`, but sigmoid(l) for ``gs-reference-kl``."""
+        return self.estimator.kl_probs(self.q).detach()
+
+    @functools.cached_property
+    def prior_rate(self) -> torch.Tensor:
+        """K: p(g = 1) of the step's prior (a row's)."""
+        return self.prior.mean[0].detach()
+
+    @functools.cached_property
+    def gate_rate(self) -> torch.Tensor:
+        """0-d: the mean inclusion probability over all entries."""
+        return self.q.probs.detach().mean()
+
+    @functools.cached_property
+    def incl_min(self) -> torch.Tensor:
+        """0-d: the mean inclusion probability of the least included dimension."""
+        return self.q.probs.detach().mean(0).min()
+
+    @functools.cached_property
+    def incl_max(self) -> torch.Tensor:
+        """0-d: the mean inclusion probability of the most included dimension."""
+        return self.q.probs.detach().mean(0).max()
+
+    @functools.cached_property
+    def gates_open(self) -> torch.Tensor:
+        """0-d: the share of the evaluation mask's open gates."""
+        return self.estimator.mask(self.q).float().mean()
+
+    def __getitem__(self, name: str):
+        """``out["nce"]``, as the dict the head returned before: deprecated, read the attribute."""
+        warnings.warn(f"the head's output is a HeadOutput now: read out.{name}, not out[{name!r}]",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, name)
 
 
 class BayesNCLHead(nn.Module):
@@ -150,8 +229,8 @@ class BayesNCLHead(nn.Module):
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
             exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
-            Lagrange multiplier updated after every training step, kl_weight its start (``bayesncl_pyro/infer/density.py``;
-            None: lambda fixed); gate: how training differentiates through the gates, a name in
+            Lagrange multiplier, kl_weight its start, updated by :meth:`update_density` after every training step
+            (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the gates, a name in
             ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
             ``gs-reference-kl``; it also picks q's family); gate_temperature, head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
@@ -162,6 +241,10 @@ class BayesNCLHead(nn.Module):
     The prior's global parameters (a learned rate, the Beta posterior of ``beta-bernoulli``) get their gradient
     divided by lambda (a hook on each): their whole objective sits inside the lambda-weighted KL, so this makes
     their step independent of lambda under any optimiser (:meth:`param_groups`).
+
+    A forward pass changes nothing of the head. With ``gate_density``, a training loop calls
+    :meth:`update_density` with the step's output after ``optimizer.step()``: that moves lambda. For Pyro's ``SVI``:
+    :meth:`svi_program` and :meth:`elbo`.
     """
 
     def __init__(self, in_dim: int, proj_dim: int = 256, proj_hidden: int = 2048, *, num_train: int,
@@ -174,26 +257,14 @@ class BayesNCLHead(nn.Module):
         super().__init__()
         if not num_train >= 2:
             raise UserError(f"num_train must be the number of images in the training set (at least 2), got {num_train}")
-        if prior_args and not isinstance(prior, str):
-            raise UserError("prior_args are the arguments of a prior given by name; " + (
-                "prior=None has no prior to take them" if prior is None else
-                f"a {type(prior).__name__} is built already: pass them to its constructor"))
+        prior, rate_guide = checked_prior(prior, proj_dim, prior_prob, prior_args)
         self.projector = mlp(in_dim, proj_hidden, proj_dim)
-        if isinstance(prior, str):
-            prior = build_prior(prior, proj_dim, prior_prob, **(prior_args or {}))
-        elif prior is not None and not isinstance(prior, Prior):
-            raise UserError(f"prior must be a registry name, package.module:Class, a Prior or None, not a "
-                            f"{type(prior).__name__}")
-        if prior is not None and prior.num_features != proj_dim:
-            raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
-                            f"prior with num_features={proj_dim} (the head's proj_dim)")
         num_rows = 2 * num_train
         self.model = ContrastiveModel(num_rows, temperature, nonneg, topk, prior, kl_weight)
         self.estimator = gate_class(gate)(kl_clamp) if prior is not None else None
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, family=self.estimator.family,
-            temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
-            rate_guide=checked_guide(prior),
+            temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight, rate_guide=rate_guide,
         ) if prior is not None else None
         self.gather_distributed = gather_distributed
         self.density = None
@@ -214,55 +285,48 @@ class BayesNCLHead(nn.Module):
     def num_rows(self) -> int:
         return self.model.num_rows
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, "StepValues"]:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
         """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
 
         Returns the loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for ``ste`` and
-        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and a mapping of detached values (:class:`StepValues`):
-        0-d ``nce`` (mean InfoNCE at the gates training used), ``kl`` (the KL term per row: summed over the gates
-        and averaged over the rows, plus for a prior with global latents their KL / 2N), ``active`` (share of
-        feature entries that take part in the loss) and with gates ``gate_rate``, ``incl_min``, ``incl_max`` (mean
-        inclusion probability q(g = 1 | x) over all entries, and of the least and most included dimension),
-        ``gates_open`` (share of the evaluation mask's open gates) and ``kl_weight`` (this step's lambda; with a
-        density target, the multiplier, which a forward pass in training mode then updates from ``gates_open``); R x K
-        ``features`` (the rows InfoNCE saw) and with gates ``probs`` (q(g = 1 | x)), ``kl_probs`` (the
-        probabilities the KL is taken at: ``probs``, but sigmoid(l) for ``gs-reference-kl``) and ``gates`` (the
-        tensor InfoNCE's gradient reaches, whose gradient :meth:`pulls` reads after ``loss.backward()``: the gate
-        values, for ``leg`` its inclusion probabilities), K ``prior_rate`` (the rates of p(g | rate) the step's KL
-        was taken against: for a hierarchical prior, this step's draw from q(rate)). The 0-d values stay on the
-        device: ``.item()`` them when you log.
+        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and what the step computed
+        (:class:`HeadOutput`). Nothing of the head changes: with a density target, call :meth:`update_density` after
+        the optimizer step.
         """
         self._check_rows(h)
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
+        kl_weight = self.kl_weight
         with self._program_precision(h.device.type):
             gather = distributed.gather_rows if self.gather_distributed else None
-            loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather)
+            loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather,
+                                                                 kl_weight=kl_weight)
             made = computed(model_trace)
-            u = made["features"]
-            values = dict(nce=made["row_nce"].mean(), kl=kl, features=u)
-            # what only a log step reads, computed then (the trainer logs every --log-every steps)
-            lazy = dict(active=lambda: (u.abs() > ACTIVE_EPS).float().mean())
+            out = HeadOutput(nce=made["row_nce"].mean(), kl=kl, features=made["features"])
             if self.gated:
-                site = guide_trace.nodes["g"]
-                trained = site["fn"].base_dist  # estimators.TrainedGates: q, and the probabilities the KL was taken at
-                q, prior = trained.q, model_trace.nodes["g"]["fn"]
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
+                site = guide_trace.nodes["g"]
                 gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
-                values.update(gates=gates, kl_weight=self.model.kl_weight)
-                lazy.update(probs=lambda: q.probs.detach(), kl_probs=lambda: trained.kl_probs.detach(),
-                            prior_rate=lambda: prior.mean[0].detach(),  # p(g = 1) of the step's prior
-                            gate_rate=lambda: q.probs.detach().mean(), incl_min=lambda: q.probs.detach().mean(0).min(),
-                            incl_max=lambda: q.probs.detach().mean(0).max(),
-                            gates_open=lambda: self.estimator.mask(q).float().mean())
-                if self.density is not None and self.training:  # the next step's lambda; this one's stays in use
-                    values["gates_open"] = lazy.pop("gates_open")()
-                    self.density.update(values["gates_open"])
-                    values["density_target"] = self.density.target.clone()
-            stats = StepValues(values, lazy)
-        return loss, stats
+                out = dataclasses.replace(out, kl_weight=kl_weight, gates=gates, q=site["fn"].base_dist,
+                                          prior=model_trace.nodes["g"]["fn"], estimator=self.estimator)
+        return loss, out
+
+    @property
+    def kl_weight(self) -> torch.Tensor | float:
+        """lambda, the KL's weight of the next step: with a density target the multiplier's current value (a new 0-d
+        tensor at each read, so a step keeps its own), else the constructor's ``kl_weight``."""
+        return self.density.weight() if self.density is not None else self.model.kl_weight
+
+    @torch.no_grad()
+    def update_density(self, out: HeadOutput):
+        """With a density target (``gate_density``), the multiplier's step from the share of open gates of ``out``, a
+        training step's output: call it once per training step, after ``optimizer.step()`` (the prior's gradients
+        are divided by the step's lambda during ``backward``); the next step's lambda is the new multiplier. Without a
+        target it does nothing."""
+        if self.density is not None:
+            self.density.update(out.gates_open)
 
     @contextlib.contextmanager
     def _program_precision(self, device_type: str):
@@ -287,37 +351,77 @@ class BayesNCLHead(nn.Module):
         """What the loss computes, in words: the gate estimator's objective, or for NCL and CL the InfoNCE alone."""
         return self.estimator.objective if self.gated else "InfoNCE per row (no latent variables: -ELBO = InfoNCE)"
 
-    def program(self, gather=None):
+    def program(self, gather=None, kl_weight=None, family=None):
         """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
         outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
-        against every rank's. Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws
-        from q, and Pyro's ELBOs take the score function through it. The model returns what it computed
-        (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them inside :func:`own_params`, as
-        :meth:`elbo_terms` does."""
-        model = self.model if gather is None else functools.partial(self.model, gather=gather)
-        return model, self.guide if self.gated else _no_guide
+        against every rank's. The KL's weight is ``kl_weight`` (default: :attr:`kl_weight` when the program runs);
+        ``family``: q's family (default the guide's). Its gate site is discrete (no gate estimator applied):
+        ``pyro.infer.Predictive`` draws from q, and Pyro's ELBOs take the score function through it. The model
+        returns what it computed (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them
+        inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's ``SVI``, :meth:`svi_program`."""
+        def weight():
+            return self.kl_weight if kl_weight is None else kl_weight
 
-    def training_program(self, estimator=None, gather=None):
+        def model(z, h):
+            return self.model(z, h, gather=gather, kl_weight=weight())
+
+        def guide(z, h):
+            return self.guide(z, h, kl_weight=weight(), family=family)
+
+        return model, guide if self.gated else _no_guide
+
+    def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None):
         """:meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
         (``poutine.reparam``): what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``:
-        ``leg``'s adds its head gradient, which this program's traces alone lack)."""
-        model, guide = self.program(gather)
+        its KL clamp, and ``leg``'s head gradient, which this program's traces alone lack). q's family is the
+        guide's unless ``family`` says otherwise."""
+        model, guide = self.program(gather, kl_weight, family)
         if self.gated:
             guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
         return model, guide
 
-    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None) -> ELBOTerms:
-        """The one place the head's Pyro program runs in training (and in the diagnostics that swap the gate
-        estimator), for projector outputs z and backbone features h: the loss (:meth:`forward`), its KL term per row
-        (detached) and the traces, where what the program computed is read. It runs inside :func:`own_params`, so
-        no parameter reaches Pyro's global param store."""
+    def elbo(self, estimator: GateEstimator | None = None) -> MeanFieldELBO:
+        """The ELBO the head trains with: its (or ``estimator``'s) ``GateEstimator.elbo``, which holds the KL clamp;
+        for NCL and CL the mean-field ELBO (no latent site)."""
+        if not self.gated:
+            return MeanFieldELBO()
+        return (estimator or self.estimator).elbo(self.model.temperature)
+
+    def svi_program(self):
+        """``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h:
+        ``SVI(*head.svi_program(), optim, head.elbo()).step(h)``, one step on the head's -ELBO (its loss times 2N;
+        the backbone is the caller's). :meth:`training_program`, with the projector run in the model and every
+        parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces name,
+        and the program alone names none for the ``bernoulli`` and ``learned`` priors, so a bare ``SVI`` on
+        :meth:`training_program` trains nothing. The parameters enter Pyro's param store: step inside
+        :func:`own_params`. The prior's gradients arrive divided by lambda (:meth:`param_groups`); call
+        :meth:`update_density` after each step as with any optimizer."""
+        model, guide = self.training_program()
+
+        def svi_model(h):
+            pyro.module("bayesncl_head", self)
+            self._unweight_prior_gradients()
+            return model(self.projector(h), h)
+
+        def svi_guide(h):
+            pyro.module("bayesncl_head", self)
+            return guide(None, h)
+
+        return svi_model, svi_guide
+
+    def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None, estimator: GateEstimator | None = None,
+                   family=None, kl_weight=None) -> ELBOTerms:
+        """The one place the head's Pyro program runs in training (and in the diagnostics, which pass another gate
+        ``estimator`` and q ``family``), for projector outputs z and backbone features h: the loss (:meth:`forward`),
+        its KL term per row (detached) and the traces, where what the program computed is read. ``kl_weight``: the
+        step's lambda (default :attr:`kl_weight`). It runs inside :func:`own_params`, so no parameter reaches Pyro's
+        global param store."""
         self._unweight_prior_gradients()
-        self._sync_kl_weight()
-        model, guide = self.training_program(gather=gather)
-        elbo = self.estimator.elbo(self.model.temperature) if self.gated else MeanFieldELBO()
+        kl_weight = self.kl_weight if kl_weight is None else kl_weight
+        model, guide = self.training_program(estimator, gather, kl_weight, family)
         with own_params():
-            loss, kl, model_trace, guide_trace = elbo.terms(model, guide, z, h)
-        return ELBOTerms(loss / self.num_rows, kl / (self.num_rows * self.model.kl_weight), model_trace, guide_trace)
+            loss, kl, model_trace, guide_trace = self.elbo(estimator).terms(model, guide, z, h)
+        return ELBOTerms(loss / self.num_rows, kl / (self.num_rows * kl_weight), model_trace, guide_trace)
 
     @torch.no_grad()
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -327,11 +431,11 @@ class BayesNCLHead(nn.Module):
         row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
         other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
         z = self.projector(h)
-        self._sync_kl_weight()
-        model, guide = self.training_program(Draw(kl_clamp=0.0))
+        kl_weight, draw = self.kl_weight, Draw(kl_clamp=0.0)
+        model, guide = self.training_program(draw, kl_weight=kl_weight)
         with own_params():
-            loss, kl, model_trace, _ = MeanFieldELBO().terms(model, guide, z, h)
-        kl = kl / (self.num_rows * self.model.kl_weight) if self.gated else kl
+            loss, kl, model_trace, _ = self.elbo(draw).terms(model, guide, z, h)
+        kl = kl / (self.num_rows * kl_weight) if self.gated else kl
         return dict(neg_elbo=loss / self.num_rows, nce=computed(model_trace)["row_nce"].mean(), kl=kl)
 
     @torch.no_grad()
@@ -340,12 +444,6 @@ class BayesNCLHead(nn.Module):
         mask) of backbone features h, mean per row: deterministic, so once per batch beside the draws of
         :meth:`objective_draw`."""
         return info_nce_rows(self.representation(h), self.model.temperature).mean()
-
-    def _sync_kl_weight(self):
-        """With a density target, lambda is the multiplier's current value (``density.py``): set where the model and
-        guide scale the KL, as a tensor of its own, which the step that uses it keeps through backward and logging."""
-        if self.density is not None:
-            self.model.kl_weight = self.guide.kl_weight = self.density.weight()
 
     def _check_rows(self, h: torch.Tensor):
         """A batch the loss would get wrong without a word (Python integers only: no device sync)."""
@@ -372,15 +470,14 @@ class BayesNCLHead(nn.Module):
         if not self.gated:
             raise UserError("this head has no gates (prior=None: NCL or CL); build it with a prior for BayesNCL")
 
-    def pulls(self, stats: dict) -> dict[str, float]:
-        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of that step
-        (``gate_nce_pull``, ``gate_prior_pull``: ``gate_pulls``, the prior's at the probabilities and the
-        rates the step's KL used); empty before, or without gates."""
-        gates = stats.get("gates")
+    def pulls(self, out: HeadOutput) -> dict[str, float]:
+        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of the step that returned
+        ``out`` (``gate_nce_pull``, ``gate_prior_pull``: ``gate_pulls``, the prior's at the probabilities, the
+        rates and the lambda the step's KL used); empty before, or without gates."""
+        gates = out.gates
         if gates is None or gates.grad is None:
             return {}
-        nce, prior = gate_pulls(gates.grad, stats["kl_probs"], stats["prior_rate"], self.model.kl_weight,
-                                self.estimator.kl_clamp)
+        nce, prior = gate_pulls(gates.grad, out.kl_probs, out.prior_rate, out.kl_weight, out.estimator.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
@@ -436,8 +533,9 @@ class BayesNCLHead(nn.Module):
         return [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
 
     def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
-        """The hook on the prior's gradients; lambda is read at each step, so a schedule of it is followed."""
-        return grad / self.model.kl_weight
+        """The hook on the prior's gradients; lambda is read at each step's backward (:attr:`kl_weight`: the
+        multiplier's value until :meth:`update_density`), so a schedule of it is followed."""
+        return grad / self.kl_weight
 
     def _unweight_prior_gradients(self):
         """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at

@@ -12,7 +12,7 @@ from bayesncl_pyro._deprecated import moved
 from bayesncl_pyro._version import __version__
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.head import BayesNCLHead
+from bayesncl_pyro.infer.head import BayesNCLHead, HeadOutput
 from bayesncl_pyro.nn.encoders import build_backbone
 
 # the head's arguments are named as the Config's fields (and the command-line flags): each is passed along
@@ -57,7 +57,7 @@ class ContrastiveLearner(nn.Module):
         """The head's Pyro guide (None without gates)."""
         return self.head.guide
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
         # autocast covers the backbone and the projector; the head runs its Pyro program at full precision. Its cache
         # of weights cast to bf16 is off in a step a CUDA graph captures, as PyTorch's CUDA graph notes ask
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda,

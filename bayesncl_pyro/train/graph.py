@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from bayesncl_pyro.infer.head import StepValues
+from bayesncl_pyro.infer.head import HeadOutput
 
 #: eager steps before the capture: the optimizer's state, the density target, lazy initialisation and cuDNN's
 #: algorithm choice are made in the first steps, and a captured step must find them made
@@ -29,14 +29,14 @@ class StepGraph:
     call and replayed from then on. Every batch must have the shape of the first captured one.
     """
 
-    def __init__(self, step: Callable[[torch.Tensor], tuple[torch.Tensor, StepValues]]):
+    def __init__(self, step: Callable[[torch.Tensor], tuple[torch.Tensor, HeadOutput]]):
         self.step, self.eager_left = step, WARMUP_STEPS
         self.graph: torch.cuda.CUDAGraph | None = None
         self.input: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
-        self.values: StepValues | None = None
+        self.values: HeadOutput | None = None
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
         """Run one step on ``x``: eagerly, by capturing the graph, or by replaying it."""
         if self.eager_left:
             self.eager_left -= 1

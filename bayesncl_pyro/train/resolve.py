@@ -8,7 +8,15 @@ from pathlib import Path
 
 from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name,
                                   with_recipe)
+from bayesncl_pyro.data import DATASETS
+from bayesncl_pyro.device import check_device
 from bayesncl_pyro.errors import UserError, quoted
+from bayesncl_pyro.evaluate.probe import REFERENCE_PROBES
+from bayesncl_pyro.infer.density import check_gate_density
+from bayesncl_pyro.infer.head import check_arguments, checked_prior
+from bayesncl_pyro.infer.learner import head_arguments
+from bayesncl_pyro.models.priors import prior_args
+from bayesncl_pyro.nn.encoders import backbone_builder
 
 FLOAT32_MAX, INT64_MAX = 3.4028234663852886e38, 2**63 - 1
 
@@ -16,15 +24,6 @@ FLOAT32_MAX, INT64_MAX = 3.4028234663852886e38, 2**63 - 1
 def resolve(cfg: Config) -> Config:
     """Fill dataset defaults (and a run folder named by what the run is: :func:`run_name`) and check every value;
     raises :class:`UserError` naming the bad one."""
-    from bayesncl_pyro.data import DATASETS  # late: data pulls in torchvision datasets
-    from bayesncl_pyro.infer.density import check_gate_density
-    from bayesncl_pyro.device import check_device
-    from bayesncl_pyro.nn.encoders import backbone_builder
-    from bayesncl_pyro.infer.head import check_arguments  # late, as the priors: they import pyro
-    from bayesncl_pyro.infer.learner import head_arguments
-    from bayesncl_pyro.models.priors import build_prior, checked_guide, prior_args
-    from bayesncl_pyro.evaluate.probe import REFERENCE_PROBES
-
     _choice("dataset", cfg.dataset, DATASETS)
     cfg = with_recipe(cfg)
     for f in dataclasses.fields(cfg):
@@ -48,10 +47,10 @@ def resolve(cfg: Config) -> Config:
     check_gate_density(cfg.gate_density, cfg.method, cfg.prior_prob)
     _positive(cfg, "lr", "gate_lr", "image_size", "epochs", "log_every", "ckpt_every")
     # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
-    # the prior built once (it checks --prior-prob) and its guide checked against it: they fail now rather than
-    # when training starts
+    # the prior built and its guide checked as the head builds and checks them (it checks --prior-prob): they fail
+    # now, before the run's folder is claimed and its data loaded
     cfg = dataclasses.replace(cfg, prior_args=prior_args(cfg.prior, cfg.prior_args))
-    checked_guide(build_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, **cfg.prior_args))
+    checked_prior(cfg.prior, cfg.proj_dim, cfg.prior_prob, cfg.prior_args)
     if cfg.batch_size < 2:
         raise UserError(f"--batch-size must be at least 2 (a contrastive loss needs negatives), got {cfg.batch_size}")
     if min(cfg.weight_decay, cfg.warmup_epochs, cfg.workers, cfg.conflict_every, cfg.monitor_every) < 0:

@@ -32,7 +32,7 @@ from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.diagnostics import conflict_record, degeneracy_warnings, to_json
 from bayesncl_pyro.infer.density import shortfall
-from bayesncl_pyro.infer.head import StepValues
+from bayesncl_pyro.infer.head import HeadOutput
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
 from bayesncl_pyro.nn.optim import (build_optimizer, build_scheduler, load_optimizer_state, load_scheduler_state,
@@ -248,9 +248,9 @@ class Trainer:
         progress = self.log.training(self.step, last_step) if self.log else contextlib.nullcontext()
         with pyro.validation_enabled(False), self._stop as stop, self._naming_divergence(), progress:
             for x in self.input.batches(self.step, last_step):
-                loss, stats = self.train_step(x, last_step)
+                loss, out = self.train_step(x, last_step)
                 if self.log:
-                    self._log(loss, stats, last_step)
+                    self._log(loss, out, last_step)
                 # a signal reaches one rank or all, and only rank 0's clock counts: the ranks vote, so that they
                 # stop, and save, at the same step
                 stopping, due = votes(stop.signum or 0, self._checkpoint_due())
@@ -264,30 +264,32 @@ class Trainer:
             raise Stopped(f"{signal.Signals(stopping).name} received: checkpoint saved at step {self.step} "
                           f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
-    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, StepValues]:
+    def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, HeadOutput]:
         """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values). The divergence guard
         (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the GPU only when its
         verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
-        loss, stats = self._step(x)
+        loss, out = self._step(x)
         self.guard.keep(self.step + 1)
         self.scheduler.step()
         self.step += 1
         if self.step % self.check_every == 0 or self.step % self.cfg.log_every == 0 or self.step == last_step:
             self._check_divergence()
-        return loss, stats
+        return loss, out
 
-    def _eager_step(self, x: torch.Tensor) -> tuple[torch.Tensor, StepValues]:
+    def _eager_step(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
         """What a CUDA graph captures of a step (``--cuda-graphs``; ``train/graph.py``): the forward and backward passes,
-        the divergence guard's verdict and the optimizer step, the same work at every call."""
+        the divergence guard's verdict, the optimizer step and the density target's update of lambda, the same work at
+        every call."""
         self.guard.begin()
-        loss, stats = self.net(x)
+        loss, out = self.net(x)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        with self.guard.judge(loss, stats["nce"]):  # with --on-nan skip, a bad step is undone
+        with self.guard.judge(loss, out.nce):  # with --on-nan skip, a bad step is undone
             self.optimizer.step()
-        return loss, stats
+        self.learner.head.update_density(out)
+        return loss, out
 
-    def _log(self, loss: torch.Tensor, stats: dict, last_step: int):
+    def _log(self, loss: torch.Tensor, out: HeadOutput, last_step: int):
         """Rank 0's records of the step just taken: a log.jsonl line every --log-every steps and at the last (its own
         rows' loss, an unbiased estimate of the global one: reading it syncs with the GPU, so only then), with the
         monitor's figures every --monitor-every epochs but at the last (the evaluation that follows has the whole
@@ -297,12 +299,12 @@ class Trainer:
         monitor = (self.monitor is not None and step % (cfg.monitor_every * self.steps_per_epoch) == 0
                    and step < last_step)
         if step % cfg.log_every == 0 or step == last_step or monitor:
-            rec = self._record(loss, stats, self.log.images_per_s())
+            rec = self._record(loss, out, self.log.images_per_s())
             if monitor:  # outside the time images_per_s measures
                 rec.update(self.monitor())
-            self.log.record(rec, stats["probs"].mean(0) if self.learner.gated else None)
+            self.log.record(rec, out.probs.mean(0) if self.learner.gated else None)
         if cfg.conflict_every and step % cfg.conflict_every == 0:
-            append_line(self._conflict_line(stats), self.out / CONFLICT)
+            append_line(self._conflict_line(out), self.out / CONFLICT)
 
     def _checkpoint_due(self) -> bool:
         """Rank 0's vote for a --ckpt-minutes checkpoint, cast once: the save follows when the votes are read."""
@@ -345,20 +347,21 @@ class Trainer:
             count = len(set(read_bytes(bad, TEXT_LIMIT).splitlines()))
             logger.warning(f"warning: {count} unreadable images were skipped; they are listed in {bad}")
 
-    def _record(self, loss: torch.Tensor, stats: dict, images_per_s: float) -> dict:
+    def _record(self, loss: torch.Tensor, out: HeadOutput, images_per_s: float) -> dict:
         """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
-        that take part in the loss (``active``), and the gates' state (``stats``: the head's values of the step)."""
+        that take part in the loss (``active``), and the gates' state (``out``: what the head computed in the step)."""
         learner = self.learner
         epoch = (self.step - 1) // self.steps_per_epoch  # the epoch of the step's batch
         rec = dict(step=self.step, epoch=epoch, lr=float(self.optimizer.param_groups[0]["lr"]), loss=loss.item(),
-                   nce=stats["nce"].item(), kl=stats["kl"].item(),
-                   grad_norm=self._grad_norm(), images_per_s=images_per_s,
-                   active=stats["active"].item())
+                   nce=out.nce.item(), kl=out.kl.item(),
+                   grad_norm=self._grad_norm(out), images_per_s=images_per_s,
+                   active=out.active.item())
         if learner.gated:
-            rec.update({k: stats[k].item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
-                       kl_weight=float(stats["kl_weight"]), **learner.head.pulls(stats))
-            if "density_target" in stats:
-                rec["density_target"] = stats["density_target"].item()
+            rec.update({k: getattr(out, k).item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
+                       kl_weight=float(out.kl_weight), **learner.head.pulls(out))
+            density = learner.head.density
+            if density is not None:  # the target the step's update of lambda aimed at
+                rec["density_target"] = density.target.item()
         warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings
@@ -367,18 +370,19 @@ class Trainer:
         self._degenerate = bool(warnings)
         return rec
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self, out: HeadOutput) -> float:
         """The 2-norm of the step's loss gradient, from the guard's norms of the parameters' (float64): the prior's
-        arrive divided by lambda (``BayesNCLHead.prior_parameters``) and are put back on the loss's scale."""
+        arrive divided by the step's lambda (``BayesNCLHead.prior_parameters``) and are put back on the loss's
+        scale."""
         prior = {id(p) for p in self.learner.head.prior_parameters()}
-        weight = float(self.learner.head.model.kl_weight) if prior else 1.0
+        weight = float(out.kl_weight) if prior else 1.0
         return math.hypot(*(n * weight if id(p) in prior else n
                             for p, n in zip(self.guard.params, self.guard.grad_norms(), strict=True)))
 
-    def _conflict_line(self, stats: dict) -> str:
+    def _conflict_line(self, out: HeadOutput) -> str:
         """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
         BayesNCL each dimension's mean inclusion probability (``incl``)."""
-        rec = dict(step=self.step, **conflict_record(stats["features"], self.cfg.temperature))
+        rec = dict(step=self.step, **conflict_record(out.features, self.cfg.temperature))
         if self.learner.gated:
-            rec["incl"] = stats["probs"].mean(0)
+            rec["incl"] = out.probs.mean(0)
         return to_json(rec)
