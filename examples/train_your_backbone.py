@@ -36,7 +36,6 @@ head = BayesNCLHead(512, proj_dim=64, proj_hidden=512, num_train=len(data.train)
 backbone, head = backbone.to(device), head.to(device)
 optimizer = torch.optim.SGD(head.param_groups(lr=0.06, gate_lr=0.1, backbone=backbone), lr=0.06, momentum=0.9,
                             weight_decay=1e-4)
-
 step = 0
 while step < args.steps:
     for v1, v2, _, _ in loader:

@@ -301,14 +301,14 @@ def test_out_may_not_be_the_working_or_data_folder_or_above_them(tmp_path, monke
     assert sorted(p.name for p in repo.iterdir()) == sorted(files)  # nothing moved aside, nothing written
 
 
-def test_a_run_that_wrote_no_checkpoint_blocks_nothing(tmp_path, capsys):
+def test_a_run_that_wrote_no_checkpoint_blocks_nothing(tmp_path, caplog):
     """A run that diverged (or was refused) before its first checkpoint left config.json: the corrected command
     runs, and the earlier files are moved aside."""
     Trainer(fast(tmp_path / "run"), progress=False)  # set up, never saved
     (tmp_path / "run" / "log.jsonl").write_text('{"step": 1, "loss": NaN}\n')
     Trainer(fast(tmp_path / "run", lr=0.01), progress=False)
-    assert "holds a run with a different configuration (lr: 0.1 -> 0.01) that wrote no checkpoint" in \
-        capsys.readouterr().err
+    assert any("holds a run with a different configuration (lr: 0.1 -> 0.01) that wrote no checkpoint" in m
+               for m in caplog.messages)
     aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("previous-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["config.json", "log.jsonl"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.01
