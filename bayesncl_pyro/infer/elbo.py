@@ -69,7 +69,9 @@ class MeanFieldELBO(TraceMeanField_ELBO):
 
 def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
     """(-ELBO, detached KL part) of one pair of traces."""
-    elbo, kl = 0.0, 0.0
+    # -ELBO summed directly, each KL added and each log-density subtracted, not the ELBO negated term by term and
+    # then as a whole: the same numbers bit for bit (a negation is exact), two to four ops and autograd nodes fewer
+    loss, kl = None, None
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site) or site_is_deterministic(site):
             continue
@@ -83,24 +85,28 @@ def _particle(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
                     f"latent site {name!r} ({type(q['fn']).__name__}) is not reparameterised: its gradient "
                     "needs a score-function term; train with pyro.infer.TraceGraph_ELBO")
             try:
-                term = -kl_divergence(q["fn"], site["fn"])
+                term = kl_divergence(q["fn"], site["fn"])
             except NotImplementedError:
                 raise NotImplementedError(
                     f"latent site {name!r} has no analytic KL between {type(q['fn']).__name__} and "
                     f"{type(site['fn']).__name__}; register one with torch.distributions.register_kl "
                     "or train with pyro.infer.TraceMeanField_ELBO") from None
             scale, mask = q["scale"], q["mask"]  # TraceMeanField scales the KL by the guide site's
-        term = scale_and_mask(term, scale, mask).sum()
-        elbo = elbo + term
-        if not site["is_observed"]:
-            kl = kl - term.detach()
+        term = scale_and_mask(term, scale, mask)
+        term = term.sum() if term.dim() else term  # a 0-d sum would copy it
+        if site["is_observed"]:
+            loss = -term if loss is None else loss - term
+        else:
+            loss = term if loss is None else loss + term
+            kl = term.detach() if kl is None else kl + term.detach()
     for name, site in guide_trace.nodes.items():
         # the parent asserts that such a site is auxiliary and adds its entropy; here it would have no term at all
         if site["type"] == "sample" and not site_is_subsample(site) and name not in model_trace.nodes:
             raise UserError(f"guide site {name!r} has no site of that name in the model, so the mean-field ELBO has "
                             "no term for it: sample the same sites in model and guide (an auxiliary guide variable "
                             "needs pyro.infer.TraceMeanField_ELBO)")
-    loss = -elbo
-    if not torch.is_tensor(kl):  # no latent site (NCL, CL)
+    if loss is None:  # no site at all: -ELBO is 0, as the parent has it
+        loss = 0.0
+    if kl is None:  # no latent site (NCL, CL)
         kl = torch.zeros_like(loss) if torch.is_tensor(loss) else torch.tensor(0.0)
     return loss, kl
