@@ -433,3 +433,27 @@ def test_the_gating_mlp_runs_under_the_callers_autocast_and_keeps_the_loss_to_fl
     assert (stats["probs"].double() - expected["probs"]).abs().max() < 2e-2
     head.gate_probs(h)
     assert dtypes[-1] == torch.float32 and head.guide.mlp_autocast is None
+
+
+def test_the_guide_under_the_estimator_is_built_once_and_again_for_a_new_estimator_guide_or_copy():
+    """The ``poutine.reparam`` handler of the guide is kept between steps; replacing the estimator or the guide, or
+    copying the head, gives a handler around the new one, and the program it runs is the head's own."""
+    import io
+
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, gate="ste")
+    h = torch.randn(R, D)
+    guide = head.training_program()[1]
+    assert head.training_program()[1] is guide and guide.fn is head.guide
+    head.estimator = type(head.estimator)(kl_clamp=0.0)
+    assert head.training_program()[1] is not guide
+    assert head.training_program()[1].msngr.config["g"] is head.estimator
+    saved = io.BytesIO()
+    torch.save(head, saved)
+    saved.seek(0)
+    for copied in (copy.deepcopy(head), torch.load(saved, weights_only=False)):
+        assert copied.training_program()[1].fn is copied.guide
+        with pyro.validation_enabled(False):
+            assert torch.equal(copied(h)[0], head(h)[0])
+    head.guide = copy.deepcopy(head.guide)
+    assert head.training_program()[1].fn is head.guide

@@ -303,8 +303,17 @@ class BayesNCLHead(nn.Module):
         ``leg``'s adds its head gradient, which this program's traces alone lack)."""
         model, guide = self.program(gather)
         if self.gated:
-            guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
+            guide = self._trained_guide() if estimator is None else poutine.reparam(guide, config={"g": estimator})
         return model, guide
+
+    def _trained_guide(self):
+        """The guide under the head's estimator (``poutine.reparam``), built again only when either is replaced: a
+        handler holds no state between calls, and building it at every step costs more than the site it handles."""
+        built = self.__dict__.get("_trained")
+        if built is None or built[0] is not self.guide or built[1] is not self.estimator:
+            built = self.__dict__["_trained"] = (self.guide, self.estimator,
+                                                 poutine.reparam(self.guide, config={"g": self.estimator}))
+        return built[2]
 
     def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training (and in the diagnostics that swap the gate
@@ -464,7 +473,9 @@ class BayesNCLHead(nn.Module):
         return self._unweighted.get(id(p), (None,))[0] is p
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_unweighted": {}}
+        state = {**super().__getstate__(), "_unweighted": {}}
+        state.pop("_trained", None)  # a copy builds its own, around its own guide
+        return state
 
 
 # the heads that hook prior parameters, for the refusal of a prior that another head's hook divides already
