@@ -96,6 +96,9 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
         learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl", "gate": gate})),
                                      channels, 50_000)
         fns[f"bayesncl_{gate}"] = (lambda x, m=learner: m(x)[0], learner)
+    for name, (_, learner) in fns.items():  # every run's ratios from the same weights, not only the checked run's
+        if name.startswith("bayesncl") and learner is not bayes:
+            learner.load_state_dict(bayes.state_dict())
     mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
     for _, learner in fns.values():
         learner.to(device, memory_format=mf).train()

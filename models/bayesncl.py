@@ -45,6 +45,8 @@ per row, times the number of rows (InfoNCE has no per-row likelihood of the whol
 NCL is this program without the gate site, and CL (SimCLR) also without non-negativity.
 """
 
+import functools
+
 import pyro
 import torch
 from pyro import poutine
@@ -56,7 +58,16 @@ from bayesncl_pyro.nn.losses import info_nce_rows, nonneg, normalize, topk_mask
 
 def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
     """The plate over view-rows: full size ``num_rows`` so sites are scaled by num_rows / batch_rows."""
-    return pyro.plate("rows", num_rows, subsample=torch.arange(batch_rows, device=device))
+    # the device named: without it Pyro builds a tensor at every plate only to find the default device
+    return pyro.plate("rows", num_rows, subsample=_row_indices(batch_rows, device), device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_indices(batch_rows: int, device: torch.device) -> torch.Tensor:
+    """``arange(batch_rows)``, the plate's subsample, built once per batch size and device: the model and the guide
+    enter the plate at every step. Never an inference tensor, whatever mode the first call ran in."""
+    with torch.inference_mode(False):
+        return torch.arange(batch_rows, device=device)
 
 
 class ContrastiveModel(PyroModule):

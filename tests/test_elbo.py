@@ -5,12 +5,15 @@ import pyro
 import pytest
 import torch
 from pyro import poutine
+from pyro.distributions.util import scale_and_mask
 from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
+from pyro.poutine.util import site_is_subsample
+from torch.distributions import kl_divergence
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.infer.elbo import MeanFieldELBO, _kl_part
 from bayesncl_pyro.guides.gates import BernoulliGates
 from bayesncl_pyro.infer.estimators import GATES, Draw, local_expectation_term
 from bayesncl_pyro.infer.head import own_params
@@ -235,3 +238,58 @@ def test_svi_on_the_heads_svi_program_trains_the_head_as_the_trainer_does(prior)
         with pyro.validation_enabled(False), own_params():
             SVI(model, guide, pyro.optim.SGD({"lr": 0.5}), head.elbo()).step(head.projector(h), h)
         assert all(torch.equal(p, trained[n]) for n, p in head.named_parameters())
+
+
+def _summed(model_trace, guide_trace):
+    """MeanFieldELBO's -ELBO of one particle (at the registered KL: no clamp) and its KL part."""
+    loss = MeanFieldELBO()._differentiable_loss_particle(model_trace, guide_trace)[1]
+    return loss, _kl_part(guide_trace)
+
+
+def _negated_elbo(model_trace, guide_trace):
+    """The ELBO summed as Pyro writes it, then negated: each KL negated, scaled and summed, each log-density scaled
+    and summed, the terms added to 0, the sum negated; the KL part summed the same way."""
+    elbo, kl = 0.0, 0.0
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        if site["is_observed"]:
+            term, where = site["fn"].log_prob(site["value"]), site
+        else:
+            term, where = -kl_divergence(guide_trace.nodes[name]["fn"], site["fn"]), guide_trace.nodes[name]
+        term = scale_and_mask(term, where["scale"], where["mask"]).sum()
+        elbo = elbo + term
+        if not site["is_observed"]:
+            kl = kl - term.detach()
+    return -elbo, kl
+
+
+@pytest.mark.parametrize("method, prior, gate", [("cl", "bernoulli", "ste"), ("bayesncl", "bernoulli", "st-sampled"),
+                                                 ("bayesncl", "beta-bernoulli", "ste"), ("bayesncl", "learned", "leg")])
+def test_the_loss_summed_without_negations_is_the_negated_elbo_bit_for_bit(method, prior, gate):
+    """MeanFieldELBO adds each KL and subtracts each log-density instead of negating terms and their sum: the loss,
+    its KL part and every gradient are those of the negated sum, bit for bit (two latent sites with beta-bernoulli,
+    none for CL, a prior rate with a gradient for learned)."""
+    cfg = resolve(Config(dataset="digits", method=method, prior=prior, gate=gate, proj_hidden=32, proj_dim=16,
+                         kl_weight=0.05))
+    learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
+    x = torch.randn(12, 1, 8, 8)
+    results = []
+    for particle in (_summed, _negated_elbo):
+        learner.zero_grad()
+        pyro.set_rng_seed(3)
+        head = learner.head
+        h = learner.backbone(x)
+        model, guide = head.training_program()
+        with pyro.validation_enabled(False), own_params():
+            guide_trace = poutine.trace(guide).get_trace(head.projector(h), h)
+            model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(head.projector(h), h)
+        loss, kl = particle(model_trace, guide_trace)
+        loss.backward()
+        results.append((loss.detach(), kl, {n: p.grad.clone() for n, p in learner.named_parameters()
+                                            if p.grad is not None}))
+    (loss, kl, grads), (want_loss, want_kl, want_grads) = results
+    assert torch.equal(loss, want_loss) and torch.equal(torch.as_tensor(kl), torch.as_tensor(want_kl))
+    assert grads.keys() == want_grads.keys() and any(n.startswith("head.projector.") for n in grads)
+    for name in grads:
+        assert torch.equal(grads[name], want_grads[name]), name

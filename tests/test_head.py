@@ -452,3 +452,27 @@ def test_a_forward_pass_changes_nothing_and_the_density_moves_at_the_explicit_up
     assert torch.equal(head.density.eta, control.eta) and not torch.equal(head.density.eta, state["density.eta"])
     _, after = head(h)
     assert torch.equal(after.kl_weight, control.weight())
+
+
+def test_the_guide_under_the_estimator_is_built_once_and_again_for_a_new_estimator_guide_or_copy():
+    """The ``poutine.reparam`` handler of the guide is kept between steps; replacing the estimator or the guide, or
+    copying the head, gives a handler around the new one, and the program it runs is the head's own."""
+    import io
+
+    torch.manual_seed(0)
+    head = BayesNCLHead(D, K, H, num_train=500, gate="ste")
+    h = torch.randn(R, D)
+    trained = head._trained_guide()
+    assert head._trained_guide() is trained and trained.fn is head.guide
+    head.estimator = type(head.estimator)(kl_clamp=0.0)
+    assert head._trained_guide() is not trained
+    assert head._trained_guide().msngr.config["g"] is head.estimator
+    saved = io.BytesIO()
+    torch.save(head, saved)
+    saved.seek(0)
+    for copied in (copy.deepcopy(head), torch.load(saved, weights_only=False)):
+        assert copied._trained_guide().fn is copied.guide
+        with pyro.validation_enabled(False):
+            assert torch.equal(copied(h)[0], head(h)[0])
+    head.guide = copy.deepcopy(head.guide)
+    assert head._trained_guide().fn is head.guide

@@ -296,3 +296,20 @@ def test_score_function_estimator_sees_that_infonce_couples_the_rows():
     torch.testing.assert_close(expected_tracegraph_gradient(model), exact_grad, rtol=1e-4, atol=1e-5)
     biased = expected_tracegraph_gradient(_in_plate_model(model))
     assert (biased - exact_grad).norm() > 0.1 * exact_grad.norm()
+
+
+def test_the_rows_plate_reuses_its_indices_on_the_device_and_never_as_an_inference_tensor():
+    """The plate's subsample, ``arange(rows)``, is built once per batch size and device, and one first built under
+    ``torch.inference_mode`` (an evaluation) still serves a training step: the site's scale is unchanged."""
+    with torch.inference_mode():
+        with poutine.trace() as first, rows_plate(N, 37, torch.device("cpu")):
+            pass
+    indices = first.trace.nodes["rows"]["value"]
+    assert not indices.is_inference() and torch.equal(indices, torch.arange(37))
+    with poutine.trace() as second, rows_plate(N, 37, torch.device("cpu")):
+        pyro.sample("x", dist.Normal(torch.zeros(37), 1.0))
+    assert second.trace.nodes["rows"]["value"] is indices
+    assert second.trace.nodes["x"]["scale"] == N / 37
+    with poutine.trace() as other, rows_plate(N, 36, torch.device("cpu")):
+        pass
+    assert torch.equal(other.trace.nodes["rows"]["value"], torch.arange(36))

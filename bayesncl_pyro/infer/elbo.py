@@ -136,7 +136,9 @@ def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
 def _particle(model_trace: Trace, guide_trace: Trace, kl) -> torch.Tensor:
     """-ELBO of one pair of traces, with ``kl(q, p)`` the KL of a latent site; each latent site's KL term, detached,
     kept in its guide site as ``"kl"``."""
-    elbo = 0.0
+    # -ELBO summed directly, each KL added and each log-density subtracted, not the ELBO negated term by term and
+    # then as a whole: the same numbers bit for bit (a negation is exact), two to four ops and autograd nodes fewer
+    loss = None
     for name, site in model_trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site) or site_is_deterministic(site):
             continue
@@ -150,18 +152,21 @@ def _particle(model_trace: Trace, guide_trace: Trace, kl) -> torch.Tensor:
                     f"latent site {name!r} ({type(q['fn']).__name__}) is not reparameterised: its gradient "
                     "needs a score-function term; train with pyro.infer.TraceGraph_ELBO")
             try:
-                term = -kl(q["fn"], site["fn"])
+                term = kl(q["fn"], site["fn"])
             except NotImplementedError:  # one-draw Monte Carlo KL at q's value, TraceMeanField_ELBO's fallback
-                term = site["fn"].log_prob(site["value"]) - q["fn"].log_prob(site["value"])
+                term = q["fn"].log_prob(site["value"]) - site["fn"].log_prob(site["value"])
             scale, mask = q["scale"], q["mask"]  # TraceMeanField scales the KL by the guide site's
-        term = scale_and_mask(term, scale, mask).sum()
-        elbo = elbo + term
-        if not site["is_observed"]:
-            q["kl"] = 0.0 - term.detach()
+        term = scale_and_mask(term, scale, mask)
+        term = term.sum() if term.dim() else term  # a 0-d sum would copy it
+        if site["is_observed"]:
+            loss = -term if loss is None else loss - term
+        else:
+            loss = term if loss is None else loss + term
+            q["kl"] = term.detach()
     for name, site in guide_trace.nodes.items():
         # the parent asserts that such a site is auxiliary and adds its entropy; here it would have no term at all
         if site["type"] == "sample" and not site_is_subsample(site) and name not in model_trace.nodes:
             raise UserError(f"guide site {name!r} has no site of that name in the model, so the mean-field ELBO has "
                             "no term for it: sample the same sites in model and guide (an auxiliary guide variable "
                             "needs pyro.infer.TraceMeanField_ELBO)")
-    return -elbo
+    return 0.0 if loss is None else loss  # no site at all: -ELBO is 0, as the parent has it

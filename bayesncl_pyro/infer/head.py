@@ -376,9 +376,25 @@ class BayesNCLHead(nn.Module):
         its KL clamp, and ``leg``'s head gradient, which this program's traces alone lack). q's family is the
         guide's unless ``family`` says otherwise."""
         model, guide = self.program(gather, kl_weight, family)
-        if self.gated:
-            guide = poutine.reparam(guide, config={"g": estimator or self.estimator})
-        return model, guide
+        if not self.gated:
+            return model, guide
+        trained = self._trained_guide() if estimator is None else poutine.reparam(self.guide, config={"g": estimator})
+
+        def trained_guide(z, h):
+            return trained(z, h, kl_weight=self.kl_weight if kl_weight is None else kl_weight, family=family)
+
+        return model, trained_guide
+
+    def _trained_guide(self):
+        """The guide under the head's estimator (``poutine.reparam``), built again only when either is replaced.
+
+        A handler holds no state between calls, and building it at every step costs more than the site it handles.
+        """
+        built = self.__dict__.get("_trained")
+        if built is None or built[0] is not self.guide or built[1] is not self.estimator:
+            built = self.__dict__["_trained"] = (self.guide, self.estimator,
+                                                 poutine.reparam(self.guide, config={"g": self.estimator}))
+        return built[2]
 
     def elbo(self, estimator: GateEstimator | None = None) -> MeanFieldELBO:
         """The ELBO the head trains with: its (or ``estimator``'s) ``GateEstimator.elbo``, which holds the KL clamp;
@@ -562,7 +578,9 @@ class BayesNCLHead(nn.Module):
         return self._unweighted.get(id(p), (None,))[0] is p
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_unweighted": {}}
+        state = {**super().__getstate__(), "_unweighted": {}}
+        state.pop("_trained", None)  # a copy builds its own, around its own guide
+        return state
 
 
 # the heads that hook prior parameters, for the refusal of a prior that another head's hook divides already
