@@ -193,7 +193,7 @@ class BayesNCLHead(nn.Module):
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, family=self.estimator.family,
             temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight,
-            rate_guide=checked_guide(prior),
+            rate_guide=checked_guide(prior, in_dim), row_latents=prior.row_latents,
         ) if prior is not None else None
         self.gather_distributed = gather_distributed
         self.density = None
