@@ -87,7 +87,8 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
         guide_sites = set(poutine.trace(guide).get_trace(*guide_args).stochastic_nodes) if guide is not None else set()
     model_sites = set(model_trace.stochastic_nodes)
     if model_sites != guide_sites:
-        given = "returns no guide" if guide is None else f"returns a guide that samples {sorted(guide_sites) or 'nothing'}"
+        given = ("returns no guide" if guide is None else
+                 f"returns a guide that samples {sorted(guide_sites) or 'nothing'}")
         raise UserError(f"{name} samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
                         f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, "
                         "as BetaBernoulliPrior's does")
@@ -318,8 +319,9 @@ class StickBreakingPrior(Prior):
     """The Indian buffet's stick-breaking rates: v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k, g_k ~
     Bernoulli(rho_k), so that the rates decay with k (later dimensions are rarer) and the data set how fast.
 
-    ``prior_prob`` is the prior mean rate over the K dimensions, which fixes alpha (:func:`stick_alpha`). The sticks are global latents ("stick") with a Beta posterior per stick,
-    initialised at the prior; the rates are their running products.
+    ``prior_prob`` is the prior mean rate over the K dimensions, which fixes alpha (:func:`stick_alpha`). The
+    sticks are global latents ("stick") with a Beta posterior per stick, initialised at the prior; the rates are
+    their running products.
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8):
