@@ -414,7 +414,7 @@ class PerImagePrior(Prior):
         return dist.Bernoulli(rate.unsqueeze(-1).expand(rows, self.num_features)).to_event(1)
 
     def make_guide(self, in_dim):
-        return AmortizedBetaGuide(in_dim, self.a, self.b)
+        return AmortizedBetaGuide(in_dim, self.num_features, self.a, self.b)
 
     @torch.no_grad()
     def row_rates(self, guide=None, h=None, num_draws=256):
@@ -426,22 +426,24 @@ class PerImagePrior(Prior):
 
 
 class AmortizedBetaGuide(PyroModule):
-    """q(s_i | x_i) = Beta(a_i, b_i), (a_i, b_i) = softplus(W h_i + c) + 1e-3 from the row's backbone features h_i
-    (detached: the prior's guide does not train the backbone). W starts at 0 and c at the prior's (a, b), so q
-    starts at the prior for every row, and the start draws nothing from the random stream."""
+    """q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the row's
+    backbone features h_i (detached: the prior's guide does not train the backbone), its concentration c one
+    parameter. A row's K gates all pull on s_i, so its gradient is K times a dimension's: the 1 / sqrt(K) keeps the
+    optimizer's step in m_i a dimension's size whatever K. Starts at the prior for every row (w = 0), drawing
+    nothing from the random stream."""
 
-    MIN = 1e-3  # keeps a and b positive where softplus underflows
-
-    def __init__(self, in_dim: int, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, in_dim: int, num_features: int, a: torch.Tensor, b: torch.Tensor):
         super().__init__()
-        start = torch.stack([a, b]).float() - self.MIN
-        self.weight = torch.nn.Parameter(torch.zeros(2, in_dim))
-        self.bias = torch.nn.Parameter(start + torch.log(-torch.expm1(-start)))  # softplus^-1(start)
+        self.root_k = math.sqrt(num_features)
+        self.weight = torch.nn.Parameter(torch.zeros(in_dim))
+        self.bias = torch.nn.Parameter((a / b).log().float().reshape(()) * self.root_k)  # logit of a / (a + b)
+        self.concentration = PyroParam((a + b).float().clone(), constraint=constraints.positive)
 
     def posterior(self, h: torch.Tensor) -> dist.Beta:
         """q(s | x) for backbone features h (R x D): Beta, batch shape (R,)."""
-        a, b = (F.softplus(F.linear(h.detach(), self.weight, self.bias)) + self.MIN).unbind(-1)
-        return dist.Beta(a, b)
+        h = F.normalize(h.detach(), dim=-1)
+        mean = ((h @ self.weight + self.bias) / self.root_k).sigmoid()
+        return dist.Beta(self.concentration * mean, self.concentration * (1 - mean))
 
     def forward(self, h, plate):
         with plate:

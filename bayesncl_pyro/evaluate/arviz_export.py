@@ -126,15 +126,17 @@ def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
 
 
 def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS,
-                 test: TestFeatures | None = None) -> Path:
+                 test: TestFeatures | None = None, trust_code: bool = False) -> Path:
     """Compute the gate posterior of a run, write ``RUN_DIR/gates.nc`` and return its path.
 
     ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading), ``test`` to
-    the learner's test features computed here (pass the evaluation's to skip running the backbone again).
+    the learner's test features computed here (pass the evaluation's to skip running the backbone again);
+    ``trust_code``: import the code that the run's configuration names (a prior of your own), as ``load_learner``.
     A failed write raises ``UserError`` and leaves any previous ``gates.nc`` unchanged and no temporary file.
     """
     run_dir = Path(run_dir)
-    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test)
+    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test,
+                          trust_code=trust_code)
     config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
