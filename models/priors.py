@@ -18,9 +18,8 @@ mean) and validates what it is given; its other arguments come from ``--prior-ar
 to the types its signature declares.
 """
 
-from typing import ClassVar
-
 import math
+from typing import ClassVar
 
 import numpy as np
 import pyro
