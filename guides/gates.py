@@ -115,7 +115,9 @@ class GateGuide(PyroModule):
         logit_bound: logits are squashed smoothly into (-bound, bound): a saturated gate would get no
             gradient and never come back.
         kl_weight: lambda, applied here and in the model (a mean-field ELBO scales the KL by the guide's scale).
-        rate_guide: the prior's variational posterior for its global latents, or None.
+        rate_guide: the prior's variational posterior for its latents, or None.
+        row_latents: the prior's ``row_latents``: its guide is called as ``rate_guide(h, plate)``, with the rows'
+            backbone features and the rows plate.
 
     ``mlp_autocast``: None, or the dtype in which the gating head's MLP runs under autocast (its matmuls; the logits
     and everything after them in the inputs' dtype): ``BayesNCLHead.forward`` sets it, for the step, to its caller's
@@ -126,7 +128,7 @@ class GateGuide(PyroModule):
 
     def __init__(self, in_dim: int, hidden: int, num_features: int, num_rows: int, *, depth: int = 2,
                  family: type[BernoulliGates] = BernoulliGates, temperature: float = 1.0, logit_bound: float = 5.0,
-                 kl_weight: float = 3e-5, rate_guide: PyroModule | None = None):
+                 kl_weight: float = 3e-5, rate_guide: PyroModule | None = None, row_latents: bool = False):
         super().__init__()
         # a PyroModule itself: read here as a plain module, each step would register its parameters in Pyro's param
         # store (pyro.module, a param statement per tensor) for nothing, the caller's optimizer training them
@@ -136,7 +138,7 @@ class GateGuide(PyroModule):
         self.num_rows = num_rows
         self.register_buffer("temperature", torch.tensor(float(temperature)))
         self.logit_bound, self.kl_weight = logit_bound, kl_weight
-        self.rate_guide = rate_guide
+        self.rate_guide, self.row_latents = rate_guide, row_latents
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone."""
@@ -155,12 +157,15 @@ class GateGuide(PyroModule):
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,
                 family: type[BernoulliGates] | None = None) -> BernoulliGates:
-        """Samples the gates (and the prior's global latents) from q; returns q(g | x). ``kl_weight``: this call's
-        lambda (default: the constructor's); ``family``: as :meth:`posterior`'s."""
+        """Samples the gates (and the prior's latents) from q; returns q(g | x).
+
+        ``kl_weight``: this call's lambda (default: the constructor's); ``family``: as :meth:`posterior`'s.
+        """
         with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
+            plate = rows_plate(self.num_rows, h.shape[0], h.device)
             if self.rate_guide is not None:
-                self.rate_guide()
+                self.rate_guide(h, plate) if self.row_latents else self.rate_guide()
             q = self.posterior(h, family)
-            with rows_plate(self.num_rows, h.shape[0], h.device):
+            with plate:
                 pyro.sample("g", q.to_event(1))
         return q

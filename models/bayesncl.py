@@ -111,8 +111,10 @@ class ContrastiveModel(PyroModule):
         rows = u.shape[0]
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
-                gates = self.prior(rows)  # global latents outside the plate, each row's gates inside it
-                with rows_plate(self.num_rows, rows, u.device):
+                plate = rows_plate(self.num_rows, rows, u.device)
+                # global latents outside the plate, each row's gates (and a prior's row latents) inside it
+                gates = self.prior(rows, plate) if self.prior.row_latents else self.prior(rows)
+                with plate:
                     g = pyro.sample("g", gates)
             u = normalize(u * g)
         if gather is None:

@@ -7,7 +7,9 @@ Most priors are independent Bernoulli gates and implement only :meth:`Prior.rate
 is not (correlated gates, a rate per row) overrides :meth:`Prior.forward`. The ELBO takes the gates' KL analytically
 where one is registered for q's family and the prior's distribution, and as a one-draw Monte Carlo estimate
 otherwise (``bayesncl_pyro/infer/elbo.py``). A prior with global latents also supplies the variational family for
-them through :meth:`Prior.make_guide`, which the amortized guide calls.
+them through :meth:`Prior.make_guide`, which the amortized guide calls. A prior with latents of its own per row (a
+per-image sparsity level) sets ``row_latents``: it samples them inside the rows plate it is given, and its guide reads
+each row's backbone features (:attr:`Prior.row_latents`).
 
 To add a prior, subclass :class:`Prior` and pass ``--prior package.module:MyPrior`` (the module must be
 importable: installed, or its folder on PYTHONPATH), or decorate it with ``@register("my-name")`` in this file
@@ -16,11 +18,14 @@ mean) and validates what it is given; its other arguments come from ``--prior-ar
 to the types its signature declares.
 """
 
+import math
 from typing import ClassVar
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
+import torch.nn.functional as F
 from pyro import poutine
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
@@ -62,21 +67,27 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
         raise UserError(f"--prior {spec}{f' ({given})' if given else ''} refused its arguments: {e}") from None
 
 
-def checked_guide(prior: "Prior") -> PyroModule | None:
+def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
     """``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
     exactly the latent sites that ``prior(rows)`` samples, and ``prior(rows)`` is a distribution over R rows of K
     gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in (0, 1)). Otherwise the ELBO would
     fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp hides) train
-    without a word. Runs the prior once on a forked random stream: building a head draws nothing."""
-    guide, name, k, rows = prior.make_guide(), type(prior).__name__, prior.num_features, 2
+    without a word. Runs the prior once on a forked random stream: building a head draws nothing. ``in_dim``: the
+    width of the backbone features that the guide of a prior with row latents reads (``make_guide(in_dim)``); the
+    check runs it on rows of zeros."""
+    name, k, rows = type(prior).__name__, prior.num_features, 2
+    guide = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
         if type(prior).forward is Prior.forward:
             _check_rates(prior, name)
-        model_trace = poutine.trace(prior).get_trace(rows)
-        guide_sites = set(poutine.trace(guide).get_trace().stochastic_nodes) if guide is not None else set()
+        plate = pyro.plate("rows", rows)
+        model_trace = poutine.trace(prior).get_trace(*((rows, plate) if prior.row_latents else (rows,)))
+        guide_args = (torch.zeros(rows, in_dim), plate) if prior.row_latents else ()
+        guide_sites = set(poutine.trace(guide).get_trace(*guide_args).stochastic_nodes) if guide is not None else set()
     model_sites = set(model_trace.stochastic_nodes)
     if model_sites != guide_sites:
-        given = "returns no guide" if guide is None else f"returns a guide that samples {sorted(guide_sites) or 'nothing'}"
+        given = ("returns no guide" if guide is None else
+                 f"returns a guide that samples {sorted(guide_sites) or 'nothing'}")
         raise UserError(f"{name} samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
                         f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, "
                         "as BetaBernoulliPrior's does")
@@ -113,6 +124,10 @@ class Prior(PyroModule):
     a prior of independent Bernoulli gates implements only :meth:`rate`."""
 
     name: ClassVar[str]
+    # True for a prior with latents of its own per row: it is called as ``prior(rows, plate)`` and samples them
+    # inside ``with plate:`` (the rows plate, subsampled and scaled as the gates are); its guide is built by
+    # ``make_guide(in_dim)`` and called as ``guide(h, plate)``, h the rows' backbone features (R x in_dim)
+    row_latents: ClassVar[bool] = False
 
     def __init__(self, num_features: int, prior_prob: float):
         super().__init__()
@@ -130,8 +145,9 @@ class Prior(PyroModule):
         raise NotImplementedError(f"{type(self).__name__} implements neither rate() nor forward(rows)")
 
     def make_guide(self) -> PyroModule | None:
-        """Variational posterior for this prior's global latents, or None if it has none. It must sample exactly
-        the latent sites that :meth:`rate` samples (checked when a head is built: :func:`checked_guide`)."""
+        """Variational posterior for this prior's latents, or None if it has none. It must sample exactly the
+        latent sites that :meth:`forward` samples (checked when a head is built: :func:`checked_guide`). With
+        ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features."""
         return None
 
     @torch.no_grad()
@@ -139,13 +155,37 @@ class Prior(PyroModule):
         """The one point summary of the inclusion rate (K), for reports: a row's P(g_k = 1) under the prior; with
         global latents, its mean over ``num_draws`` draws of them from ``guide`` (the trained posterior q,
         ``make_guide()``'s) or, with no guide, from the prior, on a forked random stream (a report draws nothing
-        from the run's). A prior whose mean is known in closed form overrides it."""
+        from the run's). A prior whose mean is known in closed form overrides it. With ``row_latents`` it is
+        :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features)."""
+        if self.row_latents:
+            if guide is not None:
+                raise UserError(f"{type(self).__name__} has a rate per row: its posterior mean rate needs the rows' "
+                                "backbone features; call row_rates(guide, h)")
+            return self.row_rates(None, None, num_draws)[0]
         with pyro.get_param_store().scope(), torch.random.fork_rng(devices=[]):
             trace = poutine.trace(self).get_trace(1)
             if not trace.stochastic_nodes:
                 return trace.nodes["_RETURN"]["value"].mean[0].detach()
             draws = [(self(1) if guide is None else
                       poutine.replay(self, trace=poutine.trace(guide).get_trace())(1)).mean[0]
+                     for _ in range(num_draws)]
+        return torch.stack(draws).mean(0)
+
+    @torch.no_grad()
+    def row_rates(self, guide: PyroModule | None = None, h: torch.Tensor | None = None,
+                  num_draws: int = 256) -> torch.Tensor:
+        """R x K, for a prior with ``row_latents``: each row's P(g_k = 1), its latents drawn ``num_draws`` times
+        from ``guide`` given the rows' backbone features h (R x D), or with no guide from the prior (R = 1), on a
+        forked random stream; the mean over the draws. A prior whose mean is known in closed form overrides it."""
+        if not self.row_latents:
+            raise TypeError(f"{type(self).__name__} has no latents per row; its rate is mean_rate()")
+        if guide is not None and h is None:
+            raise UserError("row_rates(guide, h) needs the rows' backbone features h with the guide")
+        rows = 1 if h is None else len(h)
+        with pyro.get_param_store().scope(), torch.random.fork_rng(devices=[]):
+            plate = pyro.plate("rows", rows, device=h.device if h is not None else None)
+            draws = [(self(rows, plate) if guide is None else
+                      poutine.replay(self, trace=poutine.trace(guide).get_trace(h, plate))(rows, plate)).mean
                      for _ in range(num_draws)]
         return torch.stack(draws).mean(0)
 
@@ -245,16 +285,165 @@ class BetaBernoulliPrior(Prior):
 
 
 class BetaRateGuide(PyroModule):
-    """q(rho_k) = Beta(a_k, b_k), initialised at the prior."""
+    """q(rho_k) = Beta(a_k, b_k), initialised at the prior; ``site``: the name of the latent it samples."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, site: str = "rate"):
         super().__init__()
         self.a = PyroParam(a.clone(), constraint=constraints.positive)
         self.b = PyroParam(b.clone(), constraint=constraints.positive)
+        self.site = site
 
     def posterior(self) -> dist.Beta:
         """q(rate) = Beta(a, b), batch shape K."""
         return dist.Beta(self.a, self.b)
 
     def forward(self):
-        return pyro.sample("rate", self.posterior().to_event(1))
+        return pyro.sample(self.site, self.posterior().to_event(1))
+
+
+def stick_alpha(num_features: int, mean_rate: float) -> float:
+    """The alpha of Beta(alpha, 1) sticks whose rates v_1 ... v_k have ``mean_rate`` as their mean over the K
+    dimensions under the prior: with m = E[v] = alpha / (alpha + 1), mean_k m^k = mean_rate (bisection on m)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        m = (lo + hi) / 2
+        mean = m * (1 - m ** num_features) / ((1 - m) * num_features)
+        lo, hi = (m, hi) if mean < mean_rate else (lo, m)
+    m = (lo + hi) / 2
+    return m / (1 - m)
+
+
+@register("ibp")
+class StickBreakingPrior(Prior):
+    """The Indian buffet's stick-breaking rates: v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k, g_k ~
+    Bernoulli(rho_k), so that the rates decay with k (later dimensions are rarer) and the data set how fast.
+
+    ``prior_prob`` is the prior mean rate over the K dimensions, which fixes alpha (:func:`stick_alpha`). The
+    sticks are global latents ("stick") with a Beta posterior per stick, initialised at the prior; the rates are
+    their running products.
+    """
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8):
+        super().__init__(num_features, prior_prob)
+        self.alpha = stick_alpha(num_features, self.prior_prob)
+        self.register_buffer("a", torch.full((num_features,), self.alpha))
+        self.register_buffer("b", torch.ones(num_features))
+
+    def rate(self):
+        rate = pyro.sample("stick", dist.Beta(self.a, self.b).to_event(1)).cumprod(-1)
+        # a float32 product of many sticks can round to 0 (or a first stick to 1): keep each rate a probability
+        return rate.clamp(torch.finfo(rate.dtype).tiny, 1 - torch.finfo(rate.dtype).eps)
+
+    def make_guide(self):
+        return BetaRateGuide(self.a, self.b, site="stick")
+
+    @torch.no_grad()
+    def mean_rate(self, guide=None, num_draws=256):
+        """E[rho_k] = prod_{j <= k} E[v_j], exact: the sticks are independent under q as under the prior."""
+        a, b = (guide.a, guide.b) if guide is not None else (self.a, self.b)
+        return (a / (a + b)).cumprod(-1).detach()
+
+
+@register("logit-normal")
+class LogitNormalPrior(Prior):
+    """logit(rho_k) ~ Normal(logit(prior_prob), scale), g_k ~ Bernoulli(rho_k): a rate per dimension with a
+    hyperprior on the logit scale, whose q is a Normal on the logit per dimension (no Beta).
+
+    ``prior_prob`` is the rate at the prior's median (its mean is pulled towards 1/2 by ``scale``); ``scale`` is how
+    far the dimensions' rates may spread, in logits.
+    """
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8, scale: float = 1.0):
+        super().__init__(num_features, prior_prob)
+        if not scale > 0:
+            raise UserError(f"the logit-normal prior's scale must be positive, got {scale}; pass e.g. "
+                            "--prior-arg scale=1")
+        self.register_buffer("loc", torch.full((num_features,), math.log(self.prior_prob / (1 - self.prior_prob))))
+        self.register_buffer("scale", torch.full((num_features,), float(scale)))
+
+    def rate(self):
+        return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale).to_event(1)).sigmoid()
+
+    def make_guide(self):
+        return NormalLogitGuide(self.loc, self.scale)
+
+    @torch.no_grad()
+    def mean_rate(self, guide=None, num_draws=256):
+        """E[sigmoid(l_k)] under q (or the prior) by Gauss-Hermite quadrature on 64 nodes (no draws)."""
+        loc, scale = (guide.loc, guide.scale) if guide is not None else (self.loc, self.scale)
+        nodes, weights = (torch.as_tensor(v, dtype=loc.dtype, device=loc.device)
+                          for v in np.polynomial.hermite_e.hermegauss(64))
+        return ((loc[:, None] + scale[:, None] * nodes).sigmoid() @ weights / math.sqrt(2 * math.pi)).detach()
+
+
+class NormalLogitGuide(PyroModule):
+    """q(logit rho_k) = Normal(loc_k, scale_k), initialised at the prior."""
+
+    def __init__(self, loc: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.loc = PyroParam(loc.clone())
+        self.scale = PyroParam(scale.clone(), constraint=constraints.positive)
+
+    def forward(self):
+        return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale).to_event(1))
+
+
+@register("per-image")
+class PerImagePrior(Prior):
+    """s_i ~ Beta(a, b) for each row i (each view of an image, as the gates are per row), g_ik ~ Bernoulli(s_i):
+    a sparsity level of each image's own, with an amortized guide q(s_i | x_i) from the row's backbone features.
+
+    ``prior_prob`` is the Beta mean a / (a + b) and ``concentration`` is a + b, as for ``beta-bernoulli``; here the
+    rate is shared by a row's K gates and not by the rows.
+    """
+
+    row_latents = True
+
+    def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
+        super().__init__(num_features, prior_prob)
+        if not concentration > 0:
+            raise UserError(f"Beta concentration must be positive, got {concentration}; pass e.g. "
+                            "--prior-arg concentration=10")
+        self.register_buffer("a", torch.tensor(self.prior_prob * concentration))
+        self.register_buffer("b", torch.tensor((1 - self.prior_prob) * concentration))
+
+    def forward(self, rows, plate):
+        with plate:
+            rate = pyro.sample("row_rate", dist.Beta(self.a, self.b).expand([rows]))
+        return dist.Bernoulli(rate.unsqueeze(-1).expand(rows, self.num_features)).to_event(1)
+
+    def make_guide(self, in_dim):
+        return AmortizedBetaGuide(in_dim, self.num_features, self.a, self.b)
+
+    @torch.no_grad()
+    def row_rates(self, guide=None, h=None, num_draws=256):
+        """E[s_i] for each row, exact: q's Beta mean given the row's features, or the prior's (one row)."""
+        if guide is not None and h is None:
+            raise UserError("row_rates(guide, h) needs the rows' backbone features h with the guide")
+        mean = guide.posterior(h).mean if guide is not None else (self.a / (self.a + self.b)).reshape(1)
+        return mean.unsqueeze(-1).expand(-1, self.num_features).detach()
+
+
+class AmortizedBetaGuide(PyroModule):
+    """q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the row's
+    backbone features h_i (detached: the prior's guide does not train the backbone), its concentration c one
+    parameter. A row's K gates all pull on s_i, so its gradient is K times a dimension's: the 1 / sqrt(K) keeps the
+    optimizer's step in m_i a dimension's size whatever K. Starts at the prior for every row (w = 0), drawing
+    nothing from the random stream."""
+
+    def __init__(self, in_dim: int, num_features: int, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.root_k = math.sqrt(num_features)
+        self.weight = torch.nn.Parameter(torch.zeros(in_dim))
+        self.bias = torch.nn.Parameter((a / b).log().float().reshape(()) * self.root_k)  # logit of a / (a + b)
+        self.concentration = PyroParam((a + b).float().clone(), constraint=constraints.positive)
+
+    def posterior(self, h: torch.Tensor) -> dist.Beta:
+        """q(s | x) for backbone features h (R x D): Beta, batch shape (R,)."""
+        h = F.normalize(h.detach(), dim=-1)
+        mean = ((h @ self.weight + self.bias) / self.root_k).sigmoid()
+        return dist.Beta(self.concentration * mean, self.concentration * (1 - mean))
+
+    def forward(self, h, plate):
+        with plate:
+            return pyro.sample("row_rate", self.posterior(h))

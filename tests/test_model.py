@@ -34,7 +34,8 @@ def _program(estimator="ste", prior="bernoulli", kl_weight=3e-5, rho=0.8):
     p = build_prior(prior, K, rho)
     model = ContrastiveModel(N, 0.2, "relu", prior=p, kl_weight=kl_weight)
     est = gate_class(estimator)()
-    guide = GateGuide(D, 16, K, N, family=est.family, kl_weight=kl_weight, rate_guide=p.make_guide())
+    guide = GateGuide(D, 16, K, N, family=est.family, kl_weight=kl_weight,
+                      rate_guide=p.make_guide(D) if p.row_latents else p.make_guide(), row_latents=p.row_latents)
     return model, guide, poutine.reparam(guide, config={"g": est})
 
 

@@ -1,6 +1,9 @@
-"""notebooks/inspect_gates.ipynb runs top to bottom (it trains its own two small digits runs) and is kept in
-git without outputs."""
+"""notebooks/inspect_gates.ipynb runs top to bottom (it trains its own two small digits runs), notebooks/your_own_prior.ipynb
+trains a few steps with a prior written in one of its cells and reads the run back, and both are kept in git without
+outputs."""
 
+import json
+import math
 from pathlib import Path
 
 import nbformat
@@ -8,10 +11,12 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_gates.ipynb"
+OWN_PRIOR = NOTEBOOK.with_name("your_own_prior.ipynb")
 
 
-def test_notebook_is_stored_without_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+@pytest.mark.parametrize("notebook", [NOTEBOOK, OWN_PRIOR], ids=lambda p: p.stem)
+def test_notebook_is_stored_without_outputs(notebook):
+    nb = nbformat.read(notebook, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
@@ -32,3 +37,19 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
              if (html := o.get("data", {}).get("text/html", "")).startswith("<iframe srcdoc=")]
     assert len(pages) == 2 and "&quot;dim/" not in pages[0] and "&quot;dim/" in pages[1]
     assert len(list(tmp_path.glob("inspect_gates_*/bayesncl/report/index.html"))) == 1
+
+
+def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook trains its run in a temporary folder
+    nb = nbformat.read(OWN_PRIOR, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(OWN_PRIOR.parent)}}).execute()
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "p(g) for 3 rows: batch (3,), event (8,)" in text
+    assert "posterior draws of the rates: {'chain': 1, 'draw': 10, 'feature': 64}" in text
+    assert "q's parameters: ['rate_a', 'rate_b']" in text
+    assert "report of a __main__:KumaraswamyRates run: prior rate 0." in text
+    run, = tmp_path.glob("own_prior_*/run")
+    assert (run / "gates.nc").exists() and (run / "report" / "index.html").exists()
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert log and all(math.isfinite(r["kl"]) and r["kl"] > 0 for r in log)  # the rates' KL a draw, the gates' exact

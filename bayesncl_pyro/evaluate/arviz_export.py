@@ -14,12 +14,17 @@ its ``class_label``):
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on
                     <site> (chain, draw, ...)         each global latent of the prior by its site name, drawn
                                                       from its q (beta-bernoulli: rate (chain, draw, feature))
+                    <site> (chain, draw, item, ...)   each latent per image of the prior (per-image: row_rate),
+                                                      drawn from its q given the image
     observed_data   label (item)
     gates           inclusion_prob (item, feature)    exact q(g_k = 1 | x_i) of the run's gate estimator
                     class_inclusion (class, feature)  its mean over the items of each class
                     features (item, feature)          the representation F the metrics judge
                     rate_<param> (feature or ...)     each parameter of the global latents' q by its name
                                                       (beta-bernoulli: rate_a, rate_b, q(rate_k) = Beta(a_k, b_k))
+                    prior_rate (feature)              the prior's inclusion rate, a hierarchical prior's at the
+                                                      mean of its latents' q; (item, feature) for a prior with a
+                                                      rate per image, each test image's
     training_log    every numeric field of log.jsonl (step): the loss per row as trained (-ELBO, or for ste and
                                                       gs-reference-kl the reference's surrogate), nce, kl, ...
 
@@ -71,6 +76,10 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
         posterior[name] = values[None].numpy()
         if values.shape[1:] == (k,):
             dims[name] = ["feature"]
+    for name, values in (post.row_draws or {}).items():  # a latent per image: S x N x ...
+        posterior[name] = values[None].numpy()
+        dims[name] = ["item"] + (["feature"] if values.shape[2:] == (k,) else
+                                 [f"{name}_dim_{i}" for i in range(values.ndim - 2)])
     groups = {"posterior": posterior, "observed_data": {"label": post.labels.numpy()}}
     dt = (_from_dict if ARVIZ_1 else _from_dict_arviz0)(groups, coords, dims)
     for name in ("posterior", "observed_data"):
@@ -82,6 +91,8 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     for name, value in (post.global_params or {}).items():  # q's parameters of the global latents, as rate_<name>
         gates[f"rate_{name}"] = (("feature",) if value.shape == (k,) else
                                  tuple(f"rate_{name}_dim_{i}" for i in range(value.ndim)), value.numpy())
+    if post.prior_rate is not None:
+        gates["prior_rate"] = (("item", "feature")[-post.prior_rate.ndim:], post.prior_rate.numpy())
     dt["gates"] = xr.Dataset(gates, coords={**coords, "class_label": class_label})
     if post.global_convergence is not None:
         _mark_rate_convergence(dt, post)
@@ -115,15 +126,17 @@ def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
 
 
 def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws: int = DEFAULT_DRAWS,
-                 test: TestFeatures | None = None) -> Path:
+                 test: TestFeatures | None = None, trust_code: bool = False) -> Path:
     """Compute the gate posterior of a run, write ``RUN_DIR/gates.nc`` and return its path.
 
     ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading), ``test`` to
-    the learner's test features computed here (pass the evaluation's to skip running the backbone again).
+    the learner's test features computed here (pass the evaluation's to skip running the backbone again);
+    ``trust_code``: import the code that the run's configuration names (a prior of your own), as ``load_learner``.
     A failed write raises ``UserError`` and leaves any previous ``gates.nc`` unchanged and no temporary file.
     """
     run_dir = Path(run_dir)
-    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test)
+    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test,
+                          trust_code=trust_code)
     config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE

@@ -188,30 +188,44 @@ def undecided_warning(probs: torch.Tensor) -> str | None:
             "nothing about the images yet; train for more steps before reading the gates")
 
 
-def prior_rate(learner) -> torch.Tensor:
-    """K: the prior's inclusion rate of a gated learner (a hierarchical prior's at the mean of q(rate)), on the CPU."""
-    return learner.model.prior.mean_rate(learner.guide.rate_guide).detach().cpu()
+def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
+    """The prior's inclusion rate of a gated learner, on the CPU: K (a hierarchical prior's at its latents' posterior,
+    ``Prior.mean_rate``), or for a prior with a rate per row N x K, each test image's at its posterior given the
+    image (``Prior.row_rates``: the learner's ``test`` features needed)."""
+    prior, guide = learner.model.prior, learner.guide.rate_guide
+    if not prior.row_latents:
+        return prior.mean_rate(guide).detach().cpu()
+    if test is None:
+        raise UserError(f"the {learner.cfg.prior} prior has a rate per image: its rates need the test features")
+    return prior.row_rates(guide, test.backbone.to(next(learner.parameters()).device)).detach().cpu()
 
 
-def global_latents(guide, num_draws: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """What the guide of a prior's global latents says, read from its trace by site name as
-    ``pyro.infer.Predictive`` reads a guide: ``(params, draws)``, its parameter sites' values (constrained, named
-within the guide) and
-    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU. The draws
-    are one trace under a plate of S draws left of the guide's own plates (Predictive's ``parallel=True``), in a param
-    store of its own (``own_params``)."""
+def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What the guide of a prior's latents says, read from its trace by site name as ``pyro.infer.Predictive`` reads
+    a guide: ``(params, draws, row_draws)``, its parameter sites' values (constrained, named within the guide) and
+    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU; with h
+    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it
+    are ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
+    (Predictive's ``parallel=True``), in a param store of its own (``own_params``)."""
+    args = () if h is None else (h, pyro.plate("rows", len(h), device=h.device))
     with own_params():
-        trace = poutine.trace(guide).get_trace()
+        trace = poutine.trace(guide).get_trace(*args)
         prefix = f"{guide._pyro_name}." if guide._pyro_name else ""  # a submodule's params are named by its path
         params = {name.removeprefix(prefix): site["value"].detach().cpu() for name, site in trace.nodes.items()
                   if site["type"] == "param"}
         if not num_draws:
-            return params, {}
+            return params, {}, {}
         nesting = max((-f.dim for name in trace.stochastic_nodes for f in trace.nodes[name]["cond_indep_stack"]),
                       default=0)
         with pyro.plate("draws", num_draws, dim=-nesting - 1):
-            trace = poutine.trace(guide).get_trace()
-    return params, {name: trace.nodes[name]["value"].detach().cpu() for name in trace.stochastic_nodes}
+            trace = poutine.trace(guide).get_trace(*args)
+    draws, row_draws = {}, {}
+    for name in trace.stochastic_nodes:
+        site = trace.nodes[name]
+        row = any(f.name == "rows" for f in site["cond_indep_stack"])
+        (row_draws if row else draws)[name] = site["value"].detach().cpu()
+    return params, draws, row_draws
 
 
 def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torch.Tensor:
@@ -267,6 +281,10 @@ class GatePosterior:
     # beta-bernoulli the concentration a + b and a0 + b0 + 2N, which a training run is far from: models/priors.py,
     # BetaBernoulliPrior); None where the prior has no such figure
     global_convergence: tuple[float, float] | None = None
+    # the prior's inclusion rate (:func:`prior_rate`): K, or N x K for a prior with a rate per image
+    prior_rate: torch.Tensor | None = None
+    # a prior's latents per image (per-image: its rate), by the name of their site: S draws from q given the image
+    row_draws: dict[str, torch.Tensor] | None = None
 
     @property
     def class_means(self) -> torch.Tensor:
@@ -308,9 +326,11 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)
         post.draws = learner.guide.posterior(test.backbone.to(device)).sample((num_draws,)).cpu()
-    rate_guide = learner.guide.rate_guide
+    rate_guide, prior = learner.guide.rate_guide, learner.model.prior
     if rate_guide is not None:
-        post.global_params, draws = global_latents(rate_guide, num_draws)
-        post.global_draws = draws or None
-        post.global_convergence = learner.model.prior.convergence(rate_guide, learner.head.num_rows)
+        h = test.backbone.to(device) if prior.row_latents else None
+        post.global_params, draws, row_draws = prior_latents(rate_guide, num_draws, h)
+        post.global_draws, post.row_draws = draws or None, row_draws or None
+        post.global_convergence = prior.convergence(rate_guide, learner.head.num_rows)
+    post.prior_rate = prior_rate(learner, test)
     return post

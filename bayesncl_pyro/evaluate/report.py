@@ -320,7 +320,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     feats = test_features(learner, data)
     gates = kl = None
     if learner.gated:
-        rate = dm.prior_rate(learner)
+        rate = dm.prior_rate(learner, feats)
         kl = dm.kl_per_dim(feats.probs, rate, cfg.kl_clamp)
         gates = gate_summary(feats, kl, dm.kl_label(cfg.kl_clamp), float(rate.mean()))
     base = None

@@ -96,12 +96,15 @@ def _check_size(args: dict, name):
                         f"machine's {memory / 2**30:.3g} GiB of memory; lower one of them")
 
 
-def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float,
-                  prior_args: dict | None = None) -> tuple[Prior | None, PyroModule | None]:
-    """The one place a head's prior is built and checked: ``(prior, its guide)`` for a registry name,
-    ``package.module:Class`` or a built :class:`Prior` of ``proj_dim`` gates, the guide checked against the prior
-    (``checked_guide``); ``(None, None)`` for None. :class:`BayesNCLHead` calls it, and ``train.resolve``, so a bad
-    prior is refused before a run's folder is claimed and its data loaded."""
+def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float, prior_args: dict | None = None,
+                  in_dim: int = 8) -> tuple[Prior | None, PyroModule | None]:
+    """Build and check a head's prior: the one place this is done.
+
+    Returns ``(prior, its guide)`` for a registry name, ``package.module:Class`` or a built :class:`Prior` of
+    ``proj_dim`` gates, the guide (for backbone features of ``in_dim``, which a prior with row latents reads) checked
+    against the prior (``checked_guide``); ``(None, None)`` for None. :class:`BayesNCLHead` calls it, and
+    ``train.resolve``, so a bad prior is refused before a run's folder is claimed and its data loaded.
+    """
     if prior_args and not isinstance(prior, str):
         raise UserError("prior_args are the arguments of a prior given by name; " + (
             "prior=None has no prior to take them" if prior is None else
@@ -116,7 +119,7 @@ def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float,
     if prior.num_features != proj_dim:
         raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
                         f"prior with num_features={proj_dim} (the head's proj_dim)")
-    return prior, checked_guide(prior)
+    return prior, checked_guide(prior, in_dim)
 
 
 def own_params():
@@ -257,7 +260,7 @@ class BayesNCLHead(nn.Module):
         super().__init__()
         if not num_train >= 2:
             raise UserError(f"num_train must be the number of images in the training set (at least 2), got {num_train}")
-        prior, rate_guide = checked_prior(prior, proj_dim, prior_prob, prior_args)
+        prior, rate_guide = checked_prior(prior, proj_dim, prior_prob, prior_args, in_dim)
         self.projector = mlp(in_dim, proj_hidden, proj_dim)
         num_rows = 2 * num_train
         self.model = ContrastiveModel(num_rows, temperature, nonneg, topk, prior, kl_weight)
@@ -265,6 +268,7 @@ class BayesNCLHead(nn.Module):
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, family=self.estimator.family,
             temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight, rate_guide=rate_guide,
+            row_latents=prior.row_latents,
         ) if prior is not None else None
         self.gather_distributed = gather_distributed
         self.density = None

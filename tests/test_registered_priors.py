@@ -1,0 +1,175 @@
+"""The priors that a rate alone cannot express (models/priors.py): ibp's stick-breaking rates, logit-normal's Normal
+on each dimension's logit rate, and per-image's rate per row with an amortized guide. Each one's rates and mean rate,
+its latents' sites and KL, and a digits run through training, gates.nc, the notebook's figures and the report."""
+
+import json
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.nn import PyroModule
+from torch.distributions import kl_divergence
+
+from bayesncl_pyro import BayesNCLHead
+from bayesncl_pyro.cli import run_svi
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate import dimensions as dm, figures, report
+from bayesncl_pyro.evaluate.arviz_export import read_gates
+from bayesncl_pyro.evaluate import heldout
+from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.models.priors import PerImagePrior, Prior, build_prior, stick_alpha
+from helpers import TINY_RUN
+
+
+@pytest.mark.parametrize("k, rate", [(16, 0.8), (256, 0.3), (2048, 0.05)])
+def test_ibp_rates_decay_with_k_and_their_prior_mean_over_the_dims_is_prior_prob(k, rate):
+    prior = build_prior("ibp", k, rate)
+    mean = prior.mean_rate()
+    assert (mean[1:] < mean[:-1]).all()
+    assert float(mean.double().mean()) == pytest.approx(rate, abs=1e-4)
+    m = prior.alpha / (prior.alpha + 1)  # E[v] of a Beta(alpha, 1) stick
+    torch.testing.assert_close(mean, torch.tensor(m, dtype=torch.float64) ** torch.arange(1, k + 1),
+                               check_dtype=False, rtol=1e-4, atol=0)
+    assert stick_alpha(k, rate) == prior.alpha
+
+
+def test_ibp_mean_rate_under_q_is_the_mean_of_the_sticks_running_products():
+    prior = build_prior("ibp", 16, 0.8)
+    guide = prior.make_guide()
+    with torch.no_grad():
+        guide.a = torch.linspace(2.0, 40.0, 16)
+        guide.b = torch.linspace(0.5, 3.0, 16)
+        draws = dist.Beta(guide.a, guide.b).sample((200_000,)).cumprod(-1).mean(0)
+    torch.testing.assert_close(prior.mean_rate(guide), draws, atol=3e-3, rtol=0)
+
+
+def test_logit_normal_mean_rate_is_the_mean_of_the_sigmoid_under_q_and_prior_prob_its_median():
+    prior = build_prior("logit-normal", 16, 0.8, scale=2.0)
+    torch.testing.assert_close(prior.loc.sigmoid(), torch.full((16,), 0.8))
+    guide = prior.make_guide()
+    with torch.no_grad():
+        guide.loc = torch.linspace(-3.0, 3.0, 16)
+        guide.scale = torch.linspace(0.1, 4.0, 16)
+        exact = dist.Normal(guide.loc, guide.scale).sample((1_000_000,)).sigmoid().mean(0)
+    torch.testing.assert_close(prior.mean_rate(guide), exact, atol=2e-3, rtol=0)
+    under_prior = dist.Normal(prior.loc, prior.scale).sample((1_000_000,)).sigmoid().mean(0)
+    torch.testing.assert_close(prior.mean_rate(), under_prior, atol=2e-3, rtol=0)
+    assert (prior.mean_rate() < 0.8).all()  # the spread pulls the mean towards 1/2
+    with pytest.raises(UserError, match="scale must be positive, got 0.0; pass e.g. --prior-arg scale=1"):
+        build_prior("logit-normal", 16, 0.8, scale=0)
+
+
+def _traces(head, h):
+    with torch.no_grad():
+        terms = head.elbo_terms(head.projector(h), h)
+    return terms.model_trace, terms.guide_trace
+
+
+@pytest.mark.parametrize("prior, site, in_rows", [("ibp", "stick", False), ("logit-normal", "logit_rate", False),
+                                                 ("per-image", "row_rate", True), ("beta-bernoulli", "rate", False)])
+def test_each_priors_latents_sit_where_they_belong_and_take_the_analytic_kl(prior, site, in_rows):
+    """Global latents scaled by lambda once per data set; per-image's rate in the rows plate, scaled by lambda and
+    N / R as the gates are; each one's KL term the registered KL of its q and prior, not a draw of log q - log p."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(6, 8, 16, num_train=100, prior=prior, kl_weight=0.1)
+    with torch.no_grad():  # q away from the prior, where both KLs would be 0
+        for param in head.guide.rate_guide.parameters():
+            param.add_(0.3)
+    h = torch.randn(10, 6)
+    model_trace, guide_trace = _traces(head, h)
+    p, q = model_trace.nodes[site], guide_trace.nodes[site]
+    scale = 0.1 * (200 / 10 if in_rows else 1.0)
+    assert p["scale"] == pytest.approx(scale) and q["scale"] == pytest.approx(scale)
+    assert any(f.name == "rows" for f in p["cond_indep_stack"]) == in_rows
+    assert any(f.name == "rows" for f in q["cond_indep_stack"]) == in_rows
+    analytic = scale * kl_divergence(q["fn"], p["fn"]).sum()
+    one_draw = scale * (q["fn"].log_prob(q["value"]) - p["fn"].log_prob(q["value"])).sum()
+    torch.testing.assert_close(q["kl"], analytic)
+    assert not torch.isclose(q["kl"], one_draw)
+
+
+def test_per_image_gives_each_row_its_own_rate_from_its_features():
+    torch.manual_seed(0)
+    head = BayesNCLHead(6, 8, 16, num_train=100, prior="per-image", gate="relaxed", kl_weight=0.1)
+    prior, guide = head.model.prior, head.guide.rate_guide
+    h = torch.randn(40, 6)
+    # q starts at the prior for every row: Beta(8, 2)
+    torch.testing.assert_close(prior.row_rates(guide, h), torch.full((40, 8), 0.8))
+    q = guide.posterior(h)
+    torch.testing.assert_close(q.concentration1, torch.full((40,), 8.0))
+    torch.testing.assert_close(q.concentration0, torch.full((40,), 2.0))
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    for _ in range(5):
+        loss, _ = head(h)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rates = prior.row_rates(guide, h)
+    assert rates.shape == (40, 8) and (rates == rates[:, :1]).all()  # one rate per row, shared by its gates
+    assert rates[:, 0].std() > 1e-4  # and rows differ
+    # the closed form is the mean of the prior's gate rates over draws of the rates from q (the generic row_rates)
+    torch.testing.assert_close(rates, Prior.row_rates(prior, guide, h, num_draws=4000), atol=0.01, rtol=0)
+    # the prior's mean rate needs no features; q's needs them
+    torch.testing.assert_close(prior.mean_rate(), torch.full((8,), 0.8))
+    with pytest.raises(UserError, match="rate per row: its posterior mean rate needs the rows' backbone features"):
+        prior.mean_rate(guide)
+
+
+class _OtherSite(PyroModule):
+    def forward(self, h, plate):
+        with plate:
+            return pyro.sample("other", dist.Beta(torch.ones(len(h)), 1.0))
+
+
+class _MisnamedPerImage(PerImagePrior):
+    def make_guide(self, in_dim):
+        return _OtherSite()
+
+
+def test_a_prior_with_row_latents_is_checked_with_its_amortized_guide():
+    """A row-latent prior whose guide samples another site is refused when the head is built, as a global one's."""
+    with pytest.raises(UserError, match=r"samples the latent sites \['row_rate'\] but its make_guide\(\) returns a "
+                                        r"guide that samples \['other'\]"):
+        BayesNCLHead(6, 8, 16, num_train=100, prior=_MisnamedPerImage(8, 0.8))
+
+
+@pytest.mark.parametrize("prior, site, dims", [("ibp", "stick", ("chain", "draw", "feature")),
+                                              ("logit-normal", "logit_rate", ("chain", "draw", "feature")),
+                                              ("per-image", "row_rate", ("chain", "draw", "item"))])
+def test_a_digits_run_of_each_prior_exports_its_gates_opens_in_the_figures_and_the_report(tmp_path, prior, site,
+                                                                                        dims):
+    out = tmp_path / "run"
+    assert run_svi.main([*TINY_RUN, "--prior", prior, "--out", str(out)]) == 0
+    learner, cfg = load_learner(out)
+    assert cfg.prior == prior and type(learner.model.prior).__name__ == type(build_prior(prior, 16, 0.8)).__name__
+
+    idata = read_gates(out)
+    n = idata["gates"].sizes["item"]
+    assert idata["posterior"][site].dims == dims and idata.posterior.attrs["prior"] == prior
+    feats = heldout.test_features(learner, load_dataset("digits", None, seed=0))
+    rate = dm.prior_rate(learner, feats)
+    np.testing.assert_allclose(idata["gates"]["prior_rate"].values, rate.numpy(), rtol=1e-6)
+    if prior == "per-image":  # each test image's rate, its q's mean given the image
+        assert idata["gates"]["prior_rate"].dims == ("item", "feature") and rate.shape == (n, 16)
+        assert (idata["posterior"][site].values > 0).all() and (idata["posterior"][site].values < 1).all()
+    else:
+        assert idata["gates"]["prior_rate"].dims == ("feature",)
+        torch.testing.assert_close(rate, learner.model.prior.mean_rate(learner.guide.rate_guide).cpu())
+    if prior == "ibp":
+        assert (rate[1:] < rate[:-1]).all()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # arviz 0.2x announces 1.x on import
+        import arviz as az
+    assert len(az.summary(idata, var_names=["dim_inclusion"], kind="stats")) == 16
+    lines = figures.inspect(out, out / "inspect")
+    assert any(line.startswith("KL per dimension: mean") for line in lines)
+
+    page = report.write_report(out)
+    data = json.loads(page.with_name("report.json").read_text())
+    assert data["run"]["config"]["prior"] == prior
+    assert data["gates"]["prior_rate"] == pytest.approx(float(rate.mean()), abs=5e-4)  # rounded to 3 digits
