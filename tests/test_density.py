@@ -152,12 +152,12 @@ def test_a_run_that_ends_away_from_its_density_says_why_and_the_fix(density, pri
         assert says in line
 
 
-def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, capsys):
+def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, caplog):
     trainer = Trainer(tiny(tmp_path, gate_density=0.9, max_steps=2), progress=False)  # rho 0.2 cannot open gates
     trainer.train(2)
     share = trainer.evaluate()["gates_open"]
     assert share < 0.85
-    assert shortfall(0.9, 0.2, share) in capsys.readouterr().err
+    assert shortfall(0.9, 0.2, share) in caplog.messages
 
 
 def test_each_run_meets_the_topk_curve_of_its_own_seed():
