@@ -1,0 +1,1 @@
+"""The Pyro guides: the amortized q(g | x) of the gates."""

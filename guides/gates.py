@@ -78,6 +78,7 @@ class BernoulliGates(dist.Bernoulli):
         return dist.RelaxedBernoulliStraightThrough(self.temperature, logits=self.head_logits).rsample(sample_shape)
 
     def expand(self, batch_shape, _instance=None):
+        """The same family expanded to ``batch_shape``, its logits and temperature kept."""
         new = self._get_checked_instance(type(self), _instance)
         new.head_logits = self.head_logits.expand(batch_shape)
         new.temperature = self.temperature
@@ -85,19 +86,24 @@ class BernoulliGates(dist.Bernoulli):
 
 
 class GumbelSigmoidGates(BernoulliGates):
-    """The reference's GS family: on iff l + G > 0 with G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1); P(g = 1)
+    """The reference's GS family: on iff l + G > 0, G a Gumbel draw.
+
+    The reference's GS family: on iff l + G > 0 with G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1); P(g = 1)
     = 1 + 1e-4 - exp(1e-4 - e^l) (module docstring), not sigmoid(l). ``rsample`` is the reference's draw,
-    straight-through to y = sigmoid((l + G) / T)."""
+    straight-through to y = sigmoid((l + G) / T).
+    """
 
     EPS = 1e-4  # the reference's two offsets inside the Gumbel transform
 
     @staticmethod
     def inclusion(logits):
+        """P(g = 1) of the reference's Gumbel gate at logits l."""
         eps = GumbelSigmoidGates.EPS
         # on iff u > exp(eps - e^l) - eps; expm1 keeps the small probabilities precise
         return (eps - torch.expm1(eps - logits.exp())).clamp(0.0, 1.0)
 
     def rsample(self, sample_shape=torch.Size()):
+        """The reference's draw, straight-through to sigmoid((l + G) / T)."""
         logits = self.head_logits.expand(self._extended_shape(sample_shape))
         u = torch.rand_like(logits)
         y = torch.sigmoid((logits - (-(u + self.EPS).log() + self.EPS).log()) / self.temperature)
@@ -151,8 +157,11 @@ class GateGuide(PyroModule):
         return b * torch.tanh(raw / b)
 
     def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None) -> BernoulliGates:
-        """q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws;
-        ``family``: another family on the same logits (default the guide's)."""
+        """q(g | x) for backbone features h (R x D).
+
+        q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws;
+        ``family``: another family on the same logits (default the guide's).
+        """
         return (family or self.family)(self.logits(h), self.temperature)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,

@@ -1,0 +1,1 @@
+"""The Pyro models: the contrastive program and the swappable priors over its gates."""

@@ -1,7 +1,5 @@
 """The generative side: gates from the prior, InfoNCE on gated non-negative features as a likelihood factor.
 
-How lambda, the factor and the plate scaling fit together
----------------------------------------------------------
 The training set has N images, hence ``num_rows = 2N`` view-rows; a minibatch holds R = 2B of them.
 Per row i, under ``pyro.plate("rows", 2N, subsample=R rows)`` (every site in it scaled by 2N / R):
 
@@ -17,30 +15,11 @@ and once for the batch, *outside* the plate but with the plate's scaling 2N / R:
   bound on log p(x).
 
 So ``-ELBO = 2N * [mean_i l_i + lambda * mean_i sum_k KL_ik] + lambda * KL(global latents)``, and the
-trainer minimises ``-ELBO / 2N``: exactly the paper's "InfoNCE + lambda * KL per row", plus the
-global-latent KL of hierarchical priors once per data set (``models/priors.py`` says why that is the
-right weight). Read lambda as the temperature of a Gibbs posterior, p(g | x) proportional to
-p(g) exp(-InfoNCE / lambda). With a density target (``--gate-density D``, ``bayesncl_pyro/infer/density.py``) lambda
-is not chosen by hand but is the Lagrange multiplier of the constraint "share of open gates = D", found by dual
-ascent during training: in this reading, the Gibbs posterior's temperature chosen by a constraint on the posterior's
-mode, rather than a fixed hyperparameter (the head passes the multiplier's current value as ``kl_weight``). The
-program says what is random; how training differentiates through the
-gates is the inference's choice (``bayesncl_pyro/infer/estimators.py``): with the ``ste`` estimator the likelihood
-term is InfoNCE at the posterior mode, not its expectation under q, the reference's deterministic surrogate.
-
-Why the factor is outside the rows plate
-----------------------------------------
-A plate is a conditional-independence statement. The gates are independent across rows (given the rate)
-in the prior and in the guide, so they belong in it. InfoNCE is not: l_i depends on every row of the batch
-through the negatives, so row i's gates change the other rows' losses. Inside the plate the factor would
-claim that l_i depends on row i's gates only, and estimators that use the plate structure would act on
-that claim: ``TraceGraph_ELBO`` would weight row i's score-function term by l_i alone (a biased
-gradient), and enumeration would sum out each row's gates separately. Under the mean-field ELBO with
-analytic KLs (what training uses) the plate contributes nothing but its scaling, so both placements give
-the same loss and gradients; outside it, the program also says what it computes, and every Pyro
-estimator sees the true dependence (``tests/test_model.py`` checks ``TraceGraph_ELBO`` against exact
-enumeration). The 2N / R scaling is itself the paper's objective: the expected InfoNCE of a minibatch,
-per row, times the number of rows (InfoNCE has no per-row likelihood of the whole data set).
+trainer minimises ``-ELBO / 2N``: the paper's "InfoNCE + lambda * KL per row", plus the global latents' KL once
+per data set. lambda is the temperature of a Gibbs posterior, or with ``--gate-density`` a Lagrange multiplier
+(``bayesncl_pyro/infer/density.py``; the head passes its value as ``kl_weight``); the factor sits outside the rows
+plate because InfoNCE couples the rows: docs/METHOD.md, "The Pyro program". The program says what is random; how
+training differentiates through the gates is the inference's choice (``bayesncl_pyro/infer/estimators.py``).
 
 NCL is this program without the gate site, and CL (SimCLR) also without non-negativity.
 """
@@ -64,8 +43,11 @@ def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
 
 @functools.lru_cache(maxsize=16)
 def _row_indices(batch_rows: int, device: torch.device) -> torch.Tensor:
-    """``arange(batch_rows)``, the plate's subsample, built once per batch size and device: the model and the guide
-    enter the plate at every step. Never an inference tensor, whatever mode the first call ran in."""
+    """``arange(batch_rows)``, the plate's subsample, built once per batch size and device.
+
+    ``arange(batch_rows)``, the plate's subsample, built once per batch size and device: the model and the guide
+    enter the plate at every step. Never an inference tensor, whatever mode the first call ran in.
+    """
     with torch.inference_mode(False):
         return torch.arange(batch_rows, device=device)
 
@@ -97,7 +79,9 @@ class ContrastiveModel(PyroModule):
         return normalize(z)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None, kl_weight=None):
-        """z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
+        """Sample the gates, gate the features and add the batch's InfoNCE factor.
+
+        z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
         this rank's rows -> (every rank's rows, the offset of ours), for global negatives
         (``bayesncl_pyro.distributed.gather_rows``); kl_weight: this call's lambda (default: the constructor's).
         Rows are ``[view 1 of B images; view 2 of the same B images]``.
@@ -105,8 +89,9 @@ class ContrastiveModel(PyroModule):
         Besides the gate site ``g`` and the factor ``nce``, it returns what it computed, detached, for whoever reads
         the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw (R x K); and
         with gates ``ungated``, the same rows before gating (R x K). A return value, not ``pyro.deterministic`` sites:
-        each such site is a sample statement through every handler, a tenth of the Pyro layer's cost per step on a
-        CPU (``docs/PERFORMANCE.md``), for values no term of the ELBO uses."""
+        each such site is a sample statement through every handler (``docs/PERFORMANCE.md``, the Pyro layer's cost),
+        for values no term of the ELBO uses.
+        """
         u = ungated = self.features(z)
         rows = u.shape[0]
         if self.prior is not None:
@@ -132,6 +117,9 @@ class ContrastiveModel(PyroModule):
 
 
 def computed(model_trace) -> dict[str, torch.Tensor]:
-    """What a trace of :class:`ContrastiveModel` computed (its return value): ``row_nce``, ``features`` and with gates
-    ``ungated`` (:meth:`ContrastiveModel.forward`)."""
+    """What a trace of :class:`ContrastiveModel` computed (its return value).
+
+    What a trace of :class:`ContrastiveModel` computed (its return value): ``row_nce``, ``features`` and with gates
+    ``ungated`` (:meth:`ContrastiveModel.forward`).
+    """
     return model_trace.nodes["_RETURN"]["value"]

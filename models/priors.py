@@ -51,8 +51,11 @@ def prior_class(spec: str) -> type["Prior"]:
 
 
 def prior_args(spec: str, args: dict) -> dict:
-    """``--prior-arg`` values (name -> text or value) checked against the prior's constructor, converted to the
-    types it declares."""
+    """``--prior-arg`` values checked against the prior's constructor and converted.
+
+    ``--prior-arg`` values (name -> text or value) checked against the prior's constructor, converted to the
+    types it declares.
+    """
     return typed_kwargs(prior_class(spec), args, {"num_features": "--proj-dim", "prior_prob": "--prior-prob"},
                         f"prior {spec}", "--prior-arg")
 
@@ -68,13 +71,16 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
 
 
 def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
-    """``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
+    """``prior.make_guide()``, once the prior and its guide are checked to fit the program.
+
+    ``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
     exactly the latent sites that ``prior(rows)`` samples, and ``prior(rows)`` is a distribution over R rows of K
     gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in (0, 1)). Otherwise the ELBO would
     fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp hides) train
     without a word. Runs the prior once on a forked random stream: building a head draws nothing. ``in_dim``: the
     width of the backbone features that the guide of a prior with row latents reads (``make_guide(in_dim)``); the
-    check runs it on rows of zeros."""
+    check runs it on rows of zeros.
+    """
     name, k, rows = type(prior).__name__, prior.num_features, 2
     guide = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
@@ -120,8 +126,11 @@ def _check_rate(prior_prob: float) -> float:
 
 
 class Prior(PyroModule):
-    """p(g) for a batch of rows' gates, with any global latents of its own: ``prior(rows)`` (:meth:`forward`);
-    a prior of independent Bernoulli gates implements only :meth:`rate`."""
+    """p(g) for a batch of rows' gates, with any global latents of its own.
+
+    p(g) for a batch of rows' gates, with any global latents of its own: ``prior(rows)`` (:meth:`forward`);
+    a prior of independent Bernoulli gates implements only :meth:`rate`.
+    """
 
     name: ClassVar[str]
     # True for a prior with latents of its own per row: it is called as ``prior(rows, plate)`` and samples them
@@ -135,28 +144,40 @@ class Prior(PyroModule):
         self.prior_prob = _check_rate(prior_prob)
 
     def forward(self, rows: int) -> dist.TorchDistribution:
-        """The distribution of ``rows`` rows' gates, batch shape (rows,) and event shape (K,); may sample global
-        latents (model side, outside the rows plate). By default independent Bernoulli gates at :meth:`rate`."""
+        """The distribution of ``rows`` rows' gates, batch (rows,) and event (K,).
+
+        The distribution of ``rows`` rows' gates, batch shape (rows,) and event shape (K,); may sample global
+        latents (model side, outside the rows plate). By default independent Bernoulli gates at :meth:`rate`.
+        """
         return dist.Bernoulli(self.rate().expand(rows, -1)).to_event(1)
 
     def rate(self) -> torch.Tensor:
-        """Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates (the default
-        :meth:`forward`); may sample global latents (model side)."""
+        """Inclusion rate of each gate, shape (K,), for independent Bernoulli gates.
+
+        Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates (the default
+        :meth:`forward`); may sample global latents (model side).
+        """
         raise NotImplementedError(f"{type(self).__name__} implements neither rate() nor forward(rows)")
 
     def make_guide(self) -> PyroModule | None:
-        """Variational posterior for this prior's latents, or None if it has none. It must sample exactly the
+        """Variational posterior for this prior's latents, or None if it has none.
+
+        Variational posterior for this prior's latents, or None if it has none. It must sample exactly the
         latent sites that :meth:`forward` samples (checked when a head is built: :func:`checked_guide`). With
-        ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features."""
+        ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features.
+        """
         return None
 
     @torch.no_grad()
     def mean_rate(self, guide: PyroModule | None = None, num_draws: int = 256) -> torch.Tensor:
-        """The one point summary of the inclusion rate (K), for reports: a row's P(g_k = 1) under the prior; with
+        """The one point summary of the inclusion rate (K), for reports.
+
+        The one point summary of the inclusion rate (K), for reports: a row's P(g_k = 1) under the prior; with
         global latents, its mean over ``num_draws`` draws of them from ``guide`` (the trained posterior q,
         ``make_guide()``'s) or, with no guide, from the prior, on a forked random stream (a report draws nothing
         from the run's). A prior whose mean is known in closed form overrides it. With ``row_latents`` it is
-        :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features)."""
+        :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features).
+        """
         if self.row_latents:
             if guide is not None:
                 raise UserError(f"{type(self).__name__} has a rate per row: its posterior mean rate needs the rows' "
@@ -174,9 +195,12 @@ class Prior(PyroModule):
     @torch.no_grad()
     def row_rates(self, guide: PyroModule | None = None, h: torch.Tensor | None = None,
                   num_draws: int = 256) -> torch.Tensor:
-        """R x K, for a prior with ``row_latents``: each row's P(g_k = 1), its latents drawn ``num_draws`` times
+        """Each row's P(g_k = 1), R x K, for a prior with ``row_latents``.
+
+        R x K, for a prior with ``row_latents``: each row's P(g_k = 1), its latents drawn ``num_draws`` times
         from ``guide`` given the rows' backbone features h (R x D), or with no guide from the prior (R = 1), on a
-        forked random stream; the mean over the draws. A prior whose mean is known in closed form overrides it."""
+        forked random stream; the mean over the draws. A prior whose mean is known in closed form overrides it.
+        """
         if not self.row_latents:
             raise TypeError(f"{type(self).__name__} has no latents per row; its rate is mean_rate()")
         if guide is not None and h is None:
@@ -190,9 +214,12 @@ class Prior(PyroModule):
         return torch.stack(draws).mean(0)
 
     def convergence(self, guide: PyroModule, num_rows: int) -> tuple[float, float] | None:
-        """For a prior whose q of global latents is known to converge slowly: ``(where q is, where it tends to)``
+        """Where a slowly converging q of global latents is, and where it tends to.
+
+        For a prior whose q of global latents is known to converge slowly: ``(where q is, where it tends to)``
         in one figure each (for a Beta posterior, its concentration), which ``gates.nc`` marks as reached or not;
-        None where there is no such figure."""
+        None where there is no such figure.
+        """
         return None
 
 
@@ -205,6 +232,7 @@ class BernoulliPrior(Prior):
         self.register_buffer("_rate", torch.full((num_features,), self.prior_prob))
 
     def rate(self):
+        """The fixed rate rho of every gate."""
         return self._rate
 
 
@@ -223,6 +251,7 @@ class LearnedPrior(Prior):
         self.logit_rate = PyroParam(torch.full((num_features,), self.prior_prob).logit())
 
     def rate(self):
+        """The learned rates rho_k."""
         return self.logit_rate.sigmoid()
 
 
@@ -233,28 +262,9 @@ class BetaBernoulliPrior(Prior):
     ``prior_prob`` is the Beta mean a / (a + b) and ``concentration`` is a + b (how strongly the rates
     are tied to that mean). The rates are global latents ("rate") with a Beta posterior per dimension.
 
-    How the data move the rates. The trainer's per-row loss, -ELBO / 2N, holds the rates' own KL once per
-    data set, lambda * KL(q(rate) || Beta(a, b)) / 2N (about 1e-10 on ImageNet-100), and the gates' KL of
-    every row, lambda * mean_i sum_k KL(q(g_ik | x_i) || Bernoulli(rho_k)). Both carry lambda, so lambda
-    drops out of the rates' optimum, and with the exact KL (``kl_clamp=0``) the second is a Bernoulli
-    log-likelihood of rho_k with the KL's probabilities alpha_ik as soft counts, summed over all 2N rows. Its
-    optimum is therefore the conjugate posterior q(rho_k) = Beta(a + sum_i alpha_ik, b + sum_i (1 - alpha_ik)):
-    the data set the rates, and the hyperprior counts as a + b pseudo-rows (10 by default) against 2N real
-    ones. That is the weighting Bayes prescribes, so it is kept; the small weight of the global KL only says
-    that the hyperprior matters little on a large data set. The reference's clamp (0.01) bends this optimum
-    a little, and for ``gs-reference-kl`` the soft counts are sigmoid(l), not the gates' inclusion
-    probabilities. ``tests/test_model.py`` checks the fixed point on 40 rows.
-
-    How far training gets: not there, on a large data set. The rates' step does not depend on lambda (their
-    gradient is divided by it, ``BayesNCLHead``), and with the trainer's optimiser (the ``prior`` group at
-    gate_lr 0.1, momentum 0.9, SGD or LARS) the mean a / (a + b) follows the data within about a hundred
-    steps, but the concentration a + b grows by only about 0.25 per step, whatever N. Measured with gates on
-    with probability 0.3 and a Beta(8, 2) hyperprior, for N = 50,000 images (optimum a + b + 2N = 100,010):
-    46 after 100 steps, 282 after 1,000, 2,538 after 10,000, 4,972 after 20,000, while CIFAR's 200 epochs
-    are 39,000 steps. So q(rho_k) after a run is far wider than the posterior it tends to: its mean is the
-    data's, but its spread (``gates.nc``'s ``rate_a``, ``rate_b`` and ``rate`` draws, marked ``converged =
-    "no"``) says how far training got, not how uncertain the rates are. On a small data set it converges:
-    40 rows (optimum 50) reach it within a few hundred steps.
+    The data set the rates: q(rate) tends to the conjugate posterior, the hyperprior counting as a + b pseudo-rows
+    against 2N real ones, but on a large data set training gets its mean there, not its spread (docs/METHOD.md,
+    "Hierarchical rates").
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
@@ -267,16 +277,19 @@ class BetaBernoulliPrior(Prior):
         self.register_buffer("b", torch.full((num_features,), b))
 
     def rate(self):
+        """A draw of the rates rho_k from Beta(a, b)."""
         return pyro.sample("rate", dist.Beta(self.a, self.b).to_event(1))
 
     def make_guide(self):
+        """q(rate), a Beta per dimension."""
         return BetaRateGuide(self.a, self.b)
 
     def mean_rate(self, guide=None, num_draws=256):
+        """The Beta mean of q(rate), or of the prior without a guide."""
         return (guide.posterior() if guide is not None else dist.Beta(self.a, self.b)).mean.detach()
 
     def optimum_concentration(self, num_rows: int) -> float:
-        """a + b of the conjugate posterior that q(rate) tends to (the docstring above), mean over features."""
+        """The concentration a + b of the conjugate posterior q(rate) tends to, mean over features (docs/METHOD.md)."""
         return (self.a + self.b).mean().item() + num_rows
 
     def convergence(self, guide, num_rows):
@@ -298,12 +311,16 @@ class BetaRateGuide(PyroModule):
         return dist.Beta(self.a, self.b)
 
     def forward(self):
+        """Sample the latent from q."""
         return pyro.sample(self.site, self.posterior().to_event(1))
 
 
 def stick_alpha(num_features: int, mean_rate: float) -> float:
-    """The alpha of Beta(alpha, 1) sticks whose rates v_1 ... v_k have ``mean_rate`` as their mean over the K
-    dimensions under the prior: with m = E[v] = alpha / (alpha + 1), mean_k m^k = mean_rate (bisection on m)."""
+    """The alpha of Beta(alpha, 1) sticks whose rates have ``mean_rate`` as mean.
+
+    The alpha of Beta(alpha, 1) sticks whose rates v_1 ... v_k have ``mean_rate`` as their mean over the K
+    dimensions under the prior: with m = E[v] = alpha / (alpha + 1), mean_k m^k = mean_rate (bisection on m).
+    """
     lo, hi = 0.0, 1.0
     for _ in range(200):
         m = (lo + hi) / 2
@@ -315,7 +332,9 @@ def stick_alpha(num_features: int, mean_rate: float) -> float:
 
 @register("ibp")
 class StickBreakingPrior(Prior):
-    """The Indian buffet's stick-breaking rates: v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k, g_k ~
+    """The Indian buffet's stick-breaking rates, decaying with k.
+
+    The Indian buffet's stick-breaking rates: v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k, g_k ~
     Bernoulli(rho_k), so that the rates decay with k (later dimensions are rarer) and the data set how fast.
 
     ``prior_prob`` is the prior mean rate over the K dimensions, which fixes alpha (:func:`stick_alpha`). The
@@ -330,11 +349,13 @@ class StickBreakingPrior(Prior):
         self.register_buffer("b", torch.ones(num_features))
 
     def rate(self):
+        """The rates rho_k = v_1 ... v_k from a draw of the sticks."""
         rate = pyro.sample("stick", dist.Beta(self.a, self.b).to_event(1)).cumprod(-1)
         # a float32 product of many sticks can round to 0 (or a first stick to 1): keep each rate a probability
         return rate.clamp(torch.finfo(rate.dtype).tiny, 1 - torch.finfo(rate.dtype).eps)
 
     def make_guide(self):
+        """q(sticks), a Beta per stick."""
         return BetaRateGuide(self.a, self.b, site="stick")
 
     @torch.no_grad()
@@ -346,7 +367,9 @@ class StickBreakingPrior(Prior):
 
 @register("logit-normal")
 class LogitNormalPrior(Prior):
-    """logit(rho_k) ~ Normal(logit(prior_prob), scale), g_k ~ Bernoulli(rho_k): a rate per dimension with a
+    """A rate per dimension with a Normal hyperprior on its logit.
+
+    logit(rho_k) ~ Normal(logit(prior_prob), scale), g_k ~ Bernoulli(rho_k): a rate per dimension with a
     hyperprior on the logit scale, whose q is a Normal on the logit per dimension (no Beta).
 
     ``prior_prob`` is the rate at the prior's median (its mean is pulled towards 1/2 by ``scale``); ``scale`` is how
@@ -362,9 +385,11 @@ class LogitNormalPrior(Prior):
         self.register_buffer("scale", torch.full((num_features,), float(scale)))
 
     def rate(self):
+        """The rates: the sigmoid of a draw of their logits."""
         return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale).to_event(1)).sigmoid()
 
     def make_guide(self):
+        """q(logit rate), a Normal per dimension."""
         return NormalLogitGuide(self.loc, self.scale)
 
     @torch.no_grad()
@@ -385,12 +410,15 @@ class NormalLogitGuide(PyroModule):
         self.scale = PyroParam(scale.clone(), constraint=constraints.positive)
 
     def forward(self):
+        """Sample the logit rates from q."""
         return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale).to_event(1))
 
 
 @register("per-image")
 class PerImagePrior(Prior):
-    """s_i ~ Beta(a, b) for each row i (each view of an image, as the gates are per row), g_ik ~ Bernoulli(s_i):
+    """A sparsity level per row, s_i ~ Beta(a, b), with an amortized guide.
+
+    s_i ~ Beta(a, b) for each row i (each view of an image, as the gates are per row), g_ik ~ Bernoulli(s_i):
     a sparsity level of each image's own, with an amortized guide q(s_i | x_i) from the row's backbone features.
 
     ``prior_prob`` is the Beta mean a / (a + b) and ``concentration`` is a + b, as for ``beta-bernoulli``; here the
@@ -408,11 +436,13 @@ class PerImagePrior(Prior):
         self.register_buffer("b", torch.tensor((1 - self.prior_prob) * concentration))
 
     def forward(self, rows, plate):
+        """Each row's sparsity s_i (in the rows plate), and its gates at rate s_i."""
         with plate:
             rate = pyro.sample("row_rate", dist.Beta(self.a, self.b).expand([rows]))
         return dist.Bernoulli(rate.unsqueeze(-1).expand(rows, self.num_features)).to_event(1)
 
     def make_guide(self, in_dim):
+        """The amortized q(s_i | x_i) of backbone features of width ``in_dim``."""
         return AmortizedBetaGuide(in_dim, self.num_features, self.a, self.b)
 
     @torch.no_grad()
@@ -425,11 +455,14 @@ class PerImagePrior(Prior):
 
 
 class AmortizedBetaGuide(PyroModule):
-    """q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the row's
+    """q(s_i | x_i), a Beta whose mean is amortized from the row's backbone features.
+
+    q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the row's
     backbone features h_i (detached: the prior's guide does not train the backbone), its concentration c one
     parameter. A row's K gates all pull on s_i, so its gradient is K times a dimension's: the 1 / sqrt(K) keeps the
     optimizer's step in m_i a dimension's size whatever K. Starts at the prior for every row (w = 0), drawing
-    nothing from the random stream."""
+    nothing from the random stream.
+    """
 
     def __init__(self, in_dim: int, num_features: int, a: torch.Tensor, b: torch.Tensor):
         super().__init__()
@@ -445,5 +478,6 @@ class AmortizedBetaGuide(PyroModule):
         return dist.Beta(self.concentration * mean, self.concentration * (1 - mean))
 
     def forward(self, h, plate):
+        """Sample each row's s_i from q(s_i | x_i) in the rows plate."""
         with plate:
             return pyro.sample("row_rate", self.posterior(h))

@@ -1,9 +1,9 @@
 """The gates' density as a target: lambda, the KL's weight, as a Lagrange multiplier found by dual ascent.
 
 A hand-picked lambda does not say how many gates stay open (3e-5 and 0.1 differ by 3,000x between recipes that
-both work). ``--gate-density D`` states the density instead: training minimises InfoNCE + lambda * KL per row
-subject to ``share = D``, and lambda is the constraint's multiplier, updated after every step by dual ascent on
-the batch's share (the constrained formulation of controlled-sparsity and GECO-style training).
+both work). ``--gate-density D`` states the density instead: training minimises the head's loss
+(``models/bayesncl.py``) subject to ``share = D``, and lambda is the constraint's multiplier, updated after every
+step by dual ascent on the batch's share (the constrained formulation of controlled-sparsity and GECO-style training).
 
 Which share. The share of open gates of the *evaluation mask* (the posterior mode, 1[q(g = 1 | x) > 0.5]; for
 ``gs-reference-kl`` the reference's mask): the share of the representation F that every metric judges. The mean
@@ -86,10 +86,13 @@ TOLERANCE = 0.05
 
 
 def shortfall(density: float | None, prior_prob: float, share: float | None) -> str | None:
-    """One warning line when a run's share of open gates on the test split ended more than TOLERANCE from its
+    """The warning for a run whose test share of open gates missed its --gate-density.
+
+    One warning line when a run's share of open gates on the test split ended more than TOLERANCE from its
     --gate-density, saying why and what to change; None when it met D (or had no target). The usual cause is D on
     the side of InfoNCE's own share that the prior's KL cannot reach (module docstring, "Which way lambda pushes"):
-    the multiplier then falls towards 0 and the share stays where InfoNCE leaves it."""
+    the multiplier then falls towards 0 and the share stays where InfoNCE leaves it.
+    """
     if density is None or share is None or abs(share - density) <= TOLERANCE:
         return None
     closes = kl_closes_gates(prior_prob)
@@ -105,7 +108,9 @@ def shortfall(density: float | None, prior_prob: float, share: float | None) -> 
 
 
 class DensityControl(nn.Module):
-    """The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta,
+    """lambda as the Lagrange multiplier of the constraint on the share of open gates.
+
+    The multiplier lambda = exp(eta + DUAL_P * error) of the constraint ``share of open gates = density``; eta,
     error and the target's path are buffers, so they travel with the learner's state_dict and a resumed run
     continues the same sequence of lambdas.
 
@@ -129,10 +134,13 @@ class DensityControl(nn.Module):
 
     @torch.no_grad()
     def update(self, share: torch.Tensor):
-        """One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync),
+        """One dual-ascent step on eta from this step's share of open gates.
+
+        One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync),
         against the target's next point on its path to the density.
         Under DDP the ranks' shares are averaged, so every rank keeps the same lambda. A non-finite share (a step
-        the divergence guard will judge) leaves the multiplier as it is."""
+        the divergence guard will judge) leaves the multiplier as it is.
+        """
         share = share.detach().float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             share = share.clone()
@@ -146,4 +154,5 @@ class DensityControl(nn.Module):
         self.error.copy_(torch.where(finite, error, self.error))
 
     def extra_repr(self) -> str:
+        """The target density and which way lambda moves the share."""
         return f"density={self.density}, sign={self.sign:+g}"

@@ -20,9 +20,12 @@ from bayesncl_pyro.nn.losses import bernoulli_kl
 
 
 class ELBOTerms(NamedTuple):
-    """One evaluation of the ELBO: ``loss`` (-ELBO, differentiable), ``kl`` (the part of it the latent sites
+    """One evaluation of the ELBO: the loss, its KL part and the traces.
+
+    One evaluation of the ELBO: ``loss`` (-ELBO, differentiable), ``kl`` (the part of it the latent sites
     contribute, detached) and the traces it was computed from (with several particles, the last particle's), where
-    whoever monitors training reads what the program computed."""
+    whoever monitors training reads what the program computed.
+    """
 
     loss: torch.Tensor
     kl: torch.Tensor
@@ -31,7 +34,9 @@ class ELBOTerms(NamedTuple):
 
 
 class MeanFieldELBO(TraceMeanField_ELBO):
-    """``TraceMeanField_ELBO`` for programs whose latent sites are reparameterised, with one objective for Pyro's
+    """The mean-field ELBO with one objective for SVI, differentiable_loss and the trainer.
+
+    ``TraceMeanField_ELBO`` for programs whose latent sites are reparameterised, with one objective for Pyro's
     ``SVI`` (the parent's ``loss_and_grads``), :meth:`differentiable_loss` and the trainer (:meth:`terms`): each
     particle's terms are summed in :meth:`_differentiable_loss_particle`, Pyro's override point, which a subclass
     extends (``LocalExpectationELBO``, as ``pyro.contrib.cevae``'s ``TraceCausalEffect_ELBO`` extends Trace_ELBO).
@@ -61,11 +66,15 @@ class MeanFieldELBO(TraceMeanField_ELBO):
         self.kl_clamp, self.kl_probs = kl_clamp, kl_probs or _probs
 
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        """-ELBO, differentiable: the loss of :meth:`terms`."""
         return self.terms(model, guide, *args, **kwargs).loss
 
     def terms(self, model, guide, *args, **kwargs) -> ELBOTerms:
-        """The differentiable loss, its KL part and the traces (:class:`ELBOTerms`). The KL is summed as the loss
-        is, not recovered from it: a difference of two large float32 numbers would lose it."""
+        """The differentiable loss, its KL part and the traces.
+
+        The differentiable loss, its KL part and the traces (:class:`ELBOTerms`). The KL is summed as the loss
+        is, not recovered from it: a difference of two large float32 numbers would lose it.
+        """
         particles = []
         for _ in range(self.num_particles):
             traces = self._traces(model, guide, args, kwargs)
@@ -95,8 +104,11 @@ class MeanFieldELBO(TraceMeanField_ELBO):
         return loss.detach(), loss
 
     def _kl(self, q, p) -> torch.Tensor:
-        """KL(q || p) of one latent site, summed over its event dimensions: the clamped Bernoulli KL for a pair of
-        Bernoullis when a clamp is given, else the registered one (NotImplementedError where none is)."""
+        """KL(q || p) of one latent site, summed over its event dimensions.
+
+        KL(q || p) of one latent site, summed over its event dimensions: the clamped Bernoulli KL for a pair of
+        Bernoullis when a clamp is given, else the registered one (NotImplementedError where none is).
+        """
         if self.kl_clamp is not None:
             q_base, p_base, event_dims = _bernoulli_pair(q, p)
             if q_base is not None:
@@ -111,8 +123,11 @@ def _probs(q: Bernoulli) -> torch.Tensor:
 
 
 def _bernoulli_pair(q, p) -> tuple[Bernoulli | None, Bernoulli | None, int]:
-    """(q's Bernoulli, p's Bernoulli, their event dimensions) when both are Bernoullis of equal event dimensions
-    (bare or wrapped in one Independent each), else (None, None, 0)."""
+    """The Bernoulli pair inside q and p, if both are Bernoullis of equal event dimensions.
+
+    (q's Bernoulli, p's Bernoulli, their event dimensions) when both are Bernoullis of equal event dimensions
+    (bare or wrapped in one Independent each), else (None, None, 0).
+    """
     dims = q.reinterpreted_batch_ndims if isinstance(q, Independent) else 0
     if isinstance(p, Independent) != bool(dims) or (dims and p.reinterpreted_batch_ndims != dims):
         return None, None, 0
@@ -124,8 +139,11 @@ def _bernoulli_pair(q, p) -> tuple[Bernoulli | None, Bernoulli | None, int]:
 
 
 def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
-    """The part of -ELBO the latent sites contribute, detached: their KL terms, which :func:`_particle` keeps in the
-    guide trace; 0.0 without latent sites (NCL, CL)."""
+    """The part of -ELBO the latent sites contribute, detached.
+
+    The part of -ELBO the latent sites contribute, detached: their KL terms, which :func:`_particle` keeps in the
+    guide trace; 0.0 without latent sites (NCL, CL).
+    """
     kl = 0.0
     for site in guide_trace.nodes.values():
         if "kl" in site:
@@ -134,8 +152,11 @@ def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
 
 
 def _particle(model_trace: Trace, guide_trace: Trace, kl) -> torch.Tensor:
-    """-ELBO of one pair of traces, with ``kl(q, p)`` the KL of a latent site; each latent site's KL term, detached,
-    kept in its guide site as ``"kl"``."""
+    """-ELBO of one pair of traces.
+
+    -ELBO of one pair of traces, with ``kl(q, p)`` the KL of a latent site; each latent site's KL term, detached,
+    kept in its guide site as ``"kl"``.
+    """
     # -ELBO summed directly, each KL added and each log-density subtracted, not the ELBO negated term by term and
     # then as a whole: the same numbers bit for bit (a negation is exact), two to four ops and autograd nodes fewer
     loss = None

@@ -88,7 +88,9 @@ def gate_class(name: str) -> type["GateEstimator"]:
 
 
 class GateEstimator(Reparam):
-    """One way of differentiating through the gate site: its training value (``apply``, a reparam that sets the
+    """One way of differentiating through the gate site, with the ELBO it trains with.
+
+    One way of differentiating through the gate site: its training value (``apply``, a reparam that sets the
     site's value and nothing else), and the ELBO it trains with (``elbo``, which takes the KL as this estimator
     trains it: clamped, at :meth:`kl_probs`).
 
@@ -121,9 +123,12 @@ class GateEstimator(Reparam):
         return q.mode
 
     def elbo(self, temperature: float) -> MeanFieldELBO:
-        """The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO
+        """The ELBO that trains with this estimator.
+
+        The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO
         with this estimator's KL (clamped at ``kl_clamp``, taken at :meth:`kl_probs`), the estimator's gradient
-        carried by the gates' value; ``leg`` adds its head gradient there."""
+        carried by the gates' value; ``leg`` adds its head gradient there.
+        """
         return MeanFieldELBO(kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
     @classmethod
@@ -133,6 +138,7 @@ class GateEstimator(Reparam):
         return f"{cls.kl_name}{clamp}"
 
     def apply(self, msg):
+        """Set the gate site's value to :meth:`value` of q; an observed site is left as it is."""
         if msg["is_observed"]:  # a conditioned site has its value: nothing to estimate
             return {"fn": msg["fn"], "value": msg["value"], "is_observed": True}
         fn, event_dim = self._unwrap(msg["fn"])
@@ -148,59 +154,81 @@ class GateEstimator(Reparam):
 
 @register("ste")
 class ModeStraightThrough(GateEstimator):
-    """The reference's STE: the mode 1[p > 0.5] forward, identity to p backward. Deterministic: InfoNCE is taken
-    at the mode of q, not averaged over it (the paper's "BayesNCL (STE)")."""
+    """The reference's STE: the mode of q forward, straight-through to p backward.
+
+    The reference's STE: the mode 1[p > 0.5] forward, identity to p backward. Deterministic: InfoNCE is taken
+    at the mode of q, not averaged over it (the paper's "BayesNCL (STE)").
+    """
 
     objective = "the reference's surrogate: InfoNCE at the mode of q + lambda * KL (not -ELBO)"
     loss_name = "the reference's surrogate per row (not -ELBO)"
 
     def value(self, q):
+        """The mode 1[p > 0.5], straight-through to p."""
         p = q.probs
         return q.mode + (p - p.detach())  # exact 0/1 values: (p - p.detach()) is exactly 0
 
 
 @register("relaxed")
 class Relaxed(GateEstimator):
-    """A draw from q, differentiated through its relaxation: q's own ``rsample`` (for ``BernoulliGates``, Pyro's
-    ``RelaxedBernoulliStraightThrough``)."""
+    """A draw from q, differentiated through its relaxation.
+
+    A draw from q, differentiated through its relaxation: q's own ``rsample`` (for ``BernoulliGates``, Pyro's
+    ``RelaxedBernoulliStraightThrough``).
+    """
 
     def value(self, q):
+        """The relaxed draw of q."""
         return q.rsample()
 
 
 @register("st-sampled")
 class SampledStraightThrough(GateEstimator):
-    """A draw b ~ q forward, straight-through to p backward (b + p - sg(p)): the local derivative of InfoNCE at
-    the draw stands in for the gate's exact effect. Costs nothing over ``ste``."""
+    """A draw from q forward, straight-through to p backward.
+
+    A draw b ~ q forward, straight-through to p backward (b + p - sg(p)): the local derivative of InfoNCE at
+    the draw stands in for the gate's exact effect. Costs nothing over ``ste``.
+    """
 
     def value(self, q):
+        """A draw b ~ q, straight-through to p."""
         p = q.probs
         return q.sample() + (p - p.detach())
 
 
 class Draw(GateEstimator):
-    """A draw from q, with no gradient through it: what evaluating the objective needs (``BayesNCLHead.
-    objective_draw``), and leg's value. Not a training estimator by itself."""
+    """A draw from q with no gradient through it: for evaluation, and leg's value.
+
+    A draw from q, with no gradient through it: what evaluating the objective needs (``BayesNCLHead.
+    objective_draw``), and leg's value. Not a training estimator by itself.
+    """
 
     def value(self, q):
+        """A draw b ~ q, no gradient."""
         return q.sample()
 
 
 @register("leg")
 class LocalExpectation(Draw):
-    """Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
+    """Local expectation gradients: unbiased for the training objective's gradient.
+
+    Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
     head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
     draw (its ELBO, :class:`LocalExpectationELBO`). Unbiased for the training objective's gradient (module
-    docstring)."""
+    docstring).
+    """
 
     unbiased = True
 
     def elbo(self, temperature):
+        """The mean-field ELBO with leg's head gradient."""
         return LocalExpectationELBO(temperature, kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
 
 class LocalExpectationELBO(MeanFieldELBO):
-    """The mean-field ELBO with ``leg``'s head gradient: the gates' value is a draw with no gradient path, so the
+    """The mean-field ELBO with ``leg``'s head gradient added.
+
+    The mean-field ELBO with ``leg``'s head gradient: the gates' value is a draw with no gradient path, so the
     traces alone train the gating head on the KL only; this adds, per particle, the InfoNCE factor's local
     expectation gradient as a term of value 0, scaled as the factor is:
 
@@ -211,7 +239,8 @@ class LocalExpectationELBO(MeanFieldELBO):
     the guide's site, the draw from the model), the model's ``ungated`` features and the scale of its ``nce``
     factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which
     the guide trace's ``g`` site keeps as ``infer["local_expectation_probs"]``: its gradient after backward is
-    InfoNCE's alone (the KL's reaches q through another path)."""
+    InfoNCE's alone (the KL's reaches q through another path).
+    """
 
     def __init__(self, temperature: float, **kwargs):
         super().__init__(**kwargs)
@@ -235,26 +264,34 @@ def local_expectation_term(model_trace, guide_trace, temperature: float) -> torc
 
 @register("gs")
 class GumbelSigmoid(Relaxed):
-    """The reference's Gumbel-sigmoid gate: a draw from its own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not
-    sigmoid(l)), straight-through to y = sigmoid((l + G) / T)."""
+    """The reference's Gumbel-sigmoid gate, straight-through.
+
+    The reference's Gumbel-sigmoid gate: a draw from its own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not
+    sigmoid(l)), straight-through to y = sigmoid((l + G) / T).
+    """
 
     family = GumbelSigmoidGates
 
 
 @register("gs-reference-kl")
 class GumbelSigmoidReferenceKL(GumbelSigmoid):
-    """The reference's whole GS loss: the ``gs`` gate, with the KL computed at sigmoid(l) as the reference
+    """The reference's whole GS loss: the ``gs`` gate with the KL at sigmoid(l).
+
+    The reference's whole GS loss: the ``gs`` gate, with the KL computed at sigmoid(l) as the reference
     computes it. sigmoid(l) is not this family's inclusion probability (0.5 against 0.632 at l = 0), so the KL
     term is not KL(q || p) and the loss is no ELBO; the logs and the posterior still report q's probability.
     Its evaluation mask is the reference's too, 1[sigmoid(l) > 0.5], not q's mode (1[P(g = 1) > 0.5], which
-    opens every gate with l > -0.367)."""
+    opens every gate with l > -0.367).
+    """
 
     objective = "the reference's GS loss: InfoNCE at one Gumbel-sigmoid draw + lambda * KL at sigmoid(l) (not -ELBO)"
     loss_name = "the reference's GS loss per row (not -ELBO)"
     kl_name = "the reference's KL at sigmoid(l) (not KL(q || p))"
 
     def kl_probs(self, q):
+        """sigmoid(l), as the reference's KL."""
         return q.head_logits.sigmoid()
 
     def mask(self, q):
+        """The reference's mask, 1[sigmoid(l) > 0.5]."""
         return (self.kl_probs(q) > 0.5).to(q.probs)

@@ -17,12 +17,11 @@ expectation gradient): q is a product of Bernoullis, so with p_ik = P(g_ik = 1 |
 
     d E_q[sum_i l_i] / d logit_ik = p_ik' * E_q[ D_ik(g) ],   D_ik(g) = sum_j l_j(g, g_ik = 1) - sum_j l_j(g, g_ik = 0),
 
-where D_ik does not depend on g_ik itself. ``losses.info_nce_flip_differences`` computes every D_ik of one draw at once:
-flipping g_ik changes row i of the gated features only, so the new losses follow from the old
-similarities, row i's new ones and each row's log-partition (O(R^2 K) for all R K flips, not O(R^3 K^2)).
-The sum runs over every row, so the negatives' dependence on g_ik is kept: this is where an estimator that
-treated the rows as independent would go wrong. ``tests/test_gate_gradients.py`` checks the identity
-against exact enumeration of every gate configuration of a small batch.
+where D_ik does not depend on g_ik itself. ``losses.info_nce_flip_differences`` computes every D_ik of one draw at
+once, in O(R^2 K) (docs/METHOD.md, "The ELBO's gradient through the gates"). The sum runs over every row, so the
+negatives' dependence on g_ik is kept: this is where an estimator that treated the rows as independent would go
+wrong. ``tests/test_gate_gradients.py`` checks the identity against exact enumeration of every gate configuration of
+a small batch.
 """
 
 import torch
@@ -35,7 +34,9 @@ from bayesncl_pyro.nn.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, family, rate: torch.Tensor, kl_weight: float,
                       kl_clamp: float, temperature: float, draws: int) -> torch.Tensor:
-    """Unbiased draws (S x R x K, float64) of the gradient of E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik with
+    """Unbiased draws of the objective's gradient with respect to the logits.
+
+    Unbiased draws (S x R x K, float64) of the gradient of E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik with
     respect to the R x K logits, q = ``family(logits)`` (``guides/gates.py``): one per gate draw from q, each exact
     in its own gate (module docstring), with the KL's exact gradient; their mean estimates the gradient.
     """
@@ -67,7 +68,9 @@ SCORE = "score"  # the score-function (REINFORCE) gradient of the program as wri
 
 def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), draws: int = 64,
                        reference_draws: int = 64) -> list[dict]:
-    """Each estimator's gradient of the gating head against the unbiased gradient, on one batch x (2B rows
+    """Each estimator's gating-head gradient against the unbiased gradient, on one batch.
+
+    Each estimator's gradient of the gating head against the unbiased gradient, on one batch x (2B rows
     ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
 
     ``estimators``: names in ``GATES``, and ``score``: the score-function (REINFORCE) gradient of InfoNCE at one
@@ -75,8 +78,8 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
     takes on the program as written (one scalar, the batch's InfoNCE, weights every gate's score). For every
     estimator (the head's weights as trained; the estimator and its q family passed to the head's training path,
     the learner left as it was) returns a dict: ``cosine``, ``relative_error`` (||mean - unbiased|| /
-    ||unbiased||) and ``norm_ratio`` (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one for the deterministic
-    ``ste``), which removes its noise and leaves its bias;
+    ||unbiased||) and ``norm_ratio`` (||mean|| / ||unbiased||) of its mean head gradient over ``draws`` draws (one
+    for the deterministic ``ste``), which removes its noise and leaves its bias;
     ``single_draw_cosine``, the mean cosine of one draw's gradient (one training step); ``split_cosine`` and
     ``reference_split_cosine``, the cosine between the mean gradients of two halves of the estimator's draws
     and of the unbiased estimate's ``reference_draws`` draws (near 1: the mean is precise enough to judge by;
@@ -136,9 +139,12 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
 
 
 def _score_loss(head, z: torch.Tensor, h: torch.Tensor, estimator) -> torch.Tensor:
-    """One draw of the score-function surrogate of the head's loss under ``estimator``'s q family and KL clamp: at a
+    """One draw of the score-function surrogate of the head's loss.
+
+    One draw of the score-function surrogate of the head's loss under ``estimator``'s q family and KL clamp: at a
     draw g ~ q (no gradient through it), the loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is
-    InfoNCE's REINFORCE term and the KL's."""
+    InfoNCE's REINFORCE term and the KL's.
+    """
     loss, _, model_trace, guide_trace = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp),
                                                         family=estimator.family)
     q, gates = guide_trace.nodes["g"]["fn"].base_dist, model_trace.nodes["g"]["value"]

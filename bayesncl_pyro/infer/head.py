@@ -10,10 +10,10 @@
 
 The head takes the backbone's features h, not projections: it owns the projector (h -> z, the reference's
 2-layer MLP), the gating head that infers the gates from h.detach(), the prior, the Pyro model and guide
-and the ELBO, so the backbone is all a training loop brings. Its loss is the paper's InfoNCE + lambda * KL per
-row, ``-ELBO / 2N`` (``models/bayesncl.py``) estimated as the gate estimator estimates it; with the default
-``ste``, the reference's surrogate, InfoNCE at the posterior mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates),
-and with ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
+and the ELBO, so the backbone is all a training loop brings. Its loss is ``-ELBO / 2N`` (``models/bayesncl.py``)
+as the gate estimator estimates it; with the default ``ste``, the reference's surrogate, InfoNCE at the posterior
+mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates), and with
+``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
 The head's arguments are named in one place, its signature (a Config's fields of the same names are its arguments:
 ``infer.learner.head_arguments``), and checked in one, :func:`check_arguments`: the head calls it, and
@@ -56,11 +56,14 @@ _POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature
 
 
 def check_arguments(flags: bool = False, **args):
-    """The one check of the head's arguments, given by their names in :class:`BayesNCLHead`'s signature (every one
+    """The one check of the head's arguments, refusing a bad value in one line.
+
+    The one check of the head's arguments, given by their names in :class:`BayesNCLHead`'s signature (every one
     of them; those no rule here concerns pass through): the head calls it, and ``train.resolve`` with ``flags=True``,
     which names them as run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or
     more: a KL of exactly 0; a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line
-    that names the argument and the fix."""
+    that names the argument and the fix.
+    """
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
     for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
         if args[arg] not in valid:
@@ -78,10 +81,13 @@ def check_arguments(flags: bool = False, **args):
 
 
 def _check_size(args: dict, name):
-    """Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory:
+    """Refuse a projector and gating head too large for this machine's memory.
+
+    Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory:
     building them fails deep in torch's allocator, or their layers are allocated one at a time until the kernel kills
     the process. ``train.resolve`` checks before the backbone is built (and the prior, of K values): 1 stands for the
-    backbone's width, unknown there (``in_dim``)."""
+    backbone's width, unknown there (``in_dim``).
+    """
     in_dim, hidden, out_dim = args.get("in_dim", 1), args["proj_hidden"], args["proj_dim"]
 
     def weights(depth: int) -> int:  # an mlp's (encoders.mlp), bias included
@@ -123,17 +129,14 @@ def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float, p
 
 
 def own_params():
-    """An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
-    prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
-    heads of one process (two runs of compare.py, a user's two models) would share, the second head then
-    training a parameter its optimizer does not hold.
+    """An empty Pyro param store for the duration, so heads do not share parameters.
 
-    Not Pyro's ``module_local_params`` setting, which would do the same for every PyroModule but only when it is on
-    both when the module is built and at each call (a module built without it fails at its call with
-    ``AttributeError: '_Context' object has no attribute 'param_state'``; one built with it and called without it
-    writes its parameters to the global store): set for the process, it would break the user's PyroModules built
-    before the head and take them out of the global store their own code reads; set around the head's calls, it
-    is this scope again."""
+    An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
+    prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
+    heads of one process would share, the second then training a parameter its optimizer does not hold. Pyro's
+    ``module_local_params`` is no substitute: it must be on both when a module is built and at each call, so set for
+    the process it would break the user's own PyroModules.
+    """
     return pyro.get_param_store().scope()
 
 
@@ -143,9 +146,12 @@ def _no_guide(z, h):
 
 @dataclasses.dataclass(eq=False)
 class HeadOutput:
-    """What one step of the head computed (:meth:`BayesNCLHead.forward`), detached but ``gates``. The 0-d values stay
+    """What one step of the head computed.
+
+    What one step of the head computed (:meth:`BayesNCLHead.forward`), detached but ``gates``. The 0-d values stay
     on the device: ``.item()`` them when you log. The summary figures (the properties) are computed from the step's
-    tensors when first read, then kept; read them before anything writes into those tensors (the head never does)."""
+    tensors when first read, then kept; read them before anything writes into those tensors (the head never does).
+    """
 
     nce: torch.Tensor
     """0-d: the mean InfoNCE per row at the gates training used."""
@@ -167,8 +173,11 @@ class HeadOutput:
     """With gates: the gate estimator that trained the step."""
 
     def unread(self) -> "HeadOutput":
-        """The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
-        graph's outputs, ``train/graph.py``)."""
+        """The same values with none of the summary figures computed yet.
+
+        The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
+        graph's outputs, ``train/graph.py``).
+        """
         return dataclasses.replace(self)
 
     @functools.cached_property
@@ -233,9 +242,10 @@ class BayesNCLHead(nn.Module):
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
             exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
             Lagrange multiplier, kl_weight its start, updated by :meth:`update_density` after every training step
-            (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the gates, a name in
-            ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``, ``st-sampled``, ``leg``, ``gs``,
-            ``gs-reference-kl``; it also picks q's family); gate_temperature, head_depth, logit_bound: the guide's.
+            (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the
+            gates, a name in ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``,
+            ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``; it also picks q's family); gate_temperature,
+            head_depth, logit_bound: the guide's.
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
             largest features per row (0: all).
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
@@ -283,10 +293,12 @@ class BayesNCLHead(nn.Module):
 
     @property
     def gated(self) -> bool:
+        """Whether the head has gates (a prior), not NCL or CL."""
         return self.guide is not None
 
     @property
     def num_rows(self) -> int:
+        """2N, the view-rows of the training set: the rows plate's size."""
         return self.model.num_rows
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
@@ -319,25 +331,34 @@ class BayesNCLHead(nn.Module):
 
     @property
     def kl_weight(self) -> torch.Tensor | float:
-        """lambda, the KL's weight of the next step: with a density target the multiplier's current value (a new 0-d
-        tensor at each read, so a step keeps its own), else the constructor's ``kl_weight``."""
+        """lambda, the KL's weight of the next step.
+
+        lambda, the KL's weight of the next step: with a density target the multiplier's current value (a new 0-d
+        tensor at each read, so a step keeps its own), else the constructor's ``kl_weight``.
+        """
         return self.density.weight() if self.density is not None else self.model.kl_weight
 
     @torch.no_grad()
     def update_density(self, out: HeadOutput):
-        """With a density target (``gate_density``), the multiplier's step from the share of open gates of ``out``, a
+        """With a density target, one step of the multiplier from a training step's output.
+
+        With a density target (``gate_density``), the multiplier's step from the share of open gates of ``out``, a
         training step's output: call it once per training step, after ``optimizer.step()`` (the prior's gradients
         are divided by the step's lambda during ``backward``); the next step's lambda is the new multiplier. Without a
-        target it does nothing."""
+        target it does nothing.
+        """
         if self.density is not None:
             self.density.update(out.gates_open)
 
     @contextlib.contextmanager
     def _program_precision(self, device_type: str):
-        """Within, under the caller's autocast: autocast off, so the Pyro program's exps and logs run in full
+        """The Pyro program in full precision under the caller's autocast, the gating MLP not.
+
+        Within, under the caller's autocast: autocast off, so the Pyro program's exps and logs run in full
         precision, but the guide's gating MLP, a matmul of the projector's size, under the caller's autocast as the
         projector. Without one, nothing is entered (a CPU step: entering autocast costs more than the program's small
-        ops)."""
+        ops).
+        """
         if not torch.is_autocast_enabled(device_type):
             yield
             return
@@ -356,13 +377,16 @@ class BayesNCLHead(nn.Module):
         return self.estimator.objective if self.gated else "InfoNCE per row (no latent variables: -ELBO = InfoNCE)"
 
     def program(self, gather=None, kl_weight=None, family=None):
-        """The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
+        """The head's Pyro program for one batch, as written: ``(model, guide)``.
+
+        The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
         outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
         against every rank's. The KL's weight is ``kl_weight`` (default: :attr:`kl_weight` when the program runs);
         ``family``: q's family (default the guide's). Its gate site is discrete (no gate estimator applied):
         ``pyro.infer.Predictive`` draws from q, and Pyro's ELBOs take the score function through it. The model
         returns what it computed (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them
-        inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's ``SVI``, :meth:`svi_program`."""
+        inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's ``SVI``, :meth:`svi_program`.
+        """
         def weight():
             return self.kl_weight if kl_weight is None else kl_weight
 
@@ -375,10 +399,13 @@ class BayesNCLHead(nn.Module):
         return model, guide if self.gated else _no_guide
 
     def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None):
-        """:meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
+        """:meth:`program` with a gate estimator applied to the guide's gate site.
+
+        :meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
         (``poutine.reparam``): what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``:
         its KL clamp, and ``leg``'s head gradient, which this program's traces alone lack). q's family is the
-        guide's unless ``family`` says otherwise."""
+        guide's unless ``family`` says otherwise.
+        """
         model, guide = self.program(gather, kl_weight, family)
         if not self.gated:
             return model, guide
@@ -401,21 +428,27 @@ class BayesNCLHead(nn.Module):
         return built[2]
 
     def elbo(self, estimator: GateEstimator | None = None) -> MeanFieldELBO:
-        """The ELBO the head trains with: its (or ``estimator``'s) ``GateEstimator.elbo``, which holds the KL clamp;
-        for NCL and CL the mean-field ELBO (no latent site)."""
+        """The ELBO the head trains with.
+
+        The ELBO the head trains with: its (or ``estimator``'s) ``GateEstimator.elbo``, which holds the KL clamp;
+        for NCL and CL the mean-field ELBO (no latent site).
+        """
         if not self.gated:
             return MeanFieldELBO()
         return (estimator or self.estimator).elbo(self.model.temperature)
 
     def svi_program(self):
-        """``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h:
+        """``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h.
+
+        ``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h:
         ``SVI(*head.svi_program(), optim, head.elbo()).step(h)``, one step on the head's -ELBO (its loss times 2N;
         the backbone is the caller's). :meth:`training_program`, with the projector run in the model and every
         parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces name,
         and the program alone names none for the ``bernoulli`` and ``learned`` priors, so a bare ``SVI`` on
         :meth:`training_program` trains nothing. The parameters enter Pyro's param store: step inside
         :func:`own_params`. The prior's gradients arrive divided by lambda (:meth:`param_groups`); call
-        :meth:`update_density` after each step as with any optimizer."""
+        :meth:`update_density` after each step as with any optimizer.
+        """
         model, guide = self.training_program()
 
         def svi_model(h):
@@ -431,11 +464,14 @@ class BayesNCLHead(nn.Module):
 
     def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None, estimator: GateEstimator | None = None,
                    family=None, kl_weight=None) -> ELBOTerms:
-        """The one place the head's Pyro program runs in training (and in the diagnostics, which pass another gate
+        """The one place the head's Pyro program runs in training: loss, KL per row, traces.
+
+        The one place the head's Pyro program runs in training (and in the diagnostics, which pass another gate
         ``estimator`` and q ``family``), for projector outputs z and backbone features h: the loss (:meth:`forward`),
         its KL term per row (detached) and the traces, where what the program computed is read. ``kl_weight``: the
         step's lambda (default :attr:`kl_weight`). It runs inside :func:`own_params`, so no parameter reaches Pyro's
-        global param store."""
+        global param store.
+        """
         self._unweight_prior_gradients()
         kl_weight = self.kl_weight if kl_weight is None else kl_weight
         model, guide = self.training_program(estimator, gather, kl_weight, family)
@@ -445,11 +481,14 @@ class BayesNCLHead(nn.Module):
 
     @torch.no_grad()
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
+        """One draw of the objective itself, with the exact KL, whatever the estimator trained.
+
+        The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
         g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
         ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
         row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
-        other only, on one process (no gather across ranks: evaluation runs on rank 0)."""
+        other only, on one process (no gather across ranks: evaluation runs on rank 0).
+        """
         z = self.projector(h)
         kl_weight, draw = self.kl_weight, Draw(kl_clamp=0.0)
         model, guide = self.training_program(draw, kl_weight=kl_weight)
@@ -460,9 +499,12 @@ class BayesNCLHead(nn.Module):
 
     @torch.no_grad()
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
-        """The InfoNCE of the evaluation's representation (:meth:`representation`: for gates, at the evaluation
+        """The InfoNCE of the evaluation's representation, mean per row.
+
+        The InfoNCE of the evaluation's representation (:meth:`representation`: for gates, at the evaluation
         mask) of backbone features h, mean per row: deterministic, so once per batch beside the draws of
-        :meth:`objective_draw`."""
+        :meth:`objective_draw`.
+        """
         return info_nce_rows(self.representation(h), self.model.temperature).mean()
 
     def _check_rows(self, h: torch.Tensor):
@@ -491,9 +533,12 @@ class BayesNCLHead(nn.Module):
             raise UserError("this head has no gates (prior=None: NCL or CL); build it with a prior for BayesNCL")
 
     def pulls(self, out: HeadOutput) -> dict[str, float]:
-        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of the step that returned
+        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the step's gates.
+
+        After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of the step that returned
         ``out`` (``gate_nce_pull``, ``gate_prior_pull``: ``gate_pulls``, the prior's at the probabilities, the
-        rates and the lambda the step's KL used); empty before, or without gates."""
+        rates and the lambda the step's KL used); empty before, or without gates.
+        """
         gates = out.gates
         if gates is None or gates.grad is None:
             return {}
@@ -501,23 +546,32 @@ class BayesNCLHead(nn.Module):
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h (q's family is the
-        gate estimator's)."""
+        """The posterior inclusion probabilities q(g_k = 1 | x), R x K.
+
+        The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h (q's family is the
+        gate estimator's).
+        """
         self._need_gates()
         return self.guide.posterior(h).probs
 
     @torch.no_grad()
     def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
-        """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode
-        1[q(g = 1 | x) > 0.5] (for ``gs-reference-kl`` the reference's mask, 1[sigmoid(l) > 0.5])."""
+        """The 0/1 gates the evaluation uses, R x K: the posterior mode.
+
+        The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode
+        1[q(g = 1 | x) > 0.5] (for ``gs-reference-kl`` the reference's mask, 1[sigmoid(l) > 0.5]).
+        """
         self._need_gates()
         return self.estimator.mask(self.guide.posterior(h))
 
     @torch.no_grad()
     def representation(self, h: torch.Tensor) -> torch.Tensor:
-        """F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the evaluation
+        """F, the gated representation the method is evaluated on.
+
+        F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the evaluation
         mask (:meth:`gate_mask`) with gates, features(z) without (normalise(relu(z)) for NCL, normalise(z) for
-        CL)."""
+        CL).
+        """
         feats = self.ungated_features(h)
         if self.gated:
             feats = normalize(feats * self.gate_mask(h).to(feats))
@@ -529,12 +583,15 @@ class BayesNCLHead(nn.Module):
         return self.model.features(self.projector(h))
 
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
-        """Optimizer groups: the backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
+        """Optimizer groups: encoder, gating head and the prior's global parameters.
+
+        Optimizer groups: the backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
         (0.1 published, not batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay.
         Their gradients arrive divided by lambda (:meth:`prior_parameters`; ``grad_scale`` in their group records by
         what, and marks a checkpoint of this scheme), so that their step does not depend on lambda with SGD or LARS
         (Adam is scale-free either way, up to its eps). Clip gradients by group, not over all parameters: the
-        prior's are not on the loss's scale."""
+        prior's are not on the loss's scale.
+        """
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
         if self.gated:
@@ -546,23 +603,32 @@ class BayesNCLHead(nn.Module):
         return groups
 
     def prior_parameters(self) -> list[nn.Parameter]:
-        """The prior's global parameters, the model's and the guide's but the gating head's. After ``backward`` their
-        ``.grad`` is the loss's gradient divided by lambda (their optimizer group's ``grad_scale``)."""
+        """The prior's global parameters, the model's and the guide's but the gating head's.
+
+        The prior's global parameters, the model's and the guide's but the gating head's. After ``backward`` their
+        ``.grad`` is the loss's gradient divided by lambda (their optimizer group's ``grad_scale``).
+        """
         if not self.gated:
             return []
         return [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
 
     def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
-        """The hook on the prior's gradients; lambda is read at each step's backward (:attr:`kl_weight`: the
-        multiplier's value until :meth:`update_density`), so a schedule of it is followed."""
+        """The hook on the prior's gradients: divides by this step's lambda.
+
+        The hook on the prior's gradients; lambda is read at each step's backward (:attr:`kl_weight`: the
+        multiplier's value until :meth:`update_density`), so a schedule of it is followed.
+        """
         return grad / self.kl_weight
 
     def _unweight_prior_gradients(self):
-        """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at
+        """Hook :meth:`_unweight` onto every prior parameter not hooked yet.
+
+        Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at
         construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
         conversion that replaces the parameter, and neither does the record of the handles (:meth:`__getstate__`),
         so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
-        gradients would be divided twice."""
+        gradients would be divided twice.
+        """
         hooked = {}
         for p in self.prior_parameters():
             if not p.requires_grad:
@@ -593,7 +659,9 @@ _HEADS: "weakref.WeakSet[BayesNCLHead]" = weakref.WeakSet()
 
 def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
                kl_clamp: float) -> tuple[float, float]:
-    """How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
+    """How hard the likelihood and the prior move the gates on one batch.
+
+    How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
     the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
     unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
 
@@ -601,8 +669,7 @@ def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tens
     w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
     ``GateEstimator.kl_probs``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
     step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
-    the prior hardly shapes the posterior (the published lambda = 3e-5 gives a ratio near 1e-3,
-    docs/RESULTS.md).
+    the prior hardly shapes the posterior (docs/RESULTS.md has the published lambda's ratio).
     """
     kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)
     return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),

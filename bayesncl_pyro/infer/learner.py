@@ -1,5 +1,8 @@
-"""The trainable object of a run: a backbone and a :class:`BayesNCLHead` built from a Config, for CL, NCL and
-BayesNCL alike."""
+"""The trainable object of a run: a backbone and a BayesNCLHead built from a Config.
+
+The trainable object of a run: a backbone and a :class:`BayesNCLHead` built from a Config, for CL, NCL and
+BayesNCL alike.
+"""
 
 import dataclasses
 import inspect
@@ -20,8 +23,11 @@ _HEAD_FIELDS = [f.name for f in dataclasses.fields(Config) if f.name in inspect.
 
 
 def head_arguments(cfg: Config) -> dict:
-    """The :class:`BayesNCLHead` arguments of a run's config, but D and num_train: its fields of the same names, and
-    for NCL and CL no prior."""
+    """The BayesNCLHead arguments of a run's config, but D and num_train.
+
+    The :class:`BayesNCLHead` arguments of a run's config, but D and num_train: its fields of the same names, and
+    for NCL and CL no prior.
+    """
     args = {name: getattr(cfg, name) for name in _HEAD_FIELDS}
     if cfg.method != "bayesncl":
         args.update(prior=None, prior_args=None)
@@ -29,11 +35,13 @@ def head_arguments(cfg: Config) -> dict:
 
 
 class ContrastiveLearner(nn.Module):
-    """Owns the backbone (``cfg.encoder``, see ``encoders.py``) and the head (projector, Pyro model and guide,
+    """A backbone and the head built on it: the model a run trains.
+
+    Owns the backbone (``cfg.encoder``, see ``encoders.py``) and the head (projector, Pyro model and guide,
     ELBO).
 
     ``forward(x)`` takes the 2B view-rows ``[view 1; view 2]`` and returns the head's ``(-ELBO / num_rows,
-    monitoring values)``: InfoNCE + lambda * KL per row (see ``models/bayesncl.py``). Being an ``nn.Module``
+    monitoring values)`` (the loss: ``models/bayesncl.py``). Being an ``nn.Module``
     whose forward returns the loss, it can be wrapped by DDP as it is.
     """
 
@@ -45,6 +53,7 @@ class ContrastiveLearner(nn.Module):
 
     @property
     def gated(self) -> bool:
+        """Whether the head has gates (BayesNCL), not NCL or CL."""
         return self.head.gated
 
     @property
@@ -58,6 +67,7 @@ class ContrastiveLearner(nn.Module):
         return self.head.guide
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
+        """Images of 2B view-rows -> the head's (loss, HeadOutput)."""
         # autocast covers the backbone and the projector; the head runs its Pyro program at full precision. Its cache
         # of weights cast to bf16 is off in a step a CUDA graph captures, as PyTorch's CUDA graph notes ask
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp and x.is_cuda,
@@ -91,8 +101,11 @@ _RENAMED = (("encoder.backbone.", "backbone."), ("encoder.projector.", "head.pro
             ("guide.", "head.guide."))
 
 def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
-    """Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
-    version's model) in one line instead of torch's state_dict error."""
+    """Load a checkpoint's weights, explaining a mismatch in one line.
+
+    Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
+    version's model) in one line instead of torch's state_dict error.
+    """
     mine, theirs = learner.state_dict(), state["learner"]
     if any(k.startswith("encoder.") for k in theirs):
         theirs = {next((new + k[len(old):] for old, new in _RENAMED if k.startswith(old)), k): v
