@@ -70,8 +70,8 @@ refused: its data is undefined on CUDA until the host waits, which the stand-in 
 from __future__ import annotations
 
 import collections
-import itertools
 import gc
+import itertools
 import os
 import threading
 import weakref

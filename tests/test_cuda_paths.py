@@ -13,13 +13,17 @@ from pathlib import Path
 import pyro
 import pytest
 import torch
+from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset, pipeline, resident as resident_module
+from bayesncl_pyro.data import load_dataset, pipeline
+from bayesncl_pyro.data import resident as resident_module
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
+from bayesncl_pyro.data.device_views import ViewParams
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
@@ -27,9 +31,6 @@ from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from bayesncl_pyro.data.device_views import ViewParams
-from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
-from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

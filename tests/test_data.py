@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import make_tree, write_image
 from PIL import Image
 
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
 from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.errors import UserError
-from helpers import make_tree, write_image
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -11,18 +11,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import device_views as D, load_dataset
+from bayesncl_pyro.data import device_views as D
+from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.pipeline import EpochSampler, FileViews, ResidentViews
 from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
 

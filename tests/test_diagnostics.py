@@ -6,8 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.evaluate.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, nce_grad_parts,
-                                                read_conflict, to_json)
+from bayesncl_pyro.evaluate.diagnostics import (
+    conflict_record,
+    conflict_scores,
+    degeneracy_warnings,
+    nce_grad_parts,
+    read_conflict,
+    to_json,
+)
 from bayesncl_pyro.infer.head import gate_pulls
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import RUN_SVI, assert_same_params, cli, logged_step
 from torch.nn.parallel import DistributedDataParallel
 
 from bayesncl_pyro import distributed
@@ -30,7 +31,6 @@ from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train import trainer as training
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import RUN_SVI, assert_same_params, cli, logged_step
 
 WORLD, B = 2, 8  # processes; images in the global batch
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro.evaluate import dimensions as dm, figures
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import figures
 from bayesncl_pyro.evaluate.diagnostics import conflict_lines
 from bayesncl_pyro.infer.estimators import gate_class
 

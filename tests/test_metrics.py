@@ -3,9 +3,17 @@ import math
 import pytest
 import torch
 
-from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, effective_rank, interpretability_metrics,
-                                            orthogonality, retrieval_precision, semantic_consistency, semantic_entropy,
-                                            sparsity)
+from bayesncl_pyro.evaluate.metrics import (
+    activation_rate,
+    active_dims,
+    effective_rank,
+    interpretability_metrics,
+    orthogonality,
+    retrieval_precision,
+    semantic_consistency,
+    semantic_entropy,
+    sparsity,
+)
 
 
 def entropy(*p):

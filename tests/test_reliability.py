@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
 
 import bayesncl_pyro.rundir as rundir
 import bayesncl_pyro.train.trainer as training
@@ -32,7 +33,7 @@ from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.rundir import load_checkpoint
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
+
 
 def reference(path: Path, steps: int) -> dict:
     """The parameters of an uninterrupted run after ``steps`` steps."""

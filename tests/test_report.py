@@ -5,20 +5,20 @@ Chromium, driven by Playwright), at the size of a tiny run and at ImageNet-100's
 import json
 import re
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN
 
 from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import dimensions as dm, heldout, report
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import heldout, report
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.rundir import read_eval
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import TINY_RUN
 
 # the compositional benchmark (factors recorded), a few steps: 1280 test images, K = 16
 TINY_COMPOSITIONAL = [a if a != "digits" else "compositional" for a in TINY_RUN] + ["--max-steps", "3",

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
 from bayesncl_pyro.cli import inspect_gates, run_svi
-from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
 # each script's arguments, given a finished BayesNCL run (the session's bayes_run); None: its subprocess run is in
 # test_run_svi_writes_its_files_and_prints_the_table, which runs run_svi.py and the inspect_gates.py it prints

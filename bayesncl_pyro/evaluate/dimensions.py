@@ -31,8 +31,16 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.loading import load_learner
-from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
-                                            nearest_neighbours, top_class_share, tracked_factors)
+from bayesncl_pyro.evaluate.metrics import (
+    active_entries,
+    alive,
+    closed_share,
+    dim_consistency,
+    factor_information,
+    nearest_neighbours,
+    top_class_share,
+    tracked_factors,
+)
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
@@ -47,7 +55,8 @@ logit, and a draw from q flips it nearly half of the time."""
 
 def min_support(num_images: int, num_classes: int) -> int:
     """The fewest active test images for a dimension to be ranked by class consistency: a quarter of an average
-    class's test images, and at least 10 (a dimension that fires on 6 images is consistent by chance)."""
+    class's test images, and at least 10 (a dimension that fires on 6 images is consistent by chance).
+    """
     return max(10, num_images // (4 * num_classes))
 
 
@@ -58,7 +67,8 @@ def support(features: torch.Tensor) -> torch.Tensor:
 
 def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """C x K: per class, the number of its images in which each dimension is active (the class histogram of a
-    dimension's active images; ``metrics.dim_consistency``'s, padded to every class)."""
+    dimension's active images; ``metrics.dim_consistency``'s, padded to every class).
+    """
     counts = dim_consistency(features, labels)[1].long()
     return F.pad(counts, (0, 0, 0, num_classes - len(counts)))
 
@@ -66,14 +76,16 @@ def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int)
 def consistency(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(share, dominant class), K each, from :func:`class_counts`: the share of a dimension's active images that
     belong to its most frequent class (``metrics.top_class_share``, as ``metrics.semantic_consistency`` averages
-    it), and that class."""
+    it), and that class.
+    """
     return top_class_share(counts), counts.argmax(0)
 
 
 def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: int, n: int,
                     least: int | None = None) -> list[int]:
     """The ``n`` most class-consistent dimensions among those active in at least ``least`` test images (default:
-    :func:`min_support`), most consistent first."""
+    :func:`min_support`), most consistent first.
+    """
     least = min_support(len(labels), num_classes) if least is None else least
     share, _ = consistency(class_counts(features, labels, num_classes))
     ok = (support(features) >= least).nonzero().flatten()
@@ -83,7 +95,8 @@ def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: i
 def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
     """(mean, sd), C x K each: the mean inclusion probability q(g_k = 1 | x) over the test images of each class, and
-    its standard deviation over those images (0 for a class with no image)."""
+    its standard deviation over those images (0 for a class with no image).
+    """
     one_hot = F.one_hot(labels, num_classes).to(probs.dtype)
     n = one_hot.sum(0).clamp_min(1)[:, None]
     mean = one_hot.T @ probs / n
@@ -93,7 +106,8 @@ def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 class Ranking:
     """Every dimension's test images by a value (an N x K activation), largest first; only entries above
-    ``ACTIVE_EPS`` count (the rest are the dimension's inactive images)."""
+    ``ACTIVE_EPS`` count (the rest are the dimension's inactive images).
+    """
 
     def __init__(self, values: torch.Tensor):
         # K x N, each dimension's images sorted by value (rows of a contiguous transpose sort fastest)
@@ -107,7 +121,8 @@ class Ranking:
 
     def at_quantiles(self, dims: torch.Tensor, quantiles=QUANTILES) -> torch.Tensor:
         """len(dims) x len(quantiles) image indices: per dimension, among its active images in ascending order of
-        value, the one at each quantile (nearest rank); -1 for a dimension active in no image."""
+        value, the one at each quantile (nearest rank); -1 for a dimension active in no image.
+        """
         n = self.count[dims, None]  # D x 1
         q = torch.tensor(quantiles, dtype=torch.float64)
         from_top = (n - 1 - (q * (n - 1)).round().long()).clamp_min(0)  # D x Q positions in self.order's rows
@@ -118,7 +133,8 @@ class Ranking:
 def histograms(values: torch.Tensor, bins: int, high: torch.Tensor | float = 1.0,
                where: torch.Tensor | None = None) -> torch.Tensor:
     """K x bins counts of each column of ``values`` (N x K) over [0, high] (``high``: a number or K maxima; values
-    at ``high`` fall in the last bin), counting only the entries where ``where`` (N x K bool) holds."""
+    at ``high`` fall in the last bin), counting only the entries where ``where`` (N x K bool) holds.
+    """
     high = torch.as_tensor(high, dtype=values.dtype).clamp_min(torch.finfo(values.dtype).tiny)
     b = (values / high * bins).floor().long().clamp(0, bins - 1)
     b = b + bins * torch.arange(values.shape[1])  # one range of bins per column: a single bincount
@@ -136,7 +152,8 @@ def _standardised(features: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
 
 def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dims, r), len(dims) x n each: for each of ``dims``, the n others among ``dims`` whose columns of F correlate
-    most with it (Pearson r over the test images), most correlated first."""
+    most with it (Pearson r over the test images), most correlated first.
+    """
     x = _standardised(features, dims)
     r = x.T @ x
     r.fill_diagonal_(-torch.inf)
@@ -147,7 +164,8 @@ def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple
 def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor,
                  other_dims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dim, r), len(dims) each: for each of ``dims`` of F, the one of ``other_dims`` of another representation of
-    the same test images (a baseline run's) whose column correlates most with it, and Pearson's r."""
+    the same test images (a baseline run's) whose column correlates most with it, and Pearson's r.
+    """
     r = _standardised(features, dims).T @ _standardised(other, other_dims)
     best = r.max(dim=1)
     return other_dims[best.indices], best.values
@@ -155,7 +173,8 @@ def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor
 
 def neighbours(features: torch.Tensor, n: int) -> torch.Tensor:
     """N x n: each test image's nearest other test images by cosine similarity of its row of ``features``
-    (``metrics.nearest_neighbours``, as retrieval precision ranks them), nearest first."""
+    (``metrics.nearest_neighbours``, as retrieval precision ranks them), nearest first.
+    """
     return nearest_neighbours(F.normalize(features.float(), dim=1), min(n, len(features) - 1))
 
 
@@ -163,7 +182,8 @@ def mask_flip_share(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """N: how stable each image's mask is under draws from q(g | x): the expected share of its K gates that a draw
     sets otherwise than the evaluation mask, mean_k |mask_k - q(g_k = 1 | x)|. Exact, for q(g | x) a product of
     Bernoullis (``bayesncl_pyro.evaluate.dimensions``); 0 for a mask that every draw reproduces, about 0.5 for undecided
-    gates."""
+    gates.
+    """
     return (mask.to(probs) - probs).abs().mean(1)
 
 
@@ -179,7 +199,8 @@ def undecided_share(probs: torch.Tensor) -> float:
 
 def undecided_warning(probs: torch.Tensor) -> str | None:
     """A warning when the gates never left 0.5 (90 % or more of the test split's inclusion probabilities within
-    ``UNDECIDED`` of it), else None."""
+    ``UNDECIDED`` of it), else None.
+    """
     share = undecided_share(probs)
     if share < 0.9:
         return None
@@ -191,7 +212,8 @@ def undecided_warning(probs: torch.Tensor) -> str | None:
 def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
     """The prior's inclusion rate of a gated learner, on the CPU: K (a hierarchical prior's at its latents' posterior,
     ``Prior.mean_rate``), or for a prior with a rate per row N x K, each test image's at its posterior given the
-    image (``Prior.row_rates``: the learner's ``test`` features needed)."""
+    image (``Prior.row_rates``: the learner's ``test`` features needed).
+    """
     prior, guide = learner.model.prior, learner.guide.rate_guide
     if not prior.row_latents:
         return prior.mean_rate(guide).detach().cpu()
@@ -207,7 +229,8 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
     ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU; with h
     (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it
     are ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
-    (Predictive's ``parallel=True``), in a param store of its own (``own_params``)."""
+    (Predictive's ``parallel=True``), in a param store of its own (``own_params``).
+    """
     args = () if h is None else (h, pyro.plate("rows", len(h), device=h.device))
     with own_params():
         trace = poutine.trace(guide).get_trace(*args)
@@ -230,7 +253,8 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
 
 def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torch.Tensor:
     """K: KL(q(g_k | x) || Bernoulli(rate_k)) per dimension, averaged over the test images, at q's inclusion
-    probabilities, both rates clamped to [kl_clamp, 1 - kl_clamp]: what :func:`kl_label` says."""
+    probabilities, both rates clamped to [kl_clamp, 1 - kl_clamp]: what :func:`kl_label` says.
+    """
     return bernoulli_kl(probs, rate, kl_clamp).mean(0)
 
 
@@ -243,7 +267,8 @@ def kl_label(kl_clamp: float) -> str:
 def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
     """For generated data, per ground-truth factor: ``information`` (K, ``metrics.factor_information`` of F) and
     ``tracks`` (K bool, ``metrics.factor_tracking``), and for a gated run the same of the ungated features
-    (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``."""
+    (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``.
+    """
     out = {name: {} for name in feats.factors}
     for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
         information = {name: factor_information(features, v) for name, v in feats.factors.items()}
@@ -254,7 +279,8 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
 
 def gates_closed(feats: TestFeatures) -> torch.Tensor:
     """K: per dimension, the share of the test images where its ungated feature is active whose gate is closed
-    (``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5)."""
+    (``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5).
+    """
     return closed_share(feats.ungated, feats.mask)
 
 
@@ -289,7 +315,8 @@ class GatePosterior:
     @property
     def class_means(self) -> torch.Tensor:
         """C x K mean inclusion probability of each dimension over the items of each class
-        (:func:`inclusion_by_class`)."""
+        (:func:`inclusion_by_class`).
+        """
         return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
 
