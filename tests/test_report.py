@@ -17,6 +17,7 @@ from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate import heldout, report
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.infer.estimators import GateEstimator
 from bayesncl_pyro.rundir import read_eval
 from bayesncl_pyro.train.trainer import Trainer
 
@@ -239,7 +240,7 @@ def imagenet100_sized(tmp_path_factory):
     feats = bench_report.stand_in(5000, 2048, 100)
     kl = dm.kl_per_dim(feats.probs, torch.full((2048,), 0.8), 0.01)
     run = dict(dir="stand-in", method="bayesncl", dataset="stand-in", config=dict(kl_weight=3e-5, gate="ste"))
-    data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, dm.kl_label(0.01), 0.8), kl=kl)
+    data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8), kl=kl)
     page = report.write(data, report.thumbnails(bench_report.stand_in_images(5000)), tmp_path_factory.mktemp("big"))
     return page, data
 

@@ -252,16 +252,13 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
 
 
 def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torch.Tensor:
-    """K: KL(q(g_k | x) || Bernoulli(rate_k)) per dimension, averaged over the test images, at q's inclusion
-    probabilities, both rates clamped to [kl_clamp, 1 - kl_clamp]: what :func:`kl_label` says.
+    """K: the KL per dimension at q's inclusion probabilities, averaged over the test images.
+
+    This is ``GateEstimator``'s KL term, KL(q(g_k | x) || Bernoulli(rate_k)) with both rates clamped to [kl_clamp,
+    1 - kl_clamp], for every run: also for ``gs-reference-kl``, which trains another. Its label is
+    ``GateEstimator.kl_label(kl_clamp)``.
     """
     return bernoulli_kl(probs, rate, kl_clamp).mean(0)
-
-
-def kl_label(kl_clamp: float) -> str:
-    """What :func:`kl_per_dim` computes, in words."""
-    clamp = f", rates clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
-    return f"KL(q(g_k | x) || p(g_k)) at q's inclusion probabilities{clamp}, mean over the test images"
 
 
 def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:

@@ -32,7 +32,7 @@ from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
-from bayesncl_pyro.infer.estimators import gate_class
+from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
 from bayesncl_pyro.rundir import (
     EVAL,
     REPORT_DIR,
@@ -342,7 +342,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     if learner.gated:
         rate = dm.prior_rate(learner, feats)
         kl = dm.kl_per_dim(feats.probs, rate, cfg.kl_clamp)
-        gates = gate_summary(feats, kl, dm.kl_label(cfg.kl_clamp), float(rate.mean()))
+        gates = gate_summary(feats, kl, GateEstimator.kl_label(cfg.kl_clamp), float(rate.mean()))
     base = None
     if other is not None:
         other_data = data if (other.cfg.dataset, other.cfg.data_dir, other.cfg.seed) == (
