@@ -1,6 +1,7 @@
-"""What each dimension of a run's representation does on the test split: the one home of the per-dimension
-numbers that ``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures)
-show, so that a number in a figure and in the report cannot differ. They read the test split's features, which
+"""Per-dimension numbers of a run's representation on the test split, shared by the report and the figures.
+
+``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures) both read
+them here, so that a number in a figure and in the report cannot differ. They read the test split's features, which
 ``evaluate/heldout.py`` computes in one pass of the backbone for the evaluation too:
 
     feats = test_features(learner, data)        # F and, for BayesNCL, the ungated features, q(g = 1 | x), the mask
@@ -54,8 +55,10 @@ logit, and a draw from q flips it nearly half of the time."""
 
 
 def min_support(num_images: int, num_classes: int) -> int:
-    """The fewest active test images for a dimension to be ranked by class consistency: a quarter of an average
-    class's test images, and at least 10 (a dimension that fires on 6 images is consistent by chance).
+    """The fewest active test images for a dimension to be ranked by class consistency.
+
+    A quarter of an average class's test images, and at least 10 (a dimension that fires on 6 images is consistent by
+    chance).
     """
     return max(10, num_images // (4 * num_classes))
 
@@ -66,25 +69,28 @@ def support(features: torch.Tensor) -> torch.Tensor:
 
 
 def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """C x K: per class, the number of its images in which each dimension is active (the class histogram of a
-    dimension's active images; ``metrics.dim_consistency``'s, padded to every class).
+    """C x K: per class, the number of its images in which each dimension is active.
+
+    The class histogram of a dimension's active images: ``metrics.dim_consistency``'s, padded to every class.
     """
     counts = dim_consistency(features, labels)[1].long()
     return F.pad(counts, (0, 0, 0, num_classes - len(counts)))
 
 
 def consistency(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(share, dominant class), K each, from :func:`class_counts`: the share of a dimension's active images that
-    belong to its most frequent class (``metrics.top_class_share``, as ``metrics.semantic_consistency`` averages
-    it), and that class.
+    """(share, dominant class), K each, from :func:`class_counts`.
+
+    The share of a dimension's active images that belong to its most frequent class (``metrics.top_class_share``, as
+    ``metrics.semantic_consistency`` averages it), and that class.
     """
     return top_class_share(counts), counts.argmax(0)
 
 
 def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: int, n: int,
                     least: int | None = None) -> list[int]:
-    """The ``n`` most class-consistent dimensions among those active in at least ``least`` test images (default:
-    :func:`min_support`), most consistent first.
+    """The ``n`` most class-consistent dimensions, most consistent first.
+
+    Only dimensions active in at least ``least`` test images (default: :func:`min_support`) are ranked.
     """
     least = min_support(len(labels), num_classes) if least is None else least
     share, _ = consistency(class_counts(features, labels, num_classes))
@@ -94,8 +100,9 @@ def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
-    """(mean, sd), C x K each: the mean inclusion probability q(g_k = 1 | x) over the test images of each class, and
-    its standard deviation over those images (0 for a class with no image).
+    """(mean, sd), C x K each: q(g_k = 1 | x) averaged over the test images of each class.
+
+    sd is its standard deviation over those images (0 for a class with no image).
     """
     one_hot = F.one_hot(labels, num_classes).to(probs.dtype)
     n = one_hot.sum(0).clamp_min(1)[:, None]
@@ -105,8 +112,9 @@ def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 
 class Ranking:
-    """Every dimension's test images by a value (an N x K activation), largest first; only entries above
-    ``ACTIVE_EPS`` count (the rest are the dimension's inactive images).
+    """Every dimension's test images by a value (an N x K activation), largest first.
+
+    Only entries above ``ACTIVE_EPS`` count (the rest are the dimension's inactive images).
     """
 
     def __init__(self, values: torch.Tensor):
@@ -120,8 +128,10 @@ class Ranking:
         return torch.where(torch.arange(k) < self.count[dims, None], self.order[dims, :k], -1)
 
     def at_quantiles(self, dims: torch.Tensor, quantiles=QUANTILES) -> torch.Tensor:
-        """len(dims) x len(quantiles) image indices: per dimension, among its active images in ascending order of
-        value, the one at each quantile (nearest rank); -1 for a dimension active in no image.
+        """len(dims) x len(quantiles) image indices: per dimension, its active image at each quantile.
+
+        Among a dimension's active images in ascending order of value, the one at each quantile (nearest rank); -1 for a
+        dimension active in no image.
         """
         n = self.count[dims, None]  # D x 1
         q = torch.tensor(quantiles, dtype=torch.float64)
@@ -132,8 +142,10 @@ class Ranking:
 
 def histograms(values: torch.Tensor, bins: int, high: torch.Tensor | float = 1.0,
                where: torch.Tensor | None = None) -> torch.Tensor:
-    """K x bins counts of each column of ``values`` (N x K) over [0, high] (``high``: a number or K maxima; values
-    at ``high`` fall in the last bin), counting only the entries where ``where`` (N x K bool) holds.
+    """K x bins counts of each column of ``values`` (N x K) over [0, high].
+
+    ``high``: a number or K maxima; values at ``high`` fall in the last bin. Only the entries where ``where`` (N x K
+    bool) holds are counted.
     """
     high = torch.as_tensor(high, dtype=values.dtype).clamp_min(torch.finfo(values.dtype).tiny)
     b = (values / high * bins).floor().long().clamp(0, bins - 1)
@@ -151,8 +163,9 @@ def _standardised(features: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
 
 
 def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dims, r), len(dims) x n each: for each of ``dims``, the n others among ``dims`` whose columns of F correlate
-    most with it (Pearson r over the test images), most correlated first.
+    """(dims, r), len(dims) x n each: for each of ``dims``, the n others whose columns of F correlate most with it.
+
+    Pearson r over the test images, most correlated first; the others are drawn from ``dims``.
     """
     x = _standardised(features, dims)
     r = x.T @ x
@@ -163,8 +176,10 @@ def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple
 
 def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor,
                  other_dims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dim, r), len(dims) each: for each of ``dims`` of F, the one of ``other_dims`` of another representation of
-    the same test images (a baseline run's) whose column correlates most with it, and Pearson's r.
+    """(dim, r), len(dims) each: for each of ``dims``, the closest dimension of another representation.
+
+    For each of ``dims`` of F, the one of ``other_dims`` of another representation of the same test images (a baseline
+    run's) whose column correlates most with it, and Pearson's r.
     """
     r = _standardised(features, dims).T @ _standardised(other, other_dims)
     best = r.max(dim=1)
@@ -172,17 +187,18 @@ def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor
 
 
 def neighbours(features: torch.Tensor, n: int) -> torch.Tensor:
-    """N x n: each test image's nearest other test images by cosine similarity of its row of ``features``
-    (``metrics.nearest_neighbours``, as retrieval precision ranks them), nearest first.
+    """N x n: each test image's nearest other test images, nearest first.
+
+    By cosine similarity of its row of ``features`` (``metrics.nearest_neighbours``, as retrieval precision ranks them).
     """
     return nearest_neighbours(F.normalize(features.float(), dim=1), min(n, len(features) - 1))
 
 
 def mask_flip_share(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """N: how stable each image's mask is under draws from q(g | x): the expected share of its K gates that a draw
-    sets otherwise than the evaluation mask, mean_k |mask_k - q(g_k = 1 | x)|. Exact, for q(g | x) a product of
-    Bernoullis (``bayesncl_pyro.evaluate.dimensions``); 0 for a mask that every draw reproduces, about 0.5 for undecided
-    gates.
+    """N: the expected share of each image's K gates that a draw from q(g | x) sets otherwise than its mask.
+
+    mean_k |mask_k - q(g_k = 1 | x)|: how stable each image's evaluation mask is under draws. Exact, for q(g | x) a
+    product of Bernoullis; 0 for a mask that every draw reproduces, about 0.5 for undecided gates.
     """
     return (mask.to(probs) - probs).abs().mean(1)
 
@@ -198,8 +214,9 @@ def undecided_share(probs: torch.Tensor) -> float:
 
 
 def undecided_warning(probs: torch.Tensor) -> str | None:
-    """A warning when the gates never left 0.5 (90 % or more of the test split's inclusion probabilities within
-    ``UNDECIDED`` of it), else None.
+    """A warning when the gates never left 0.5, else None.
+
+    "Never left": 90 % or more of the test split's inclusion probabilities within ``UNDECIDED`` of 0.5.
     """
     share = undecided_share(probs)
     if share < 0.9:
@@ -210,9 +227,11 @@ def undecided_warning(probs: torch.Tensor) -> str | None:
 
 
 def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
-    """The prior's inclusion rate of a gated learner, on the CPU: K (a hierarchical prior's at its latents' posterior,
-    ``Prior.mean_rate``), or for a prior with a rate per row N x K, each test image's at its posterior given the
-    image (``Prior.row_rates``: the learner's ``test`` features needed).
+    """The prior's inclusion rate of a gated learner, on the CPU.
+
+    K (a hierarchical prior's at its latents' posterior, ``Prior.mean_rate``), or for a prior with a rate per row
+    N x K, each test image's at its posterior given the image (``Prior.row_rates``: the learner's ``test`` features
+    needed).
     """
     prior, guide = learner.model.prior, learner.guide.rate_guide
     if not prior.row_latents:
@@ -224,11 +243,12 @@ def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
 
 def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """What the guide of a prior's latents says, read from its trace by site name as ``pyro.infer.Predictive`` reads
-    a guide: ``(params, draws, row_draws)``, its parameter sites' values (constrained, named within the guide) and
-    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU; with h
-    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it
-    are ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
+    """``(params, draws, row_draws)`` of the guide of a prior's latents, read from its trace by site name.
+
+    As ``pyro.infer.Predictive`` reads a guide: its parameter sites' values (constrained, named within the guide) and
+    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU. With h
+    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it are
+    ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
     (Predictive's ``parallel=True``), in a param store of its own (``own_params``).
     """
     args = () if h is None else (h, pyro.plate("rows", len(h), device=h.device))
@@ -262,9 +282,11 @@ def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torc
 
 
 def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
-    """For generated data, per ground-truth factor: ``information`` (K, ``metrics.factor_information`` of F) and
-    ``tracks`` (K bool, ``metrics.factor_tracking``), and for a gated run the same of the ungated features
-    (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``.
+    """For generated data, per ground-truth factor: which dimensions carry it, with the gates and without.
+
+    ``information`` (K, ``metrics.factor_information`` of F) and ``tracks`` (K bool, ``metrics.factor_tracking``),
+    and for a gated run the same of the ungated features (``information_ungated``, ``tracks_ungated``); eval.json's
+    ``dims_tracking_*`` counts the ``tracks``.
     """
     out = {name: {} for name in feats.factors}
     for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
@@ -275,8 +297,9 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def gates_closed(feats: TestFeatures) -> torch.Tensor:
-    """K: per dimension, the share of the test images where its ungated feature is active whose gate is closed
-    (``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5).
+    """K: per dimension, the share of the test images where its ungated feature is active whose gate is closed.
+
+    ``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5.
     """
     return closed_share(feats.ungated, feats.mask)
 
@@ -311,9 +334,7 @@ class GatePosterior:
 
     @property
     def class_means(self) -> torch.Tensor:
-        """C x K mean inclusion probability of each dimension over the items of each class
-        (:func:`inclusion_by_class`).
-        """
+        """C x K: the mean inclusion probability per class and dimension (:func:`inclusion_by_class`'s mean)."""
         return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
 
