@@ -335,7 +335,8 @@ def test_colour_view_with_the_random_ops_off_is_torchvisions_crop(monkeypatch):
     view = simclr_transform(48)(image)
     torch.manual_seed(5)
     crop = v2.RandomResizedCrop(48, scale=recipe.CROP_SCALE, ratio=recipe.CROP_RATIO,
-                                interpolation=v2.InterpolationMode.BICUBIC, antialias=True)(v2.functional.pil_to_tensor(image))
+                                interpolation=v2.InterpolationMode.BICUBIC,
+                                antialias=True)(v2.functional.pil_to_tensor(image))
     expected = v2.functional.normalize(crop.float() / 255, recipe.IMAGENET_MEAN, recipe.IMAGENET_STD)
     torch.testing.assert_close(view, expected, rtol=0, atol=1e-5)
 

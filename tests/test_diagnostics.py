@@ -101,7 +101,8 @@ def test_degeneracy_warnings(rec, expected):
 
 @pytest.mark.parametrize("kl_weight", [3e-5, 0.5])
 def test_gate_pulls_split_the_gate_gradient_into_likelihood_and_prior(kl_weight):
-    cfg = resolve(Config(dataset="digits", gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight, prior_prob=0.75))
+    cfg = resolve(Config(dataset="digits", gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight,
+                         prior_prob=0.75))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     x = torch.randn(24, 1, 8, 8)
     loss, stats = learner(x)

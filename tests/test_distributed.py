@@ -100,7 +100,8 @@ def _ddp_step(rank, out):
     results = {}
     for compiled in (False, True):
         learner, x = _learner_and_batch()
-        # the head gathers every rank's rows by itself; net is kept alive until backward: its hooks average the gradients
+        # the head gathers every rank's rows by itself; net is kept alive until backward: its hooks average the
+        # gradients
         net = DistributedDataParallel(learner, bucket_cap_mb=BUCKET_MB)
         graphs = _Graphs()
         if compiled:  # as the Trainer does with --compile: after the wrap
@@ -403,7 +404,8 @@ shift
 setsid "$@" &
 echo $! > "$FAKE_SLURM/step"
 wait $!""",
-    "scancel": """[ $# = 2 ] && [ "$1" = --signal=TERM ] && [ "$2" = "$SLURM_JOB_ID" ] || { echo "scancel: unexpected $*" >&2; exit 1; }
+    "scancel": """[ $# = 2 ] && [ "$1" = --signal=TERM ] && [ "$2" = "$SLURM_JOB_ID" ] ||
+  { echo "scancel: unexpected $*" >&2; exit 1; }
 kill -TERM -- -"$(cat "$FAKE_SLURM/step")\"""",
     "scontrol": """case "$1 $2" in
 "show hostnames") [ "$3" = "$SLURM_JOB_NODELIST" ] && echo 127.0.0.1 ;;

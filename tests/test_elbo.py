@@ -109,7 +109,8 @@ def test_the_monte_carlo_kl_of_bernoulli_gates_is_the_analytic_kl_on_average():
             pyro.sample("g", BernoulliGates(probs.logit()).to_event(1))
 
     with pytest.raises(NotImplementedError):  # else this would test the analytic KL
-        torch.distributions.kl_divergence(BernoulliGates(probs.logit()), pyro.distributions.Binomial(1, rho.expand(rows, k)))
+        torch.distributions.kl_divergence(BernoulliGates(probs.logit()),
+                                          pyro.distributions.Binomial(1, rho.expand(rows, k)))
     pyro.set_rng_seed(0)
     with pyro.validation_enabled(False):
         mc = MeanFieldELBO().terms(model, poutine.reparam(guide, config={"g": Draw(kl_clamp=0.0)})).kl

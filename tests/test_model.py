@@ -131,7 +131,8 @@ def test_logits_are_bounded_with_gradient():
     _, guide, _ = _program()
     h = torch.randn(R, D)
     raw = guide.head(h)
-    h = h * (2 * guide.logit_bound / raw.abs().max())  # raw logits up to twice the bound (head is ReLU-homogeneous up to bias)
+    # raw logits up to twice the bound (the head is ReLU-homogeneous up to bias)
+    h = h * (2 * guide.logit_bound / raw.abs().max())
     logits = guide.logits(h)
     assert logits.abs().max() <= guide.logit_bound
     logits.abs().max().backward()
@@ -280,7 +281,8 @@ def test_score_function_estimator_sees_that_infonce_couples_the_rows():
     q = dist.Bernoulli(logits=theta).to_event(2)
     p = dist.Bernoulli(torch.full((rows, dims), 0.6)).to_event(2)
     u = model.features(z)
-    exact = sum(q.log_prob(c).exp() * (-info_nce_rows(normalize(u * c), 0.5).sum() + lam * (p.log_prob(c) - q.log_prob(c)))
+    exact = sum(q.log_prob(c).exp()
+                * (-info_nce_rows(normalize(u * c), 0.5).sum() + lam * (p.log_prob(c) - q.log_prob(c)))
                 for c in configs)
     exact_grad, = torch.autograd.grad(exact, theta)
 
