@@ -24,8 +24,9 @@ from fake_cuda import fake_cuda  # noqa: E402,F401 -- the fixture: a CPU stand-i
 
 
 def _tiny_run(tmp_path_factory, name: str, *args: str):
-    from bayesncl_pyro.cli import run_svi
     from helpers import TINY_RUN
+
+    from bayesncl_pyro.cli import run_svi
 
     out = tmp_path_factory.mktemp("tiny") / name
     assert run_svi.main([*TINY_RUN, "--conflict-every", "1", "--out", str(out), *args]) == 0

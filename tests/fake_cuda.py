@@ -1,9 +1,9 @@
 """A CPU stand-in for the CUDA runtime calls the project makes, so that its CUDA-only lines run in CPU tests.
 
-The ``fake_cuda`` fixture installs it: ``torch.cuda`` then reports ``FakeCuda.count`` GPUs, and a tensor "on" ``cuda:i`` is a
-CPU tensor of class ``CudaTensor`` whose ``device`` says ``cuda:i``, so every ``device.type == "cuda"`` branch runs, on the
-CPU's numbers. A ``TorchFunctionMode``, entered in every thread started while it is installed, moves tensors to and from
-the fake devices and checks what CUDA checks:
+The ``fake_cuda`` fixture installs it: ``torch.cuda`` then reports ``FakeCuda.count`` GPUs, and a tensor "on" ``cuda:i``
+is a CPU tensor of class ``CudaTensor`` whose ``device`` says ``cuda:i``, so every ``device.type == "cuda"`` branch
+runs, on the CPU's numbers. A ``TorchFunctionMode``, entered in every thread started while it is installed, moves
+tensors to and from the fake devices and checks what CUDA checks:
 
 - device arguments go through torch.cuda's own ``_get_device_index``: ``set_device(torch.device("cuda"))`` raises
   ``ValueError`` as it does on a GPU; an index past the count raises; ``current_stream("cpu")`` raises;
@@ -63,15 +63,16 @@ Host syncs are counted per thread in ``syncs``: ``item``, ``bool``, ``tolist``, 
 the CPU, blocking copies to the GPU (CUDA's ``memcpy_and_sync``), ``non_blocking`` copies from pageable memory (CUDA
 stages them synchronously), a device tensor made from host data, an index held on the CPU, a boolean mask,
 ``torch.nested.to_padded_tensor`` of floating-point images (CUDA's one-kernel path copies the sizes over with a blocking
-copy; other dtypes are padded image by image on the device), and the ``synchronize`` calls; set ``trace`` to a list to collect where each happened. A ``non_blocking`` copy to the CPU is
-refused: its data is undefined on CUDA until the host waits, which the stand-in does not model.
+copy; other dtypes are padded image by image on the device), and the ``synchronize`` calls; set ``trace`` to a list to
+collect where each happened. A ``non_blocking`` copy to the CPU is refused: its data is undefined on CUDA until the host
+waits, which the stand-in does not model.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import gc
+import itertools
 import os
 import threading
 import weakref
@@ -220,13 +221,15 @@ class Event:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
-            and a.shape == b.shape and a.stride() == b.stride())
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride())
 
 
 class _Recorder(TorchDispatchMode):
-    """The aten ops of a capture, into ``graph.ops``. A capture runs nothing on a GPU, so the tensors made before it that
-    these ops take are kept as they were (``saved``) and put back when it ends."""
+    """The aten ops of a capture, into ``graph.ops``.
+
+    A capture runs nothing on a GPU, so the tensors made before it that these ops take are kept as they were
+    (``saved``) and put back when it ends."""
 
     def __init__(self, graph: CUDAGraph):
         super().__init__()
@@ -341,7 +344,8 @@ _CROSS_DEVICE = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tenso
 _METADATA = {"__get__", "__set__", "__delete__", "dim", "size", "stride", "numel", "nelement", "ndimension",
              "is_contiguous", "data_ptr", "element_size", "untyped_storage", "storage_offset", "__len__",
              "is_floating_point", "is_complex", "requires_grad_", "register_hook", "retain_grad", "__hash__", "type",
-             "is_leaf", "_is_view", "backward", "_has_compatible_shallow_copy_type", "is_same_size", "__repr__", "__reduce_ex__", "__deepcopy__", "as_subclass"}
+             "is_leaf", "_is_view", "backward", "_has_compatible_shallow_copy_type", "is_same_size", "__repr__",
+             "__reduce_ex__", "__deepcopy__", "as_subclass"}
 # ops that take no CPU tensor with CUDA ones, not even a 0-dim one (no TensorIterator, which alone takes CPU scalars)
 _NO_CPU_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
 # factories that copy host data (not a tensor) to the device: a pageable copy, which the host waits for
@@ -382,7 +386,8 @@ class FakeCuda:
         self.faults: list[str] = []  # uses found wrong when a block was freed, raised at the next op (_raise_faults)
         self.dirty: dict[int, Stream] = {}  # device -> stream a failed decode may still write into
         self.decodes = 0  # JPEG decoder calls on CUDA
-        self.decoder_streams: dict[int, Stream] = {}  # device -> the stream TorchCodec's and torchvision's nvJPEG write from
+        # device -> the stream TorchCodec's and torchvision's nvJPEG write from
+        self.decoder_streams: dict[int, Stream] = {}
         self.replays = 0  # CUDA graph replays
         self.set_devices: list[tuple[str, int]] = []  # (thread name, index) of every set_device
         self.largest_host_tensor = 0  # bytes, among CPU tensors made in the main thread
@@ -545,14 +550,17 @@ class FakeCuda:
         return max(stream.seen.get(other, 0), other.done) >= clock
 
     def freed(self, address: int):
-        """The memory at ``address`` is freed: the caching allocator gives it back to the stream it was allocated on, for
-        that stream's next allocation, at once. A use on another stream that that stream has not waited for, and that
+        """The memory at ``address`` is freed.
+
+        The caching allocator gives it back to the stream it was allocated on, for that stream's next allocation, at
+        once. A use on another stream that that stream has not waited for, and that
         ``record_stream`` did not mark, may still run then, on memory handed to someone else."""
         block = self.blocks.pop(address, None)
         if block is None:
             return
         for other, clock in block.uses.items():
-            if other is not block.stream and other not in block.recorded and not self.ordered(block.stream, other, clock):
+            if (other is not block.stream and other not in block.recorded
+                    and not self.ordered(block.stream, other, clock)):
                 self.faults.append(
                     f"fake CUDA: memory allocated on {block.stream} was used on {other} (its op {clock}) and freed "
                     f"without record_stream({other}) or {block.stream} waiting for that use: the caching allocator "

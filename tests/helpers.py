@@ -19,11 +19,12 @@ RUN_SVI = EXPERIMENTS / "run_svi.py"
 # two steps of BayesNCL on digits (run_svi.py's flags): seconds, with every file a run writes
 TINY_RUN = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
             "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0", "--log-every", "1"]
-TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0", "--batch-size", "64",
-                "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
+TINY_COMPARE = ["--dataset", "digits", "--max-steps", "2", "--epochs", "1", "--warmup-epochs", "0",
+                "--batch-size", "64", "--proj-hidden", "32", "--proj-dim", "16", "--workers", "0"]
 
 
-# Trainer configs of a tiny digits run: 44 steps per epoch at batch 32; runs stop early through max_steps (which may change on resume)
+# Trainer configs of a tiny digits run: 44 steps per epoch at batch 32; runs stop early through max_steps (which may
+# change on resume)
 FAST = dict(dataset="digits", proj_hidden=32, proj_dim=16, batch_size=32, epochs=2, warmup_epochs=0.5,
             workers=0, log_every=1, ckpt_every=2)
 

@@ -13,13 +13,17 @@ from pathlib import Path
 import pyro
 import pytest
 import torch
+from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bayesncl_pyro import distributed
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset, pipeline, resident as resident_module
+from bayesncl_pyro.data import load_dataset, pipeline
+from bayesncl_pyro.data import resident as resident_module
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
+from bayesncl_pyro.data.device_views import ViewParams
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
@@ -27,9 +31,6 @@ from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from bayesncl_pyro.data.device_views import ViewParams
-from fake_cuda import CudaTensor, Event, PinnedTensor, Race, Stream
-from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -382,11 +383,14 @@ def test_the_prefetcher_without_record_stream_is_caught(fake_cuda, monkeypatch):
 
 
 def test_batches_drawn_ahead_and_never_taken_are_waited_for_when_the_prefetcher_closes(fake_cuda):
-    images = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=CUDA0)  # the training stream's, like a resident set
+    images = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=CUDA0)  # the training stream's: resident
     for x in pipeline.prefetch(range(3), lambda batch, k: images[batch] * 2, CUDA0):
         break  # the step limit: the batches drawn ahead are dropped, unread
     assert x.tolist() == [2.0, 4.0]
-    del x, images  # freed onto the training stream while the pipeline's last reads of them are unordered: a Race
+    # freed onto the training stream while the pipeline's last reads of them are unordered: a Race; images is
+    # rebound, not deleted, so that the lambda's name stays bound (the tensor is freed all the same)
+    del x
+    images = None
     torch.ones(1, device=CUDA0)
 
 
@@ -401,7 +405,8 @@ def _resident(seed=3):
 def test_resident_views_are_two_graphs_replayed_from_this_thread_without_a_host_wait(fake_cuda):
     """The views of a set held on the GPU: captured once, replayed a batch ahead on the pipeline's stream, the same
     views as drawn eagerly (the same draws; on the CPU the same bits), in the step's dtype and layout."""
-    views, rows = _resident(), [torch.randint(0, 20, (4,), generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    views = _resident()
+    rows = [torch.randint(0, 20, (4,), generator=torch.Generator().manual_seed(k)) for k in range(5)]
     threads = threading.active_count()
     list(views.replayed(rows[:1], first=0))  # the first epoch captures the graphs (a device-wide wait each)
     before = dict(fake_cuda.syncs)
@@ -523,7 +528,8 @@ def test_decoded_images_freed_by_the_caller_are_safe_only_as_handed_over(fake_cu
     assert (len(decode._HELD), fake_cuda.syncs["MainThread"] - before) == ((decode.HELD_BATCHES, 2) if held else (0, 0))
     fake_cuda.lagging = False
     if held:
-        monkeypatch.setattr(decode, "_HELD", type("Dropped", (collections.deque,), {"append": lambda self, item: None})())
+        monkeypatch.setattr(decode, "_HELD",
+                            type("Dropped", (collections.deque,), {"append": lambda self, item: None})())
     else:
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
     with pytest.raises(Race, match="freed without record_stream"):
@@ -569,16 +575,19 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
     calls = []
     good = EncodedBatch([encoded[0], encoded[1]])
     for error, raised, match in (
-            (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), torch.OutOfMemoryError, "memory"),
+            (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), torch.OutOfMemoryError,
+             "memory"),
             (RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"),
              RuntimeError, "out of memory"),  # torchvision's wrapping of an out-of-memory error inside its decoder
             (RuntimeError("Error while decoding JPEG images: Failed to decode batch: 5"), torch.OutOfMemoryError,
              r"nvJPEG could not allocate memory on cuda:0 to decode 2 JPEGs \(Error while decoding JPEG images: Failed "
              r"to decode batch: 5: an allocation failure\); lower --batch-size"),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
-            (RuntimeError("nvjpegDecode failed: 5"), torch.OutOfMemoryError, "nvJPEG could not allocate"),  # TorchCodec's
+            # TorchCodec's
+            (RuntimeError("nvjpegDecode failed: 5"), torch.OutOfMemoryError, "nvJPEG could not allocate"),
             (RuntimeError("Failed to synchronize CUDA stream: 2"), torch.OutOfMemoryError, "could not allocate"),
+            # stable ABI, < 2.13
             (RuntimeError("torch_call_dispatcher(...) API call failed at /torch/csrc/stable/ops.h, line 87"),
-             RuntimeError, r"a torch call inside the decoder failed on cuda:0 .*lower --batch-size"),  # stable ABI, < 2.13
+             RuntimeError, r"a torch call inside the decoder failed on cuda:0 .*lower --batch-size"),
             (RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"), UserError,
              r"torchvision 9.9 cannot decode JPEGs on cuda:0: decode_jpegs_cuda: torchvision not compiled with nvJPEG "
              r"support; install nvImageCodec .* or a TorchCodec \(or torchvision\) build made for torch .* or pass "
@@ -602,14 +611,15 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
     error = RuntimeError("Failed to initialize nvjpeg with hardware backend: 7")
     calls.clear()
     monkeypatch.setattr(decode, "JPEG_DECODERS", [
-        decode.JpegDecoder("TorchCodec 9.9", lambda jpegs, device: calls.append(1) or (_ for _ in ()).throw(error), False),
+        decode.JpegDecoder("TorchCodec 9.9", lambda jpegs, device: calls.append(1) or (_ for _ in ()).throw(error),
+                           False),
         *decode.JPEG_DECODERS])
     caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # a note: INFO
     for _ in range(2):
         assert [image.device for image in encoded.decode(good, CUDA0)] == [CUDA0] * 2
     assert len(calls) == 1
     assert caplog.text.count("note: TorchCodec 9.9 cannot decode JPEGs on cuda:0 (Failed to initialize "
-                                         "nvjpeg with hardware backend: 7); torchvision (fake) decodes them instead") == 1
+                             "nvjpeg with hardware backend: 7); torchvision (fake) decodes them instead") == 1
 
 
 @pytest.mark.parametrize("decoders", [("nvImageCodec", "TorchCodec"), ("TorchCodec", "torchvision")])
@@ -653,7 +663,8 @@ def test_images_of_another_size_end_the_resident_decoding_at_their_batch(tmp_pat
                     size=(8, 9 if i == 2 else 8), seed=i)
     read = []
     getitem = resident_module._PixelTensors.__getitem__
-    monkeypatch.setattr(resident_module._PixelTensors, "__getitem__", lambda self, i: read.append(i) or getitem(self, i))
+    monkeypatch.setattr(resident_module._PixelTensors, "__getitem__",
+                        lambda self, i: read.append(i) or getitem(self, i))
     assert resident_images(load_dataset("imagefolder", tmp_path).train, torch.device("cpu")) is None
     assert len(read) == 1 + 256  # the first image's size, then the first batch
 
@@ -688,8 +699,8 @@ def _poison_grad_at(trainer: Trainer, step: int):
 def _state(trainer: Trainer) -> list[torch.Tensor]:
     """Parameters, buffers (BatchNorm's running statistics), then the optimizer's state."""
     opt = trainer.optimizer
-    return [t.detach().cpu().clone() for t in [*trainer.learner.parameters(), *trainer.learner.buffers(),
-                                               *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]]
+    states = (v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return [t.detach().cpu().clone() for t in [*trainer.learner.parameters(), *trainer.learner.buffers(), *states]]
 
 
 @pytest.mark.filterwarnings("ignore:Encountered NaN")
@@ -907,7 +918,8 @@ def test_bench_steps_trainer_figure_replays_the_captured_step_and_reads_the_gpu_
     bench = runpy.run_path(str(Path(__file__).parents[1] / "experiments" / "bench_step.py"))
     args = bench["parser"]().parse_args(["--device", "cuda:0", "--optimizer", "lars", "--cuda-graphs", "--warmup", "0",
                                          "--trainer-batches", "3"])
-    cfg = resolve(Config(dataset="digits", batch_size=32, proj_hidden=16, proj_dim=8, device="cuda:0", optimizer="lars"))
+    cfg = resolve(Config(dataset="digits", batch_size=32, proj_hidden=16, proj_dim=8, device="cuda:0",
+                         optimizer="lars"))
     steps = _step_graphs(monkeypatch)
     with pyro.validation_enabled(False):
         bench["trainer_steps"](cfg, args, 1, torch.device("cuda:0"))

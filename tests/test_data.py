@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import make_tree, write_image
 from PIL import Image
 
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
 from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.errors import UserError
-from helpers import make_tree, write_image
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -335,7 +335,8 @@ def test_colour_view_with_the_random_ops_off_is_torchvisions_crop(monkeypatch):
     view = simclr_transform(48)(image)
     torch.manual_seed(5)
     crop = v2.RandomResizedCrop(48, scale=recipe.CROP_SCALE, ratio=recipe.CROP_RATIO,
-                                interpolation=v2.InterpolationMode.BICUBIC, antialias=True)(v2.functional.pil_to_tensor(image))
+                                interpolation=v2.InterpolationMode.BICUBIC,
+                                antialias=True)(v2.functional.pil_to_tensor(image))
     expected = v2.functional.normalize(crop.float() / 255, recipe.IMAGENET_MEAN, recipe.IMAGENET_STD)
     torch.testing.assert_close(view, expected, rtol=0, atol=1e-5)
 

@@ -1,4 +1,7 @@
-"""The batched data path (--augment device): each op against torchvision, decoding and its fallbacks, seeding, training."""
+"""The batched data path (--augment device).
+
+Each op against torchvision, decoding and its fallbacks, seeding, training.
+"""
 
 import io
 import logging
@@ -11,18 +14,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import device_views as D, load_dataset
+from bayesncl_pyro.data import device_views as D
+from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.decode import EncodedBatch, EncodedImages
 from bayesncl_pyro.data.pipeline import EpochSampler, FileViews, ResidentViews
 from bayesncl_pyro.data.recipe import IMAGENET_MEAN, IMAGENET_STD
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import assert_resume_is_exact, photo_tree, truncate, write_photo
 
 TOL = dict(rtol=0, atol=1e-5)  # float32 rounding: the ops compute the same formulas in another order
 
@@ -269,7 +273,7 @@ def test_encoded_items_decode_to_the_images_pil_reads(tmp_path):
 
 
 def test_a_rotated_jpeg_is_decoded_by_the_worker_as_pil_reads_it(tmp_path):
-    """TorchCodec applies a JPEG's EXIF rotation, PIL (the worker path) does not: such a file is decoded by the worker."""
+    """TorchCodec applies a JPEG's EXIF rotation, PIL (the worker path) does not: the worker decodes such a file."""
     from bayesncl_pyro.data import decode
 
     photo_tree(tmp_path)
@@ -370,8 +374,8 @@ def test_an_nvimagecodec_that_cannot_decode_here_gives_way_to_the_next_decoder(t
     from bayesncl_pyro.data import decode
 
     broken, cpu = _FakeNvImageCodec(working=False), torch.device("cpu")
-    fallback = decode.JpegDecoder("PIL", lambda jpegs, device: [TF.pil_to_tensor(Image.open(io.BytesIO(bytes(d.numpy()))))
-                                                               for d in jpegs], True)
+    fallback = decode.JpegDecoder("PIL", lambda jpegs, device: [
+        TF.pil_to_tensor(Image.open(io.BytesIO(bytes(d.numpy())))) for d in jpegs], True)
     monkeypatch.setattr(decode, "JPEG_DECODERS", [decode.JpegDecoder("nvImageCodec (fake)",
                                                                      decode._NvImageCodec(broken), False), fallback])
     monkeypatch.setattr(decode, "_CANNOT", {})

@@ -6,8 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.evaluate.diagnostics import (conflict_record, conflict_scores, degeneracy_warnings, nce_grad_parts,
-                                                read_conflict, to_json)
+from bayesncl_pyro.evaluate.diagnostics import (
+    conflict_record,
+    conflict_scores,
+    degeneracy_warnings,
+    nce_grad_parts,
+    read_conflict,
+    to_json,
+)
 from bayesncl_pyro.infer.head import gate_pulls
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
@@ -95,7 +101,8 @@ def test_degeneracy_warnings(rec, expected):
 
 @pytest.mark.parametrize("kl_weight", [3e-5, 0.5])
 def test_gate_pulls_split_the_gate_gradient_into_likelihood_and_prior(kl_weight):
-    cfg = resolve(Config(dataset="digits", gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight, prior_prob=0.75))
+    cfg = resolve(Config(dataset="digits", gate="ste", proj_hidden=32, proj_dim=16, kl_weight=kl_weight,
+                         prior_prob=0.75))
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     x = torch.randn(24, 1, 8, 8)
     loss, stats = learner(x)

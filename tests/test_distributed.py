@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import RUN_SVI, assert_same_params, cli, logged_step
 from torch.nn.parallel import DistributedDataParallel
 
 from bayesncl_pyro import distributed
@@ -30,7 +31,6 @@ from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train import trainer as training
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import RUN_SVI, assert_same_params, cli, logged_step
 
 WORLD, B = 2, 8  # processes; images in the global batch
 
@@ -100,7 +100,8 @@ def _ddp_step(rank, out):
     results = {}
     for compiled in (False, True):
         learner, x = _learner_and_batch()
-        # the head gathers every rank's rows by itself; net is kept alive until backward: its hooks average the gradients
+        # the head gathers every rank's rows by itself; net is kept alive until backward: its hooks average the
+        # gradients
         net = DistributedDataParallel(learner, bucket_cap_mb=BUCKET_MB)
         graphs = _Graphs()
         if compiled:  # as the Trainer does with --compile: after the wrap
@@ -403,7 +404,8 @@ shift
 setsid "$@" &
 echo $! > "$FAKE_SLURM/step"
 wait $!""",
-    "scancel": """[ $# = 2 ] && [ "$1" = --signal=TERM ] && [ "$2" = "$SLURM_JOB_ID" ] || { echo "scancel: unexpected $*" >&2; exit 1; }
+    "scancel": """[ $# = 2 ] && [ "$1" = --signal=TERM ] && [ "$2" = "$SLURM_JOB_ID" ] ||
+  { echo "scancel: unexpected $*" >&2; exit 1; }
 kill -TERM -- -"$(cat "$FAKE_SLURM/step")\"""",
     "scontrol": """case "$1 $2" in
 "show hostnames") [ "$3" = "$SLURM_JOB_NODELIST" ] && echo 127.0.0.1 ;;

@@ -4,6 +4,8 @@ and the trainer train one objective."""
 import pyro
 import pytest
 import torch
+from bayesncl_pyro.guides.gates import BernoulliGates
+from bayesncl_pyro.models.priors import PRIORS
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
@@ -14,11 +16,9 @@ from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.elbo import MeanFieldELBO, _kl_part
-from bayesncl_pyro.guides.gates import BernoulliGates
 from bayesncl_pyro.infer.estimators import GATES, Draw, local_expectation_term
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner
-from bayesncl_pyro.models.priors import PRIORS
 from bayesncl_pyro.train.resolve import resolve
 
 # gs-reference-kl's KL is taken at sigmoid(l), not at q's P(on): no KL(q || p), which is all the stock ELBO takes
@@ -109,7 +109,8 @@ def test_the_monte_carlo_kl_of_bernoulli_gates_is_the_analytic_kl_on_average():
             pyro.sample("g", BernoulliGates(probs.logit()).to_event(1))
 
     with pytest.raises(NotImplementedError):  # else this would test the analytic KL
-        torch.distributions.kl_divergence(BernoulliGates(probs.logit()), pyro.distributions.Binomial(1, rho.expand(rows, k)))
+        torch.distributions.kl_divergence(BernoulliGates(probs.logit()),
+                                          pyro.distributions.Binomial(1, rho.expand(rows, k)))
     pyro.set_rng_seed(0)
     with pyro.validation_enabled(False):
         mc = MeanFieldELBO().terms(model, poutine.reparam(guide, config={"g": Draw(kl_clamp=0.0)})).kl

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import torch
+from helpers import TINY_RUN
 
 from bayesncl_pyro import load_run
 from bayesncl_pyro.cli import export, run_svi
 from bayesncl_pyro.evaluate.weights import export_weights
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import TINY_RUN
 
 
 def test_an_exported_backbone_loads_into_torchvision_and_gives_the_runs_features(tmp_path):

@@ -12,14 +12,15 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide, GumbelSigmoidGates
 from pyro import poutine
 from pyro.infer import Predictive, TraceGraph_ELBO
 from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide, GumbelSigmoidGates
-from bayesncl_pyro.infer.estimators import GATES, gate_class
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.infer.estimators import GATES, GateEstimator, gate_class
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 
@@ -148,6 +149,35 @@ def test_kl_clamp_zero_is_torchs_exact_bernoulli_kl(name):
     assert logits.grad.isfinite().all()
 
 
+@pytest.mark.parametrize("clamp", [0.0, 0.01])
+def test_kl_label_says_what_the_kl_term_computes(clamp):
+    """The one KL label, ``GateEstimator.kl_label``: each estimator's names the probabilities its ELBO's KL term is
+    taken at and the clamp; the report's and figures' KL per dimension is the base estimator's term."""
+    logits = torch.linspace(-5, 5, 41).repeat(3, 1)
+    rho = torch.tensor([0.05, 0.5, 0.999])[:, None].expand(3, 41)
+    exact = "KL(q(g | x) || p(g)) at q's inclusion probabilities"
+    suffix = ", rates clamped to [0.01, 0.99]" if clamp else ""
+    assert GateEstimator.kl_label(clamp) == exact + suffix
+    for name in GATES:
+        estimator = gate_class(name)(kl_clamp=clamp)
+        q = estimator.family(logits)
+        term = estimator.elbo(0.2)._kl(q, dist.Bernoulli(rho))
+        at_q, at_sigmoid = bernoulli_kl(q.probs, rho, clamp), bernoulli_kl(logits.sigmoid(), rho, clamp)
+        label = type(estimator).kl_label(clamp)
+        assert label.endswith(suffix) and ("clamped" in label) == bool(clamp), (name, label)
+        if name == "gs-reference-kl":  # the reference's KL, at sigmoid(l): not q's probability for this family
+            assert label == "the reference's KL at sigmoid(l) (not KL(q || p))" + suffix
+            torch.testing.assert_close(term, at_sigmoid)
+            assert not torch.allclose(term, at_q)
+        else:
+            assert label == exact + suffix, name
+            torch.testing.assert_close(term, at_q)
+    # the report's KL per dimension: the base estimator's term (at q's probabilities), for the gs family too
+    q, rate = GumbelSigmoidGates(logits), torch.linspace(0.05, 0.95, 41)
+    term = GateEstimator(kl_clamp=clamp).elbo(0.2)._kl(q, dist.Bernoulli(rate.expand_as(logits)))
+    torch.testing.assert_close(dm.kl_per_dim(q.probs, rate, clamp), term.mean(0))
+
+
 def test_reference_clamp_is_not_the_kl():
     alpha = torch.tensor([0.5, 0.995])
     clamped, exact = bernoulli_kl(alpha, 0.999, 0.01), bernoulli_kl(alpha, 0.999, 0.0)
@@ -156,10 +186,7 @@ def test_reference_clamp_is_not_the_kl():
     a = torch.tensor(0.995, requires_grad=True)  # past the clamp: no gradient at all
     bernoulli_kl(a, 0.8, 0.01).backward()
     assert a.grad == 0
-    # what each estimator's KL term and loss compute, in the words plots and logs use
-    assert gate_class("ste").kl_label(0.0) == "KL(q(g | x) || p(g))"
-    assert gate_class("gs").kl_label(0.01) == "KL(q(g | x) || p(g)), rates clamped to [0.01, 0.99]"
-    assert "not KL(q || p)" in gate_class("gs-reference-kl").kl_label(0.01)
+    # what each estimator's loss computes, in the words plots and logs use
     assert "not -ELBO" in gate_class("ste").objective and gate_class("leg").objective.startswith("-ELBO")
     assert [name for name in GATES if gate_class(name).unbiased] == ["leg"]
 

@@ -12,12 +12,12 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from bayesncl_pyro.models.priors import BetaBernoulliPrior
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.head import HeadOutput
-from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.rundir import read_log
@@ -66,7 +66,7 @@ def test_head_stats_are_its_return_values_and_match_the_formula():
     torch.manual_seed(0)
     head = BayesNCLHead(D, K, H, num_train=500, kl_weight=0.05, prior_prob=0.7)
     h1, h2 = torch.randn(R, D), torch.randn(R, D)
-    (loss1, s1), (loss2, s2) = head(h1), head(h2)
+    (loss1, s1), (_, s2) = head(h1), head(h2)
     assert head.pulls(s1) == {}
     alpha = head.gate_probs(h1)
     u = normalize(head.model.features(head.projector(h1)) * (alpha > 0.5).float())
@@ -97,7 +97,8 @@ def test_the_monitoring_values_change_no_bit_of_the_loss_and_are_computed_from_t
     pyro.set_rng_seed(1)
     alone = head.elbo_terms(head.projector(h), h).loss
     alone.backward()
-    assert torch.equal(loss, alone) and all(torch.equal(p.grad, g) for p, g in zip(head.parameters(), grads, strict=True))
+    assert torch.equal(loss, alone)
+    assert all(torch.equal(p.grad, g) for p, g in zip(head.parameters(), grads, strict=True))
 
     assert isinstance(stats, HeadOutput) and stats.kl_weight == 0.05 and stats.estimator is head.estimator
     assert stats.q.probs.shape == stats.gates.shape == (R, K) and stats.prior_rate.shape == (K,)
@@ -309,7 +310,8 @@ def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(pr
     (dict(temperature=0), "temperature must be positive, got 0"),
     (dict(head_depth=0), "head_depth must be positive"),
     (dict(topk=9), r"topk must lie in \[0, proj_dim=8\], got 9"),
-    (dict(gate="hard", nonneg="abs"), "^unknown gate 'hard'; choose one of: ste, relaxed, st-sampled, leg, gs, gs-reference-kl$"),
+    (dict(gate="hard", nonneg="abs"),
+     "^unknown gate 'hard'; choose one of: ste, relaxed, st-sampled, leg, gs, gs-reference-kl$"),
     (dict(nonneg="abs"), "^unknown nonneg 'abs'; choose one of: relu, rep_relu, none$"),
     (dict(num_train=1), "num_train must be the number of images in the training set"),
     (dict(prior=None, prior_args={"concentration": 3}), "prior=None has no prior to take them"),

@@ -10,9 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesncl_pyro.evaluate import dimensions as dm, figures
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import figures
 from bayesncl_pyro.evaluate.diagnostics import conflict_lines
-from bayesncl_pyro.infer.estimators import gate_class
+from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def test_elbo_titles_fit_and_name_no_gates_for_ncl(drawn):
 
 def test_kl_per_dim_stays_readable_at_k_256(tmp_path):
     kl = np.random.default_rng(0).gamma(2.0, 0.05, size=256)
-    path = figures.plot_kl_per_dim(kl, dm.kl_label(0.01), tmp_path / "kl.png")
+    path = figures.plot_kl_per_dim(kl, GateEstimator.kl_label(0.01), tmp_path / "kl.png")
     width, height = Image.open(path).size
     assert width <= 1000 and height <= 500  # was 3379 x 374 px
 

@@ -15,7 +15,6 @@ from bayesncl_pyro.evaluate.run import image_paths
 from bayesncl_pyro.rundir import read_eval
 
 
-
 @pytest.fixture
 def run_dir(bayes_run):
     return bayes_run  # BayesNCL on digits, with gates.nc

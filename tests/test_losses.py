@@ -4,8 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayesncl_pyro.nn.losses import (bernoulli_kl, info_nce, info_nce_flip_differences, info_nce_rows, nonneg,
-                                     normalize, topk_mask)
+from bayesncl_pyro.nn.losses import (
+    bernoulli_kl,
+    info_nce,
+    info_nce_flip_differences,
+    info_nce_rows,
+    nonneg,
+    normalize,
+    topk_mask,
+)
 
 
 def test_info_nce_hand_computed():

@@ -3,9 +3,17 @@ import math
 import pytest
 import torch
 
-from bayesncl_pyro.evaluate.metrics import (activation_rate, active_dims, effective_rank, interpretability_metrics,
-                                            orthogonality, retrieval_precision, semantic_consistency, semantic_entropy,
-                                            sparsity)
+from bayesncl_pyro.evaluate.metrics import (
+    activation_rate,
+    active_dims,
+    effective_rank,
+    interpretability_metrics,
+    orthogonality,
+    retrieval_precision,
+    semantic_consistency,
+    semantic_entropy,
+    sparsity,
+)
 
 
 def entropy(*p):
@@ -173,7 +181,9 @@ def test_factor_information_on_hand_built_features():
     feats = pattern.repeat(50, 1)
     info_cls, info_bg = factor_information(feats, cls), factor_information(feats, bg)
     # the plug-in information less its bias under independence, (V - 1) / 2N, over the dim's entropy
-    h = lambda p: -p * math.log(p) - (1 - p) * math.log(1 - p)
+    def h(p):
+        return -p * math.log(p) - (1 - p) * math.log(1 - p)
+
     bias_cls, bias_bg = 3 / 800, 1 / 800
     assert info_cls[:3].tolist() == pytest.approx([1 - bias_cls / h(1 / 4), 0, 0])
     assert info_bg[:3].tolist() == pytest.approx([0, 1 - bias_bg / h(1 / 2), 0])

@@ -5,19 +5,19 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
+from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 from pyro import poutine
 from pyro.infer import TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, gate_class
 from bayesncl_pyro.infer.head import BayesNCLHead
 from bayesncl_pyro.infer.learner import ContrastiveLearner
-from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
-from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.train.resolve import resolve
 
@@ -131,7 +131,8 @@ def test_logits_are_bounded_with_gradient():
     _, guide, _ = _program()
     h = torch.randn(R, D)
     raw = guide.head(h)
-    h = h * (2 * guide.logit_bound / raw.abs().max())  # raw logits up to twice the bound (head is ReLU-homogeneous up to bias)
+    # raw logits up to twice the bound (the head is ReLU-homogeneous up to bias)
+    h = h * (2 * guide.logit_bound / raw.abs().max())
     logits = guide.logits(h)
     assert logits.abs().max() <= guide.logit_bound
     logits.abs().max().backward()
@@ -280,7 +281,8 @@ def test_score_function_estimator_sees_that_infonce_couples_the_rows():
     q = dist.Bernoulli(logits=theta).to_event(2)
     p = dist.Bernoulli(torch.full((rows, dims), 0.6)).to_event(2)
     u = model.features(z)
-    exact = sum(q.log_prob(c).exp() * (-info_nce_rows(normalize(u * c), 0.5).sum() + lam * (p.log_prob(c) - q.log_prob(c)))
+    exact = sum(q.log_prob(c).exp()
+                * (-info_nce_rows(normalize(u * c), 0.5).sum() + lam * (p.log_prob(c) - q.log_prob(c)))
                 for c in configs)
     exact_grad, = torch.autograd.grad(exact, theta)
 

@@ -1,6 +1,8 @@
-"""notebooks/inspect_gates.ipynb runs top to bottom (it trains its own two small digits runs), notebooks/your_own_prior.ipynb
-trains a few steps with a prior written in one of its cells and reads the run back, and both are kept in git without
-outputs."""
+"""The notebooks run and are kept in git without outputs.
+
+notebooks/inspect_gates.ipynb runs top to bottom (it trains its own two small digits runs),
+notebooks/your_own_prior.ipynb trains a few steps with a prior written in one of its cells and reads the run back, and
+both are kept in git without outputs."""
 
 import json
 import math

@@ -6,17 +6,17 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import assert_resume_is_exact
 from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.data import load_dataset, resident as resident_module
+from bayesncl_pyro.data import load_dataset
+from bayesncl_pyro.data import resident as resident_module
 from bayesncl_pyro.data.pipeline import EpochSampler, IndexBatches, ResidentViews, prefetch
 from bayesncl_pyro.data.resident import resident_images
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.train.trainer import Trainer
-
-from helpers import assert_resume_is_exact
 
 CPU = torch.device("cpu")
 

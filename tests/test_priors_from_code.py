@@ -7,12 +7,13 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from bayesncl_pyro.models.priors import BernoulliPrior, Prior
+from helpers import RUN_SVI, TINY_RUN
 from pyro.nn import PyroModule
 
 from bayesncl_pyro import BayesNCLHead
@@ -20,9 +21,7 @@ from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.loading import load_learner
-from bayesncl_pyro.models.priors import BernoulliPrior, Prior
 from bayesncl_pyro.train.resolve import resolve
-from helpers import RUN_SVI, TINY_RUN
 
 PRIOR_CODE = '''
     import torch

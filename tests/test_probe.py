@@ -28,7 +28,9 @@ def test_linear_probe_is_deterministic_and_scale_free():
     train_x, train_y = blobs(8, 320, spread=4.0, seed=1)
     test_x, test_y = blobs(8, 160, spread=4.0, seed=2)
     recipe = dataclasses.replace(FAST_PROBE, epochs=5)
-    run = lambda scale: linear_probe(scale * train_x, train_y, scale * test_x, test_y, 8, recipe, seed=3)
+    def run(scale):
+        return linear_probe(scale * train_x, train_y, scale * test_x, test_y, 8, recipe, seed=3)
+
     first = run(1.0)
     assert run(1.0) == first
     # Standardisation makes a 1000x feature scale irrelevant, so one default lr fits every backbone.

@@ -1,6 +1,6 @@
 """The README's "Use it in your own code" section: every Python snippet runs, in order, in a folder that holds
-what they name (a finished run in runs/compositional-bayesncl-ste, a folder of photos); the files they define are written where
-they say; every command line parses and its configuration resolves."""
+what they name (a finished run in runs/compositional-bayesncl-ste, a folder of photos); the files they define are
+written where they say; every command line parses and its configuration resolves."""
 
 import re
 import shlex

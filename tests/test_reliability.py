@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
 
 import bayesncl_pyro.rundir as rundir
 import bayesncl_pyro.train.trainer as training
@@ -32,7 +33,7 @@ from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.rundir import load_checkpoint
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import RUN_SVI, assert_same_params, cli, fast, log_lines, logged_step, make_tree, write_image
+
 
 def reference(path: Path, steps: int) -> dict:
     """The parameters of an uninterrupted run after ``steps`` steps."""
@@ -188,7 +189,8 @@ def test_ckpt_minutes_checkpoints_by_the_clock(tmp_path, monkeypatch):
     trainer.learner.backbone.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 40))
     monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
     real_save = training.atomic_save
-    monkeypatch.setattr(training, "atomic_save", lambda state, path: (saved.append(state["step"]), real_save(state, path)))
+    monkeypatch.setattr(training, "atomic_save",
+                        lambda state, path: (saved.append(state["step"]), real_save(state, path)))
     trainer.train(10)
     assert saved == [3, 6, 9]
 
@@ -327,7 +329,8 @@ def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
     import bayesncl_pyro.infer.estimators
 
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    monkeypatch.setattr(bayesncl_pyro.infer.estimators, "bernoulli_kl", lambda q, p, clamp: torch.full_like(q, float("inf")))
+    monkeypatch.setattr(bayesncl_pyro.infer.estimators, "bernoulli_kl",
+                        lambda q, p, clamp: torch.full_like(q, float("inf")))
     with pytest.raises(UserError, match="diverged at step 1: the KL term is (inf|nan); no checkpoint is kept"):
         trainer.train(3)
 

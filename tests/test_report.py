@@ -5,20 +5,21 @@ Chromium, driven by Playwright), at the size of a tiny run and at ImageNet-100's
 import json
 import re
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN
 
 from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import dimensions as dm, heldout, report
+from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import heldout, report
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.infer.estimators import GateEstimator
 from bayesncl_pyro.rundir import read_eval
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import TINY_RUN
 
 # the compositional benchmark (factors recorded), a few steps: 1280 test images, K = 16
 TINY_COMPOSITIONAL = [a if a != "digits" else "compositional" for a in TINY_RUN] + ["--max-steps", "3",
@@ -31,7 +32,8 @@ def runs(tmp_path_factory):
     """(BayesNCL run, NCL run, its report folder, report.json) on the compositional benchmark."""
     root = tmp_path_factory.mktemp("report")
     bayes, ncl = root / "bayesncl", root / "ncl"
-    for args in ([*TINY_COMPOSITIONAL, "--out", str(bayes)], [*TINY_COMPOSITIONAL, "--method", "ncl", "--out", str(ncl)]):
+    for args in ([*TINY_COMPOSITIONAL, "--out", str(bayes)],
+                 [*TINY_COMPOSITIONAL, "--method", "ncl", "--out", str(ncl)]):
         Trainer(run_svi.config(args)[0], progress=False).fit().evaluate()  # checkpoint and eval.json: what it reads
     page = report.write_report(bayes, ncl)
     return bayes, ncl, page.parent, json.loads(page.with_name("report.json").read_text())
@@ -138,7 +140,8 @@ def test_the_page_is_one_self_contained_file(runs):
     parser = _Assets()
     parser.feed(page)
     assert all(ref.startswith(("#", "data:")) for ref in parser.refs), parser.refs
-    assert not [t for t, a in parser.tags if t in ("link", "iframe", "object", "embed") or (t == "script" and "src" in a)]
+    assert not [t for t, a in parser.tags
+                if t in ("link", "iframe", "object", "embed") or (t == "script" and "src" in a)]
     assert "@import" not in page and not re.search(r"url\((?!data:)", page)
     # the images live in the page, one data URI per test image, and nothing else sits beside it
     assert sorted(p.name for p in folder.iterdir()) == ["index.html", "report.json"]
@@ -198,7 +201,8 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     least = sorted(c["support"] for c in cards)[len(cards) // 2]
     tab.page.fill("#view-dims .min", str(least))
     tab.scroll_all()
-    assert sorted(tab.dims()) == sorted(c["dim"] for c in cards if c["support"] >= least) and len(tab.dims()) < len(cards)
+    assert sorted(tab.dims()) == sorted(c["dim"] for c in cards if c["support"] >= least)
+    assert len(tab.dims()) < len(cards)
     tab.page.fill("#view-dims .min", "0")
     tab.page.select_option("#view-dims .factor", "background")
     assert set(tab.scroll_all()) == {c["dim"] for c in cards if c["tracked"] == "background"}
@@ -239,7 +243,8 @@ def imagenet100_sized(tmp_path_factory):
     feats = bench_report.stand_in(5000, 2048, 100)
     kl = dm.kl_per_dim(feats.probs, torch.full((2048,), 0.8), 0.01)
     run = dict(dir="stand-in", method="bayesncl", dataset="stand-in", config=dict(kl_weight=3e-5, gate="ste"))
-    data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, dm.kl_label(0.01), 0.8), kl=kl)
+    gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
+    data = report.report_data(feats, run, gates=gates, kl=kl)
     page = report.write(data, report.thumbnails(bench_report.stand_in_images(5000)), tmp_path_factory.mktemp("big"))
     return page, data
 

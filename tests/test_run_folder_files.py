@@ -16,15 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN, fast
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import export as export_script, inspect_gates, report as report_script, run_svi
+from bayesncl_pyro.cli import export as export_script
+from bayesncl_pyro.cli import inspect_gates, run_svi
+from bayesncl_pyro.cli import report as report_script
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.comparison import record, recorded_run
 from bayesncl_pyro.evaluate.run import load_run
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import TINY_RUN, fast
 
 KINDS = ["link", "dev-zero", "fifo"]
 

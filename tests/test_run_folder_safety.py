@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN, fast, make_tree, write_image
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import export as export_script, inspect_gates, report as report_script, run_svi
+from bayesncl_pyro.cli import export as export_script
+from bayesncl_pyro.cli import inspect_gates, run_svi
+from bayesncl_pyro.cli import report as report_script
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
@@ -27,7 +30,6 @@ from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.rundir import read_config_file
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
-from helpers import TINY_RUN, fast, make_tree, write_image
 
 
 class _Gadget:

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import EXPERIMENTS, TINY_RUN
 
 from bayesncl_pyro import loggers as progress
 from bayesncl_pyro.cli import inspect_gates, run_svi
 from bayesncl_pyro.evaluate import arviz_export
-from helpers import EXPERIMENTS, TINY_RUN
 
 
 @pytest.mark.parametrize("failure, cause", [

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
 from bayesncl_pyro.cli import inspect_gates, run_svi
-from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
 # each script's arguments, given a finished BayesNCL run (the session's bayes_run); None: its subprocess run is in
 # test_run_svi_writes_its_files_and_prints_the_table, which runs run_svi.py and the inspect_gates.py it prints
@@ -56,7 +56,8 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path, ncl_run):
     assert next(line for line in table if "gated" in line).split() == ["gated", "ungated"]
     consistency = next(line for line in table if line.startswith("semantic_consistency ")).split()
     results = json.loads((run_dir / "eval.json").read_text())
-    assert consistency[1:] == [f"{results['semantic_consistency']:.4f}", f"{results['semantic_consistency_ungated']:.4f}"]
+    assert consistency[1:] == [f"{results['semantic_consistency']:.4f}",
+                               f"{results['semantic_consistency_ungated']:.4f}"]
     assert results["active_dims"] <= results["active_dims_ungated"] <= 16
     assert "with every gate open" in proc.stdout
     # the top-N consistency and its post-hoc TopK control beside the paper's, and what they show
@@ -128,8 +129,10 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
 
 @pytest.mark.slow  # compiles the files' views (torch.compile) for two batch sizes: 40 s on two cores, 4 min under load
 def test_bench_step_counts_the_device_views_aten_calls_within_their_goals():
-    """--count-ops: the views' aten calls per batch, the same at two batch sizes (whole-batch ops), eager and as the GPU
-    pipeline issues them; its last line within the goals (a set held on the GPU: 40, from 312; files: 60, from 2,766)."""
+    """--count-ops: the views' aten calls per batch, within their goals.
+
+    The same at two batch sizes (whole-batch ops), eager and as the GPU pipeline issues them; its last line within the
+    goals (a set held on the GPU: 40, from 312; files: 60, from 2,766)."""
     proc = run("bench_step.py", "--count-ops", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.splitlines()[-1]

@@ -7,8 +7,15 @@ import torch
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.loading import load_learner
-from bayesncl_pyro.nn.optim import (LARS, WARMUP_START_LR, build_optimizer, build_scheduler, load_optimizer_state,
-                                    load_scheduler_state, warmup_cosine)
+from bayesncl_pyro.nn.optim import (
+    LARS,
+    WARMUP_START_LR,
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+    load_scheduler_state,
+    warmup_cosine,
+)
 from bayesncl_pyro.rundir import load_checkpoint, read_log
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer

@@ -48,7 +48,8 @@ def history(run_dir):
         for record in records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
                 rows.setdefault(items["_step"], {}).update(items)
             elif kind == "run":
                 config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
@@ -67,7 +68,8 @@ def test_wandb_offline_holds_the_log_the_histogram_the_evaluation_and_the_config
     Trainer(Config(out=str(out), **TINY), progress=False).fit().evaluate()  # resumed: the same W&B run goes on
     rows, config = history(out)
     assert len({p.name for p in (out / "wandb").glob("offline-run-*")}) == 2
-    # one run id, read from each folder's run-<id>.wandb: a folder's name ends in "-1" when both started in the same second
+    # one run id, read from each folder's run-<id>.wandb: a folder's name ends in "-1" when both started in the same
+    # second
     assert len({p.stem.removeprefix("run-") for p in (out / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
     log = read_log(out)
     assert any("knn_top1" in r for r in log)  # the monitoring records go along

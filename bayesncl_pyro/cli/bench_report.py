@@ -26,6 +26,7 @@ from bayesncl_pyro.data.images import TensorImages
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate import report
 from bayesncl_pyro.evaluate.heldout import TestFeatures
+from bayesncl_pyro.infer.estimators import GateEstimator
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         times[stage] = (time.perf_counter() - tic, time.process_time() - cpu)
         return value
 
-    gates = timed("gate summary", lambda: report.gate_summary(feats, kl, dm.kl_label(0.01), 0.8))
+    gates = timed("gate summary", lambda: report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8))
     data = timed("cards, images (report.json)", lambda: report.report_data(feats, run, gates=gates, kl=kl))
     uris = timed("thumbnails", lambda: report.thumbnails(images))
     with tempfile.TemporaryDirectory() as tmp:

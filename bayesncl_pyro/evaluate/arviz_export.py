@@ -111,8 +111,10 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
 
 
 def _mark_rate_convergence(dt: xr.DataTree, post: GatePosterior):
-    """Say on every rate variable whether q(rate) reached the concentration of the posterior it tends to (within
-    10 %); the mean of q follows the data long before."""
+    """Say on every rate variable whether q(rate) reached its posterior's concentration (within 10 %).
+
+    The mean of q follows the data long before.
+    """
     concentration, optimum = post.global_convergence
     converged = concentration >= 0.9 * optimum
     note = (f"q(rate) as SGD left it: concentration a + b {concentration:.0f} (mean over features) against "

@@ -1,6 +1,7 @@
-"""What each dimension of a run's representation does on the test split: the one home of the per-dimension
-numbers that ``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures)
-show, so that a number in a figure and in the report cannot differ. They read the test split's features, which
+"""Per-dimension numbers of a run's representation on the test split, shared by the report and the figures.
+
+``bayesncl_pyro/evaluate/report.py`` (the HTML report) and ``experiments/inspect_gates.py`` (the figures) both read
+them here, so that a number in a figure and in the report cannot differ. They read the test split's features, which
 ``evaluate/heldout.py`` computes in one pass of the backbone for the evaluation too:
 
     feats = test_features(learner, data)        # F and, for BayesNCL, the ungated features, q(g = 1 | x), the mask
@@ -31,8 +32,16 @@ from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.loading import load_learner
-from bayesncl_pyro.evaluate.metrics import (active_entries, alive, closed_share, dim_consistency, factor_information,
-                                            nearest_neighbours, top_class_share, tracked_factors)
+from bayesncl_pyro.evaluate.metrics import (
+    active_entries,
+    alive,
+    closed_share,
+    dim_consistency,
+    factor_information,
+    nearest_neighbours,
+    top_class_share,
+    tracked_factors,
+)
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl
@@ -46,8 +55,11 @@ logit, and a draw from q flips it nearly half of the time."""
 
 
 def min_support(num_images: int, num_classes: int) -> int:
-    """The fewest active test images for a dimension to be ranked by class consistency: a quarter of an average
-    class's test images, and at least 10 (a dimension that fires on 6 images is consistent by chance)."""
+    """The fewest active test images for a dimension to be ranked by class consistency.
+
+    A quarter of an average class's test images, and at least 10 (a dimension that fires on 6 images is consistent by
+    chance).
+    """
     return max(10, num_images // (4 * num_classes))
 
 
@@ -57,23 +69,29 @@ def support(features: torch.Tensor) -> torch.Tensor:
 
 
 def class_counts(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """C x K: per class, the number of its images in which each dimension is active (the class histogram of a
-    dimension's active images; ``metrics.dim_consistency``'s, padded to every class)."""
+    """C x K: per class, the number of its images in which each dimension is active.
+
+    The class histogram of a dimension's active images: ``metrics.dim_consistency``'s, padded to every class.
+    """
     counts = dim_consistency(features, labels)[1].long()
     return F.pad(counts, (0, 0, 0, num_classes - len(counts)))
 
 
 def consistency(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(share, dominant class), K each, from :func:`class_counts`: the share of a dimension's active images that
-    belong to its most frequent class (``metrics.top_class_share``, as ``metrics.semantic_consistency`` averages
-    it), and that class."""
+    """(share, dominant class), K each, from :func:`class_counts`.
+
+    The share of a dimension's active images that belong to its most frequent class (``metrics.top_class_share``, as
+    ``metrics.semantic_consistency`` averages it), and that class.
+    """
     return top_class_share(counts), counts.argmax(0)
 
 
 def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: int, n: int,
                     least: int | None = None) -> list[int]:
-    """The ``n`` most class-consistent dimensions among those active in at least ``least`` test images (default:
-    :func:`min_support`), most consistent first."""
+    """The ``n`` most class-consistent dimensions, most consistent first.
+
+    Only dimensions active in at least ``least`` test images (default: :func:`min_support`) are ranked.
+    """
     least = min_support(len(labels), num_classes) if least is None else least
     share, _ = consistency(class_counts(features, labels, num_classes))
     ok = (support(features) >= least).nonzero().flatten()
@@ -82,8 +100,10 @@ def consistent_dims(features: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
-    """(mean, sd), C x K each: the mean inclusion probability q(g_k = 1 | x) over the test images of each class, and
-    its standard deviation over those images (0 for a class with no image)."""
+    """(mean, sd), C x K each: q(g_k = 1 | x) averaged over the test images of each class.
+
+    sd is its standard deviation over those images (0 for a class with no image).
+    """
     one_hot = F.one_hot(labels, num_classes).to(probs.dtype)
     n = one_hot.sum(0).clamp_min(1)[:, None]
     mean = one_hot.T @ probs / n
@@ -92,8 +112,10 @@ def inclusion_by_class(probs: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 
 class Ranking:
-    """Every dimension's test images by a value (an N x K activation), largest first; only entries above
-    ``ACTIVE_EPS`` count (the rest are the dimension's inactive images)."""
+    """Every dimension's test images by a value (an N x K activation), largest first.
+
+    Only entries above ``ACTIVE_EPS`` count (the rest are the dimension's inactive images).
+    """
 
     def __init__(self, values: torch.Tensor):
         # K x N, each dimension's images sorted by value (rows of a contiguous transpose sort fastest)
@@ -106,8 +128,11 @@ class Ranking:
         return torch.where(torch.arange(k) < self.count[dims, None], self.order[dims, :k], -1)
 
     def at_quantiles(self, dims: torch.Tensor, quantiles=QUANTILES) -> torch.Tensor:
-        """len(dims) x len(quantiles) image indices: per dimension, among its active images in ascending order of
-        value, the one at each quantile (nearest rank); -1 for a dimension active in no image."""
+        """len(dims) x len(quantiles) image indices: per dimension, its active image at each quantile.
+
+        Among a dimension's active images in ascending order of value, the one at each quantile (nearest rank); -1 for a
+        dimension active in no image.
+        """
         n = self.count[dims, None]  # D x 1
         q = torch.tensor(quantiles, dtype=torch.float64)
         from_top = (n - 1 - (q * (n - 1)).round().long()).clamp_min(0)  # D x Q positions in self.order's rows
@@ -117,8 +142,11 @@ class Ranking:
 
 def histograms(values: torch.Tensor, bins: int, high: torch.Tensor | float = 1.0,
                where: torch.Tensor | None = None) -> torch.Tensor:
-    """K x bins counts of each column of ``values`` (N x K) over [0, high] (``high``: a number or K maxima; values
-    at ``high`` fall in the last bin), counting only the entries where ``where`` (N x K bool) holds."""
+    """K x bins counts of each column of ``values`` (N x K) over [0, high].
+
+    ``high``: a number or K maxima; values at ``high`` fall in the last bin. Only the entries where ``where`` (N x K
+    bool) holds are counted.
+    """
     high = torch.as_tensor(high, dtype=values.dtype).clamp_min(torch.finfo(values.dtype).tiny)
     b = (values / high * bins).floor().long().clamp(0, bins - 1)
     b = b + bins * torch.arange(values.shape[1])  # one range of bins per column: a single bincount
@@ -135,8 +163,10 @@ def _standardised(features: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
 
 
 def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dims, r), len(dims) x n each: for each of ``dims``, the n others among ``dims`` whose columns of F correlate
-    most with it (Pearson r over the test images), most correlated first."""
+    """(dims, r), len(dims) x n each: for each of ``dims``, the n others whose columns of F correlate most with it.
+
+    Pearson r over the test images, most correlated first; the others are drawn from ``dims``.
+    """
     x = _standardised(features, dims)
     r = x.T @ x
     r.fill_diagonal_(-torch.inf)
@@ -146,24 +176,30 @@ def correlated_dims(features: torch.Tensor, dims: torch.Tensor, n: int) -> tuple
 
 def closest_dims(features: torch.Tensor, dims: torch.Tensor, other: torch.Tensor,
                  other_dims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dim, r), len(dims) each: for each of ``dims`` of F, the one of ``other_dims`` of another representation of
-    the same test images (a baseline run's) whose column correlates most with it, and Pearson's r."""
+    """(dim, r), len(dims) each: for each of ``dims``, the closest dimension of another representation.
+
+    For each of ``dims`` of F, the one of ``other_dims`` of another representation of the same test images (a baseline
+    run's) whose column correlates most with it, and Pearson's r.
+    """
     r = _standardised(features, dims).T @ _standardised(other, other_dims)
     best = r.max(dim=1)
     return other_dims[best.indices], best.values
 
 
 def neighbours(features: torch.Tensor, n: int) -> torch.Tensor:
-    """N x n: each test image's nearest other test images by cosine similarity of its row of ``features``
-    (``metrics.nearest_neighbours``, as retrieval precision ranks them), nearest first."""
+    """N x n: each test image's nearest other test images, nearest first.
+
+    By cosine similarity of its row of ``features`` (``metrics.nearest_neighbours``, as retrieval precision ranks them).
+    """
     return nearest_neighbours(F.normalize(features.float(), dim=1), min(n, len(features) - 1))
 
 
 def mask_flip_share(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """N: how stable each image's mask is under draws from q(g | x): the expected share of its K gates that a draw
-    sets otherwise than the evaluation mask, mean_k |mask_k - q(g_k = 1 | x)|. Exact, for q(g | x) a product of
-    Bernoullis (``bayesncl_pyro.evaluate.dimensions``); 0 for a mask that every draw reproduces, about 0.5 for undecided
-    gates."""
+    """N: the expected share of each image's K gates that a draw from q(g | x) sets otherwise than its mask.
+
+    mean_k |mask_k - q(g_k = 1 | x)|: how stable each image's evaluation mask is under draws. Exact, for q(g | x) a
+    product of Bernoullis; 0 for a mask that every draw reproduces, about 0.5 for undecided gates.
+    """
     return (mask.to(probs) - probs).abs().mean(1)
 
 
@@ -178,8 +214,10 @@ def undecided_share(probs: torch.Tensor) -> float:
 
 
 def undecided_warning(probs: torch.Tensor) -> str | None:
-    """A warning when the gates never left 0.5 (90 % or more of the test split's inclusion probabilities within
-    ``UNDECIDED`` of it), else None."""
+    """A warning when the gates never left 0.5, else None.
+
+    "Never left": 90 % or more of the test split's inclusion probabilities within ``UNDECIDED`` of 0.5.
+    """
     share = undecided_share(probs)
     if share < 0.9:
         return None
@@ -189,9 +227,12 @@ def undecided_warning(probs: torch.Tensor) -> str | None:
 
 
 def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
-    """The prior's inclusion rate of a gated learner, on the CPU: K (a hierarchical prior's at its latents' posterior,
-    ``Prior.mean_rate``), or for a prior with a rate per row N x K, each test image's at its posterior given the
-    image (``Prior.row_rates``: the learner's ``test`` features needed)."""
+    """The prior's inclusion rate of a gated learner, on the CPU.
+
+    K (a hierarchical prior's at its latents' posterior, ``Prior.mean_rate``), or for a prior with a rate per row
+    N x K, each test image's at its posterior given the image (``Prior.row_rates``: the learner's ``test`` features
+    needed).
+    """
     prior, guide = learner.model.prior, learner.guide.rate_guide
     if not prior.row_latents:
         return prior.mean_rate(guide).detach().cpu()
@@ -202,12 +243,14 @@ def prior_rate(learner, test: TestFeatures | None = None) -> torch.Tensor:
 
 def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """What the guide of a prior's latents says, read from its trace by site name as ``pyro.infer.Predictive`` reads
-    a guide: ``(params, draws, row_draws)``, its parameter sites' values (constrained, named within the guide) and
-    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU; with h
-    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it
-    are ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
-    (Predictive's ``parallel=True``), in a param store of its own (``own_params``)."""
+    """``(params, draws, row_draws)`` of the guide of a prior's latents, read from its trace by site name.
+
+    As ``pyro.infer.Predictive`` reads a guide: its parameter sites' values (constrained, named within the guide) and
+    ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU. With h
+    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it are
+    ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
+    (Predictive's ``parallel=True``), in a param store of its own (``own_params``).
+    """
     args = () if h is None else (h, pyro.plate("rows", len(h), device=h.device))
     with own_params():
         trace = poutine.trace(guide).get_trace(*args)
@@ -229,21 +272,22 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
 
 
 def kl_per_dim(probs: torch.Tensor, rate: torch.Tensor, kl_clamp: float) -> torch.Tensor:
-    """K: KL(q(g_k | x) || Bernoulli(rate_k)) per dimension, averaged over the test images, at q's inclusion
-    probabilities, both rates clamped to [kl_clamp, 1 - kl_clamp]: what :func:`kl_label` says."""
+    """K: the KL per dimension at q's inclusion probabilities, averaged over the test images.
+
+    This is ``GateEstimator``'s KL term, KL(q(g_k | x) || Bernoulli(rate_k)) with both rates clamped to [kl_clamp,
+    1 - kl_clamp], for every run: also for ``gs-reference-kl``, which trains another. Its label is
+    ``GateEstimator.kl_label(kl_clamp)``.
+    """
     return bernoulli_kl(probs, rate, kl_clamp).mean(0)
 
 
-def kl_label(kl_clamp: float) -> str:
-    """What :func:`kl_per_dim` computes, in words."""
-    clamp = f", rates clamped to [{kl_clamp:g}, {1 - kl_clamp:g}]" if kl_clamp else ""
-    return f"KL(q(g_k | x) || p(g_k)) at q's inclusion probabilities{clamp}, mean over the test images"
-
-
 def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
-    """For generated data, per ground-truth factor: ``information`` (K, ``metrics.factor_information`` of F) and
-    ``tracks`` (K bool, ``metrics.factor_tracking``), and for a gated run the same of the ungated features
-    (``information_ungated``, ``tracks_ungated``); eval.json's ``dims_tracking_*`` counts the ``tracks``."""
+    """For generated data, per ground-truth factor: which dimensions carry it, with the gates and without.
+
+    ``information`` (K, ``metrics.factor_information`` of F) and ``tracks`` (K bool, ``metrics.factor_tracking``),
+    and for a gated run the same of the ungated features (``information_ungated``, ``tracks_ungated``); eval.json's
+    ``dims_tracking_*`` counts the ``tracks``.
+    """
     out = {name: {} for name in feats.factors}
     for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
         information = {name: factor_information(features, v) for name, v in feats.factors.items()}
@@ -253,8 +297,10 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def gates_closed(feats: TestFeatures) -> torch.Tensor:
-    """K: per dimension, the share of the test images where its ungated feature is active whose gate is closed
-    (``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5)."""
+    """K: per dimension, the share of the test images where its ungated feature is active whose gate is closed.
+
+    ``metrics.closed_share``; eval.json's ``gated_off_dims_*`` counts the tracking dims above 0.5.
+    """
     return closed_share(feats.ungated, feats.mask)
 
 
@@ -288,8 +334,7 @@ class GatePosterior:
 
     @property
     def class_means(self) -> torch.Tensor:
-        """C x K mean inclusion probability of each dimension over the items of each class
-        (:func:`inclusion_by_class`)."""
+        """C x K: the mean inclusion probability per class and dimension (:func:`inclusion_by_class`'s mean)."""
         return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
 

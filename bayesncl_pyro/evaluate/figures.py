@@ -271,7 +271,7 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
         probs = feats.probs
         rate = dm.prior_rate(learner, feats)
         kl = dm.kl_per_dim(probs, rate, cfg.kl_clamp).numpy()
-        plot_kl_per_dim(kl, dm.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")
+        plot_kl_per_dim(kl, GateEstimator.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")
         plot_inclusion(probs.numpy(), float(rate.mean()), out / "inclusion.png")
         plot_class_heatmap(dm.inclusion_by_class(probs, labels, feats.num_classes)[0].numpy(), data.classes,
                            out / "class_heatmap.png")

@@ -1,5 +1,7 @@
-"""A run's per-dimension report: ``RUN/report/index.html``, one self-contained page (images as data URIs, script and
-style inline, no network), and ``RUN/report/report.json``, every number the page shows.
+"""A run's per-dimension report: one self-contained HTML page and the JSON of every number it shows.
+
+``RUN/report/index.html`` has its images as data URIs, script and style inline and needs no network;
+``RUN/report/report.json`` holds every number the page shows.
 
     path = write_report("runs/default", baseline="runs/ncl")   # RUN/report/index.html
     Report("runs/default")                                     # in a notebook: the page inline
@@ -9,8 +11,8 @@ The page has an overview (configuration, evaluation gated, with every gate open 
 curves, the gate posterior, the factor-tracking table on generated data), a card per dimension in use (sortable,
 filterable, rendered as the list is scrolled), a page per test image (the dimensions it uses, with q(g | x), and its
 nearest neighbours with the gates and with every gate open) and the baseline's dimensions in a list of their own.
-What each number is comes from ``bayesncl_pyro/evaluate/dimensions.py``, which ``experiments/inspect_gates.py`` draws from too.
-The page's code is ``report_page.html`` beside this file; ``render`` fills in the data.
+What each number is comes from ``bayesncl_pyro/evaluate/dimensions.py``, which ``experiments/inspect_gates.py``
+draws from too. The page's code is ``report_page.html`` beside this file; ``render`` fills in the data.
 """
 
 import base64
@@ -32,9 +34,19 @@ from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
-from bayesncl_pyro.infer.estimators import gate_class
-from bayesncl_pyro.rundir import (EVAL, REPORT_DIR, TEXT_LIMIT, output_folder, read_bytes, read_eval,
-                                  read_json, read_log, run_folder, save_together)
+from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
+from bayesncl_pyro.rundir import (
+    EVAL,
+    REPORT_DIR,
+    TEXT_LIMIT,
+    output_folder,
+    read_bytes,
+    read_eval,
+    read_json,
+    read_log,
+    run_folder,
+    save_together,
+)
 
 TOP_IMAGES = 12  # per card, in F and with every gate open
 CORRELATED = 5  # most correlated dimensions per card
@@ -54,8 +66,10 @@ def _num(v):
 
 
 def _nums(t: torch.Tensor) -> list:
-    """:func:`_num` of every entry of ``t``, as (nested) lists: the nearest float to each rounded decimal (an integer
-    over a power of ten), as ``_num`` gives it."""
+    """:func:`_num` of every entry of ``t``, as (nested) lists.
+
+    Each is the nearest float to the rounded decimal (an integer over a power of ten), as ``_num`` gives it.
+    """
     x = t.detach().double().cpu().numpy()
     finite = np.isfinite(x) & (x != 0)
     shift = np.where(finite, 3 - np.floor(np.log10(np.abs(np.where(finite, x, 1)))), 0)
@@ -70,11 +84,13 @@ def _nums(t: torch.Tensor) -> list:
 
 
 def dimension_cards(feats: TestFeatures, kl: torch.Tensor | None = None, scores: dict | None = None) -> list[dict]:
-    """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions (``scores``:
-    ``dimensions.factor_scores(feats)`` where the caller has it, computed here otherwise). Image entries are
+    """One card per dimension in use (``dimensions.in_use``), in the order of the dimensions.
+
+    ``scores``: ``dimensions.factor_scores(feats)`` where the caller has it, computed here otherwise. Image entries are
     ``[image, activation, q(g_k = 1 | x)]`` (the last only for a gated run), largest activation first; quantile
     entries ``[quantile, image, activation, q]``. :func:`report_data` adds ``baseline_closest``, ``[dim, r]``: the
-    baseline's dimension that correlates most with this one."""
+    baseline's dimension that correlates most with this one.
+    """
     f, n, c = feats.features, len(feats.labels), feats.num_classes
     dims = dm.in_use(f)
     if not len(dims):
@@ -140,9 +156,12 @@ def _tracked(feats: TestFeatures, scores: dict | None) -> dict[int, str]:
 
 
 def image_table(feats: TestFeatures) -> dict:
-    """Per test image: its class (and factors), its ``IMAGE_DIMS`` dimensions of largest activation in F as ``[dim,
-    activation, q]`` with the number it uses, its nearest neighbours in F and with every gate open, and how stable its
-    mask is under draws from q (``dimensions.mask_flip_share``)."""
+    """Per test image: its class, the dimensions it uses, its nearest neighbours and how stable its mask is.
+
+    Its class (and factors), its ``IMAGE_DIMS`` dimensions of largest activation in F as ``[dim, activation, q]`` with
+    the number it uses, its nearest neighbours in F and with every gate open, and how stable its mask is under draws
+    from q (``dimensions.mask_flip_share``).
+    """
     f = feats.features
     values, dims = f.topk(min(IMAGE_DIMS, f.shape[1]), dim=1)
     out = dict(labels=feats.labels.tolist(), dims_on=dm.active_entries(f).sum(1).long().tolist(),
@@ -159,8 +178,10 @@ def image_table(feats: TestFeatures) -> dict:
 
 
 def gate_summary(feats: TestFeatures, kl: torch.Tensor, kl_label: str, prior_rate: float) -> dict:
-    """The gate posterior on the test split in a few numbers and histograms, with the warning when the gates never
-    left 0.5."""
+    """The gate posterior on the test split in a few numbers and histograms, with the warning when undecided.
+
+    The warning (``dimensions.undecided_warning``) is given when the gates never left 0.5.
+    """
     p, mask = feats.probs, feats.mask
     flips = dm.mask_flip_share(p, mask)
     flip_high = 0.5 if flips.max() <= 0.5 else 1.0  # above 0.5 only where the mask is not q's mode (gs-reference-kl)
@@ -176,9 +197,12 @@ def gate_summary(feats: TestFeatures, kl: torch.Tensor, kl_label: str, prior_rat
 
 
 def factor_table(feats: TestFeatures, scores: dict) -> dict:
-    """Generated data: per dimension in use (in F or with every gate open) how much each factor explains its on/off
-    pattern with the gates and without (``scores``: ``dimensions.factor_scores(feats)``), which factor it tracks in
-    each, and the share of its active entries the gates close; plus each factor's value names."""
+    """Generated data: per dimension in use, how much each factor explains it, with the gates and without.
+
+    For each dimension in use in F or with every gate open: how much each factor explains its on/off pattern with the
+    gates and without (``scores``: ``dimensions.factor_scores(feats)``), which factor it tracks in each, and the share
+    of its active entries the gates close; plus each factor's value names.
+    """
     used = dm.alive(feats.features)
     if feats.gated:
         used |= dm.alive(feats.ungated)
@@ -198,10 +222,12 @@ def factor_table(feats: TestFeatures, scores: dict) -> dict:
 
 
 def training_curves(log: list[dict], gate: str | None, kl_weight: float) -> dict:
-    """The training log's loss terms over the steps, labelled by the log's own fields, with ``objective``: what the
-    run's gate estimator (``gate``; None without gates) minimised, in words (``GateEstimator.objective``: -ELBO, or
-    the reference's surrogate); and how well the log's ``loss`` is its ``nce`` + lambda * ``kl``, as the largest
-    relative difference over the records."""
+    """The training log's loss terms over the steps, labelled by the log's own fields.
+
+    With ``objective``: what the run's gate estimator (``gate``; None without gates) minimised, in words
+    (``GateEstimator.objective``: -ELBO, or the reference's surrogate); and how well the log's ``loss`` is its ``nce``
+    + lambda * ``kl``, as the largest relative difference over the records.
+    """
     try:  # the log's records as a run writes them: numbers, a list of warnings
         keys = [k for k in ("loss", "nce", "kl", "gate_rate", "incl_min", "incl_max") if log and k in log[0]]
         out = dict(step=[r["step"] for r in log], series={k: [_num(r.get(k, math.nan)) for r in log] for k in keys},
@@ -229,9 +255,12 @@ def _run_info(run) -> dict:
 
 def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, evaluation: dict | None = None,
                 gates: dict | None = None, kl: torch.Tensor | None = None, baseline: dict | None = None) -> dict:
-    """Everything the page shows (report.json). ``run``: the run's ``dir``, ``method``, ``dataset`` and ``config``;
-    ``gates``: :func:`gate_summary`'s, ``kl``: :func:`dimensions.kl_per_dim`'s (gated runs); ``baseline``: another
-    run's ``run`` dict with its ``features`` (a TestFeatures of the same test split) and ``evaluation``."""
+    """Everything the page shows (report.json).
+
+    ``run``: the run's ``dir``, ``method``, ``dataset`` and ``config``; ``gates``: :func:`gate_summary`'s, ``kl``:
+    :func:`dimensions.kl_per_dim`'s (gated runs); ``baseline``: another run's ``run`` dict with its ``features`` (a
+    TestFeatures of the same test split) and ``evaluation``.
+    """
     n, k = feats.features.shape
     scores = dm.factor_scores(feats) if feats.factors else None
     cards = dimension_cards(feats, kl, scores)
@@ -246,7 +275,8 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
         base = baseline["features"]
         base_cards = dimension_cards(base)
         if cards and base_cards:
-            near, r = dm.closest_dims(feats.features, dm.in_use(feats.features), base.features, dm.in_use(base.features))
+            near, r = dm.closest_dims(feats.features, dm.in_use(feats.features), base.features,
+                                      dm.in_use(base.features))
             for card, j, v in zip(cards, near.tolist(), _nums(r)):
                 card["baseline_closest"] = [j, v]
         out["baseline"] = dict(run=baseline["run"], evaluation=baseline.get("evaluation"), dims=base_cards,
@@ -256,8 +286,10 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
 
 
 def thumbnails(dataset, size: int = THUMBNAIL_PX) -> list[str]:
-    """Every image of ``dataset`` as a data URI, its longest side at most ``size`` px: PNG for grey and tiny images,
-    JPEG (quality 85) for the rest."""
+    """Every image of ``dataset`` as a data URI, its longest side at most ``size`` px.
+
+    PNG for grey and tiny images, JPEG (quality 85) for the rest.
+    """
     out = []
     for i in range(len(dataset)):
         image = dataset[i][0]
@@ -278,8 +310,11 @@ def thumbnails(dataset, size: int = THUMBNAIL_PX) -> list[str]:
 
 
 def _script_json(obj) -> str:
-    """JSON to sit inside a <script> element: no '<', '>' or '&' in it (as \\u003c and alike, the same string to
-    JSON.parse), so no text of the run's (a class folder, a path) can end the element or open a comment in it."""
+    """JSON to sit inside a <script> element: no '<', '>' or '&' in it.
+
+    They are written as JSON's unicode escapes (the same string to JSON.parse), so no text of the run's (a class
+    folder, a path) can end the element or open a comment in it.
+    """
     text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
@@ -303,8 +338,10 @@ def focused(page: str, view: str) -> str:
 
 def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None, device: str = "cpu", *,
           trust_code: bool = False, data_dir: str | os.PathLike | None = None) -> tuple[dict, list[str]]:
-    """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run (``trust_code``,
-    ``data_dir``: as ``load_run`` takes them, for both)."""
+    """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run.
+
+    ``trust_code``, ``data_dir``: as ``load_run`` takes them, for both.
+    """
     from bayesncl_pyro.evaluate.run import load_run  # late: run imports the training stack
 
     run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
@@ -322,7 +359,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     if learner.gated:
         rate = dm.prior_rate(learner, feats)
         kl = dm.kl_per_dim(feats.probs, rate, cfg.kl_clamp)
-        gates = gate_summary(feats, kl, dm.kl_label(cfg.kl_clamp), float(rate.mean()))
+        gates = gate_summary(feats, kl, GateEstimator.kl_label(cfg.kl_clamp), float(rate.mean()))
     base = None
     if other is not None:
         other_data = data if (other.cfg.dataset, other.cfg.data_dir, other.cfg.seed) == (
@@ -343,9 +380,11 @@ def _evaluation(run) -> dict | None:
 
 
 def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = True) -> Path:
-    """Write ``out/index.html`` and ``out/report.json`` together (``rundir.save_together``: a full disk or a signal
-    leaves both old or both new) into the folder ``out`` (``named``: one the user named, which may be a link; else
-    a real folder of the run, ``rundir.output_folder``); returns the page's path."""
+    """Write ``out/index.html`` and ``out/report.json`` together; returns the page's path.
+
+    ``rundir.save_together``: a full disk or a signal leaves both old or both new. ``out``: the folder (``named``: one
+    the user named, which may be a link; else a real folder of the run, ``rundir.output_folder``).
+    """
     out = output_folder(Path(out), named)
     save_together([(json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n", out / "report.json"),
                    (render(data, images).encode(), out / "index.html")])
@@ -354,15 +393,19 @@ def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = T
 
 def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
                  out: str | os.PathLike | None = None, **load) -> Path:
-    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report);
-    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them."""
+    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report).
+
+    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them.
+    """
     built = build(run_dir, baseline, **load)
     return write(*built, out) if out is not None else write(*built, run_folder(run_dir) / REPORT_DIR, named=False)
 
 
 class Report:
-    """A written report (``RUN/report`` or the run folder holding it), for a notebook: shown inline as the page;
-    ``card(dim)`` is one dimension's card on its own. ``data`` is report.json's."""
+    """A written report (``RUN/report`` or the run folder holding it), for a notebook: shown inline as the page.
+
+    ``card(dim)`` is one dimension's card on its own. ``data`` is report.json's.
+    """
 
     def __init__(self, folder: str | os.PathLike, height: int = 720):
         folder = Path(folder)
@@ -387,8 +430,7 @@ class Report:
 
 
 class _Frame:
-    """A page shown inline in a notebook, in an iframe of its own (its script and style stay apart from the
-    notebook's)."""
+    """A page shown inline in a notebook, in an iframe of its own: its script and style stay apart."""
 
     def __init__(self, page: str, height: int):
         self.page, self.height = page, height

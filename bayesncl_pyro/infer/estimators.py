@@ -105,7 +105,7 @@ class GateEstimator(Reparam):
     # what the loss that training reports (the log's "loss", "nce") computes, in words
     objective = "-ELBO per row: E_q[InfoNCE] (one draw of q) + lambda * KL"
     loss_name = "-ELBO per row"  # the same, in a plot title's few words
-    kl_name = "KL(q(g | x) || p(g))"  # what its KL term computes
+    kl_name = "KL(q(g | x) || p(g)) at q's inclusion probabilities"  # what its KL term computes
 
     def __init__(self, kl_clamp: float = REFERENCE_KL_CLAMP):
         self.kl_clamp = kl_clamp

@@ -1,13 +1,25 @@
-"""A Config made whole for training: its dataset's recipe filled in, and every value checked against what the
-layers below register (datasets, encoders, the head's arguments, priors, probes, devices)."""
+"""A Config made whole for training: its dataset's recipe filled in, and every value checked.
+
+The values are checked against what the layers below register (datasets, encoders, the head's arguments, priors,
+probes, devices).
+"""
 
 import dataclasses
 import math
 import os
 from pathlib import Path
 
-from bayesncl_pyro.config import (AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name,
-                                  with_recipe)
+from bayesncl_pyro.config import (
+    AUGMENT,
+    EVAL_PROTOCOLS,
+    METHODS,
+    ON_NAN,
+    OPTIMIZERS,
+    RUNS,
+    Config,
+    run_name,
+    with_recipe,
+)
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.device import check_device
 from bayesncl_pyro.errors import UserError, quoted
@@ -22,8 +34,10 @@ FLOAT32_MAX, INT64_MAX = 3.4028234663852886e38, 2**63 - 1
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill dataset defaults (and a run folder named by what the run is: :func:`run_name`) and check every value;
-    raises :class:`UserError` naming the bad one."""
+    """Fill dataset defaults and check every value; raises :class:`UserError` naming the bad one.
+
+    The run folder, when not given, is named by what the run is (:func:`run_name`).
+    """
     _choice("dataset", cfg.dataset, DATASETS)
     cfg = with_recipe(cfg)
     for f in dataclasses.fields(cfg):

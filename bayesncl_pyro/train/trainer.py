@@ -35,10 +35,25 @@ from bayesncl_pyro.infer.density import shortfall
 from bayesncl_pyro.infer.head import HeadOutput
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
 from bayesncl_pyro.loggers import RunLog
-from bayesncl_pyro.nn.optim import (build_optimizer, build_scheduler, load_optimizer_state, load_scheduler_state,
-                                    rescale_prior_group)
-from bayesncl_pyro.rundir import (BAD_IMAGES, CHECKPOINT, CONFIG, CONFLICT, EVAL, TEXT_LIMIT, append_line, atomic_save,
-                                  read_bytes, write_json)
+from bayesncl_pyro.nn.optim import (
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+    load_scheduler_state,
+    rescale_prior_group,
+)
+from bayesncl_pyro.rundir import (
+    BAD_IMAGES,
+    CHECKPOINT,
+    CONFIG,
+    CONFLICT,
+    EVAL,
+    TEXT_LIMIT,
+    append_line,
+    atomic_save,
+    read_bytes,
+    write_json,
+)
 from bayesncl_pyro.train.graph import StepGraph
 from bayesncl_pyro.train.guard import CHECK_EVERY, DivergenceGuard, StopRequest
 from bayesncl_pyro.train.monitor import Monitor
@@ -50,11 +65,18 @@ logger = logging.getLogger(__name__)
 class Trainer:
     """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict."""
 
-    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False, data: DataSpec | None = None):
-        """``progress``: a bar on stderr rather than printed lines (default: when stderr is a terminal).
-        ``overwrite``: move whatever the run folder holds into a ``previous-<time>`` subfolder and
-        start afresh, instead of resuming the run there or refusing one with another config. ``data``: the images to
-        train on, in place of the config's dataset (``bench_step.py``'s steps on generated images of any recipe)."""
+    def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False,
+                 data: DataSpec | None = None):
+        """Set up the run of ``cfg`` in its run folder.
+
+        Args:
+            cfg: the run's configuration.
+            progress: a bar on stderr rather than printed lines (default: when stderr is a terminal).
+            overwrite: move whatever the run folder holds into a ``previous-<time>`` subfolder and start afresh, instead
+                of resuming the run there or refusing one with another config.
+            data: the images to train on, in place of the config's dataset (``bench_step.py``'s steps on generated
+                images of any recipe).
+        """
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
         self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
@@ -129,6 +151,7 @@ class Trainer:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
     def state_dict(self) -> dict:
+        """The checkpoint's contents: config, step, learner, optimizer and scheduler states, every rank's RNG states."""
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
                     num_train=len(self.data.train), channels=self.data.channels,
                     learner=self.learner.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -138,9 +161,12 @@ class Trainer:
                              cuda=torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)))
 
     def save(self):
-        """Every rank calls this (it gathers their RNG states); rank 0 writes the file, and no rank goes on (or
-        exits: torchrun then stops the others) before it is written. A step not yet checked for divergence is
-        checked first: no checkpoint holds a bad step."""
+        """Write the checkpoint: rank 0 writes the file, every rank waits until it is written.
+
+        Every rank calls this (it gathers their RNG states), and no rank goes on (or exits: torchrun then stops the
+        others) before the file is written. A step not yet checked for divergence is checked first: no checkpoint holds
+        a bad step.
+        """
         self._check_divergence()
         state = self.state_dict()
         if self.rank == 0:
@@ -185,9 +211,11 @@ class Trainer:
         self.saved_step, self.skipped_steps = self.step, state.get("skipped_steps", 0)
 
     def _restore_cuda_rng(self, saved: torch.Tensor | list | None, path: Path):
-        """Continue the CUDA random stream (gate noise) of the GPU that wrote the checkpoint on this run's GPU, whatever
-        its index. ``saved``: that GPU's state; None from a run on the CPU; in older checkpoints a list of the states of
-        every GPU that process saw, of which this device's index is taken."""
+        """Continue the CUDA random stream (gate noise) of the GPU that wrote the checkpoint on this run's GPU.
+
+        Whatever its index. ``saved``: that GPU's state; None from a run on the CPU; in older checkpoints a list of the
+        states of every GPU that process saw, of which this device's index is taken.
+        """
         if isinstance(saved, list):
             index = self.device.index
             if saved and index >= len(saved):
@@ -200,8 +228,10 @@ class Trainer:
 
     # -- training -----------------------------------------------------------------------------
     def fit(self) -> "Trainer":
-        """Train to the last step (``--max-steps``, else the end of ``--epochs``) and save the finished run, which is
-        not trained again; then ``evaluate()``."""
+        """Train to the last step, save the finished run, then ``evaluate()``.
+
+        The last step is ``--max-steps``, else the end of ``--epochs``; a finished run is not trained again.
+        """
         if self.finished:
             return self
         with self._stop as stop:  # a signal during the last step or the final write is noted, never lost or raised
@@ -215,8 +245,11 @@ class Trainer:
         return self
 
     def evaluate(self) -> dict:
-        """The finished run's evaluation (rank 0's; the others get {}): written to eval.json, given to the trackers
-        and printed; that of a run evaluated before is read back and printed again."""
+        """The finished run's evaluation (rank 0's; the others get {}).
+
+        It is written to eval.json, given to the trackers and printed; that of a run evaluated before is read back and
+        printed again.
+        """
         if self.evaluated:
             results = rundir.read_eval(self.out, self.cfg.gate)
             if self.rank == 0:
@@ -240,8 +273,10 @@ class Trainer:
         return results
 
     def train(self, last_step: int):
-        """The steps up to ``last_step``, with a checkpoint every ``--ckpt-every`` steps and ``--ckpt-minutes``
-        minutes; a stop request (a signal, on any rank) ends them at once with a checkpoint and ``Stopped``."""
+        """The steps up to ``last_step``, with a checkpoint every ``--ckpt-every`` steps and ``--ckpt-minutes`` minutes.
+
+        A stop request (a signal, on any rank) ends them at once with a checkpoint and ``Stopped``.
+        """
         self.learner.train()
         votes, stopping = distributed.Votes(), 0
         self.saved_at = time.monotonic()  # rank 0's clock decides --ckpt-minutes; nothing is unsaved yet
@@ -265,9 +300,11 @@ class Trainer:
                           f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
     def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, HeadOutput]:
-        """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values). The divergence guard
-        (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the GPU only when its
-        verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``."""
+        """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values).
+
+        The divergence guard (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the
+        GPU only when its verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``.
+        """
         loss, out = self._step(x)
         self.guard.keep(self.step + 1)
         self.scheduler.step()
@@ -277,9 +314,11 @@ class Trainer:
         return loss, out
 
     def _eager_step(self, x: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
-        """What a CUDA graph captures of a step (``--cuda-graphs``; ``train/graph.py``): the forward and backward passes,
-        the divergence guard's verdict, the optimizer step and the density target's update of lambda, the same work at
-        every call."""
+        """What a CUDA graph captures of a step (``--cuda-graphs``; ``train/graph.py``): the same work at every call.
+
+        The forward and backward passes, the divergence guard's verdict, the optimizer step and the density target's
+        update of lambda.
+        """
         self.guard.begin()
         loss, out = self.net(x)
         self.optimizer.zero_grad(set_to_none=True)
@@ -290,10 +329,13 @@ class Trainer:
         return loss, out
 
     def _log(self, loss: torch.Tensor, out: HeadOutput, last_step: int):
-        """Rank 0's records of the step just taken: a log.jsonl line every --log-every steps and at the last (its own
-        rows' loss, an unbiased estimate of the global one: reading it syncs with the GPU, so only then), with the
-        monitor's figures every --monitor-every epochs but at the last (the evaluation that follows has the whole
-        data's kNN); a conflict.jsonl line every --conflict-every steps."""
+        """Rank 0's records of the step just taken: log.jsonl and conflict.jsonl lines when due.
+
+        A log.jsonl line every --log-every steps and at the last (its own rows' loss, an unbiased estimate of the global
+        one: reading it syncs with the GPU, so only then), with the monitor's figures every --monitor-every epochs but
+        at the last (the evaluation that follows has the whole data's kNN); a conflict.jsonl line every --conflict-every
+        steps.
+        """
         cfg, step = self.cfg, self.step
         self.log.step()
         monitor = (self.monitor is not None and step % (cfg.monitor_every * self.steps_per_epoch) == 0
@@ -315,9 +357,11 @@ class Trainer:
         return True
 
     def _check_divergence(self):
-        """Read the divergence guard's verdicts on the steps since the last check (one host sync). A bad step stops the
-        run with a message naming the step and the term (the checkpoint on disk stays the last good one), or with
-        ``on_nan="skip"`` (its update was undone on the device) is counted and warned about."""
+        """Read the divergence guard's verdicts on the steps since the last check (one host sync).
+
+        A bad step stops the run with a message naming the step and the term (the checkpoint on disk stays the last good
+        one), or with ``on_nan="skip"`` (its update was undone on the device) is counted and warned about.
+        """
         for step, what in self.guard.bad_steps():
             if self.cfg.on_nan == "skip":
                 self.skipped_steps += 1
@@ -329,8 +373,11 @@ class Trainer:
 
     @contextlib.contextmanager
     def _naming_divergence(self):
-        """A step taken after an unchecked bad one runs on non-finite weights and may fail on them (a sampler that
-        refuses NaN probabilities): then the bad step is what the user hears about."""
+        """Name an unchecked bad step when a step taken after it fails.
+
+        A step taken after an unchecked bad one runs on non-finite weights and may fail on them (a sampler that refuses
+        NaN probabilities): then the bad step is what the user hears about.
+        """
         try:
             yield
         except Exception:
@@ -348,8 +395,11 @@ class Trainer:
             logger.warning(f"warning: {count} unreadable images were skipped; they are listed in {bad}")
 
     def _record(self, loss: torch.Tensor, out: HeadOutput, images_per_s: float) -> dict:
-        """One log line: the -ELBO per row split into its InfoNCE and KL terms, the share of feature entries
-        that take part in the loss (``active``), and the gates' state (``out``: what the head computed in the step)."""
+        """One log line: the -ELBO per row split into its InfoNCE and KL terms, with the active share and the gates.
+
+        ``active``: the share of feature entries that take part in the loss; ``out``: what the head computed in the
+        step, the gates' state among it.
+        """
         learner = self.learner
         epoch = (self.step - 1) // self.steps_per_epoch  # the epoch of the step's batch
         rec = dict(step=self.step, epoch=epoch, lr=float(self.optimizer.param_groups[0]["lr"]), loss=loss.item(),
@@ -371,17 +421,21 @@ class Trainer:
         return rec
 
     def _grad_norm(self, out: HeadOutput) -> float:
-        """The 2-norm of the step's loss gradient, from the guard's norms of the parameters' (float64): the prior's
-        arrive divided by the step's lambda (``BayesNCLHead.prior_parameters``) and are put back on the loss's
-        scale."""
+        """The 2-norm of the step's loss gradient, from the guard's norms of the parameters' (float64).
+
+        The prior's arrive divided by the step's lambda (``BayesNCLHead.prior_parameters``) and are put back on the
+        loss's scale.
+        """
         prior = {id(p) for p in self.learner.head.prior_parameters()}
         weight = float(out.kl_weight) if prior else 1.0
         return math.hypot(*(n * weight if id(p) in prior else n
                             for p, n in zip(self.guard.params, self.guard.grad_norms(), strict=True)))
 
     def _conflict_line(self, out: HeadOutput) -> str:
-        """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch, and for
-        BayesNCL each dimension's mean inclusion probability (``incl``)."""
+        """One conflict.jsonl line: the InfoNCE gradient parts per dimension on this step's batch.
+
+        For BayesNCL also each dimension's mean inclusion probability (``incl``).
+        """
         rec = dict(step=self.step, **conflict_record(out.features, self.cfg.temperature))
         if self.learner.gated:
             rec["incl"] = out.probs.mean(0)
