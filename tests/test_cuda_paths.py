@@ -624,9 +624,10 @@ def test_nvjpeg_is_replaced_only_for_bad_files_and_the_user_hears_of_it_once(fak
 
 @pytest.mark.parametrize("decoders", [("nvImageCodec", "TorchCodec"), ("TorchCodec", "torchvision")])
 def test_under_cudamallocasync_decoders_writing_torch_memory_from_their_own_stream_are_not_used(fake_cuda, tmp_path,
-                                                                                             capsys, decoders):
+                                                                                             caplog, decoders):
     """TorchCodec's and torchvision's nvJPEG write PyTorch's memory from a stream of their own, which cudaMallocAsync's
     cross-stream reuse does not order; nvImageCodec writes its own memory in the decoding stream's order."""
+    caplog.set_level(logging.INFO, logger="bayesncl_pyro")  # the note is INFO
     fake_cuda.backend = "cudaMallocAsync"
     fake_cuda.use_decoders(*decoders)
     photo_tree(tmp_path / "data")
@@ -637,7 +638,7 @@ def test_under_cudamallocasync_decoders_writing_torch_memory_from_their_own_stre
     assert isinstance(trainer.input.views, pipeline.FileViews)
     trainer.train(2)
     workers_decode = "nvImageCodec" not in decoders
-    assert ("cudaMallocAsync" in capsys.readouterr().err) is workers_decode
+    assert ("cudaMallocAsync" in caplog.text) is workers_decode
     encoded = trainer.input.views.encoded
     assert all((encoded[i][0].ndim == 3) is workers_decode or encoded[i][0].ndim == 3 for i in range(len(encoded)))
     assert (fake_cuda.decodes == 0) is workers_decode

@@ -4,8 +4,6 @@ and the trainer train one objective."""
 import pyro
 import pytest
 import torch
-from bayesncl_pyro.guides.gates import BernoulliGates
-from bayesncl_pyro.models.priors import PRIORS
 from pyro import poutine
 from pyro.distributions.util import scale_and_mask
 from pyro.infer import SVI, Predictive, TraceMeanField_ELBO
@@ -15,10 +13,12 @@ from torch.distributions import kl_divergence
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import BernoulliGates
 from bayesncl_pyro.infer.elbo import MeanFieldELBO, _kl_part
 from bayesncl_pyro.infer.estimators import GATES, Draw, local_expectation_term
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.models.priors import PRIORS
 from bayesncl_pyro.train.resolve import resolve
 
 # gs-reference-kl's KL is taken at sigmoid(l), not at q's P(on): no KL(q || p), which is all the stock ELBO takes

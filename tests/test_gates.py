@@ -12,7 +12,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide, GumbelSigmoidGates
 from pyro import poutine
 from pyro.infer import Predictive, TraceGraph_ELBO
 from pyro.infer.tracegraph_elbo import _compute_elbo
@@ -20,6 +19,7 @@ from pyro.infer.tracegraph_elbo import _compute_elbo
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide, GumbelSigmoidGates
 from bayesncl_pyro.infer.estimators import GATES, GateEstimator, gate_class
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize

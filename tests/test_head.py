@@ -12,12 +12,12 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
-from bayesncl_pyro.models.priors import BetaBernoulliPrior
 
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.head import HeadOutput
+from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.rundir import read_log

@@ -5,19 +5,19 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
-from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
-from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
-from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 from pyro import poutine
 from pyro.infer import TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.infer.tracegraph_elbo import _compute_elbo
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, gate_class
 from bayesncl_pyro.infer.head import BayesNCLHead
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, rows_plate
+from bayesncl_pyro.models.priors import PRIORS, BetaBernoulliPrior, build_prior
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 from bayesncl_pyro.train.resolve import resolve
 

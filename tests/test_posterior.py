@@ -7,7 +7,6 @@ import pyro.distributions as dist
 import pytest
 import torch
 import xarray as xr
-from bayesncl_pyro.models.priors import Prior
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
@@ -20,6 +19,7 @@ from bayesncl_pyro.evaluate.arviz_export import ARVIZ_1, export_gates, read_gate
 from bayesncl_pyro.evaluate.dimensions import gate_posterior
 from bayesncl_pyro.infer.estimators import GATES
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.train.resolve import resolve
 
 

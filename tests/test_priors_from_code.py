@@ -12,7 +12,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from bayesncl_pyro.models.priors import BernoulliPrior, Prior
 from helpers import RUN_SVI, TINY_RUN
 from pyro.nn import PyroModule
 
@@ -21,6 +20,7 @@ from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.models.priors import BernoulliPrior, Prior
 from bayesncl_pyro.train.resolve import resolve
 
 PRIOR_CODE = '''

@@ -8,12 +8,12 @@ import sys
 import warnings
 
 import pytest
-from bayesncl_pyro.models import priors
 
 import bayesncl_pyro
 from bayesncl_pyro import _deprecated, rundir
 from bayesncl_pyro.evaluate import arviz_export, dimensions, run
 from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.models import priors
 
 
 def test_the_top_level_names_are_the_objects_of_their_modules():

@@ -10,7 +10,6 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from bayesncl_pyro.models.priors import PerImagePrior, Prior, build_prior, stick_alpha
 from helpers import TINY_RUN
 from pyro.nn import PyroModule
 from torch.distributions import kl_divergence
@@ -23,6 +22,7 @@ from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate import figures, heldout, report
 from bayesncl_pyro.evaluate.arviz_export import read_gates
 from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.models.priors import PerImagePrior, Prior, build_prior, stick_alpha
 
 
 @pytest.mark.parametrize("k, rate", [(16, 0.8), (256, 0.3), (2048, 0.05)])

@@ -26,9 +26,9 @@ from bayesncl_pyro.cli import one_line_errors
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.pipeline import EpochSampler
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.infer.estimators import GATES, gate_class
 from bayesncl_pyro.infer.gate_gradients import SCORE, gate_gradient_bias
-from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.plugins import add_reader_flags
 
