@@ -25,7 +25,7 @@ A batch's views are two parts (``BatchViews`` joins them):
   matrix being zero outside it; the rare image far larger than the batch's others is resized on its own.
 
 On the CPU the chain computes what the gather/scatter version computed, in the same float32 operations: the
-views of a generator are the same bits (``tests/test_device_views.py`` keeps that version to compare). The
+views of a generator are the same bits (``tests/data/test_device_views.py`` keeps that version to compare). The
 blur is the exception, now two band-matrix products (equal to torchvision's within 1e-5), and the resize of
 images of different sizes (a padded product, equal to per-image ``F.interpolate`` within float rounding).
 Each op equals torchvision's ``transforms.v2.functional`` op applied image by image.

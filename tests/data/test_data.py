@@ -15,7 +15,7 @@ from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
 from bayesncl_pyro.data.views import TwoViews, eval_transform, simclr_transform
 from bayesncl_pyro.errors import UserError
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 # --------------------------------------------------------------------------------------------- digits

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OTHER = os.environ.get("OTHER_ARVIZ_PYTHON")
 pytestmark = pytest.mark.skipif(not OTHER, reason="set OTHER_ARVIZ_PYTHON to a Python with the other ArviZ "
                                                    "major version and this project installed")

@@ -916,7 +916,7 @@ def test_bench_steps_trainer_figure_replays_the_captured_step_and_reads_the_gpu_
                                                                                                 monkeypatch):
     """bench_step.py's "trainer step, no pipeline" on CUDA with --cuda-graphs: 3 eager steps and the capture first,
     then each timed batch one replay, the GPU's time read between two events on the training stream."""
-    bench = runpy.run_path(str(Path(__file__).parents[1] / "experiments" / "bench_step.py"))
+    bench = runpy.run_path(str(Path(__file__).parents[2] / "experiments" / "bench_step.py"))
     args = bench["parser"]().parse_args(["--device", "cuda:0", "--optimizer", "lars", "--cuda-graphs", "--warmup", "0",
                                          "--trainer-batches", "3"])
     cfg = resolve(Config(dataset="digits", batch_size=32, proj_hidden=16, proj_dim=8, device="cuda:0",

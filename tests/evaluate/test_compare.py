@@ -1,5 +1,5 @@
 """compare.py's time budget and the paper's numbers: the planning arithmetic, and the paper's CIFAR-100 command end
-to end on CPU (in-process, with fewer timing steps; tests/test_scripts.py runs the script itself), on a generated
+to end on CPU (in-process, with fewer timing steps; tests/cli/test_scripts.py runs the script itself), on a generated
 CIFAR-100-shaped tree with a small encoder."""
 
 import json
@@ -116,7 +116,7 @@ def test_a_budget_too_short_for_one_epoch_is_one_line(cifar100_tree, tmp_path, c
     assert capsys.readouterr().err.strip() == "error: --budget-minutes must be positive, got -1"
 
 
-@pytest.mark.slow  # compare over several methods and lambdas: tests/test_scripts.py runs the script by default
+@pytest.mark.slow  # compare over several methods and lambdas: tests/cli/test_scripts.py runs the script by default
 def test_the_estimators_experiment_runs_each_gate_per_lambda_and_reuses_its_record(tmp_path, capsys):
     """Several --kl-weight values run each BayesNCL method once per value (NCL once), the table of the objective on
     the test split comes with them, and --record keeps each run's record: a later command with another --out (a

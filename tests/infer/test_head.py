@@ -24,7 +24,7 @@ from bayesncl_pyro.rundir import read_log
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_your_backbone.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_your_backbone.py"
 R, D, K, H = 12, 10, 8, 16
 
 
@@ -240,7 +240,7 @@ def test_an_install_keeps_the_pyro_program_inside_the_package(tmp_path):
     # built with this python's setuptools where it has one (no download); a Python 3.12 venv has none
     isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target", str(site),
-                    str(Path(__file__).parents[1])], check=True, cwd=tmp_path)
+                    str(Path(__file__).parents[2])], check=True, cwd=tmp_path)
     assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == ["bayesncl_pyro"]
     (user / "models").mkdir(parents=True)
     (user / "models" / "__init__.py").write_text("MINE = True\n")
