@@ -7,6 +7,7 @@ there would be an upward import. This table is the whole list of such references
 both go in 0.5.0.
 """
 
+import functools
 import importlib
 import warnings
 
@@ -18,6 +19,8 @@ MOVED = {
     # the module was merged into evaluate/dimensions in 0.3.0 without a word
     "bayesncl_pyro.posterior": {"gate_posterior": "bayesncl_pyro.evaluate.dimensions:gate_posterior",
                                 "GatePosterior": "bayesncl_pyro.evaluate.dimensions:GatePosterior"},
+    # one KL label: the estimator's, which says what its KL term computes
+    "bayesncl_pyro.evaluate.dimensions": {"kl_label": "bayesncl_pyro.infer.estimators:GateEstimator.kl_label"},
 }
 
 
@@ -32,4 +35,4 @@ def moved(module: str, name: str):
     new_module, _, new_name = target.partition(":")
     warnings.warn(f"{module}.{name} moved to {new_module}.{new_name}; import it from there (the old path goes in "
                   f"bayesncl-pyro {REMOVED_IN})", DeprecationWarning, stacklevel=3)
-    return getattr(importlib.import_module(new_module), new_name)
+    return functools.reduce(getattr, new_name.split("."), importlib.import_module(new_module))

@@ -21,6 +21,7 @@ and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it 
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import pyro
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from pyro import poutine
 
+from bayesncl_pyro._deprecated import moved
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
@@ -337,6 +339,31 @@ class GatePosterior:
         """C x K: the mean inclusion probability per class and dimension (:func:`inclusion_by_class`'s mean)."""
         return inclusion_by_class(self.probs, self.labels, len(self.classes))[0]
 
+    # the beta-bernoulli fields' names before a prior's global latents were read by site name: until 0.5.0
+    @property
+    def rate_draws(self) -> torch.Tensor | None:
+        """Deprecated: ``global_draws["rate"]``."""
+        _renamed("rate_draws", 'global_draws["rate"]')
+        return (self.global_draws or {}).get("rate")
+
+    @property
+    def rate_beta(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Deprecated: ``global_params["a"], global_params["b"]``."""
+        _renamed("rate_beta", 'global_params["a"], global_params["b"]')
+        params = self.global_params or {}
+        return (params["a"], params["b"]) if "a" in params and "b" in params else None
+
+    @property
+    def rate_optimum_concentration(self) -> float | None:
+        """Deprecated: ``global_convergence[1]``."""
+        _renamed("rate_optimum_concentration", "global_convergence[1]")
+        return None if self.global_convergence is None else self.global_convergence[1]
+
+
+def _renamed(old: str, new: str):
+    warnings.warn(f"GatePosterior.{old} is now GatePosterior.{new} (the old name goes in bayesncl-pyro 0.5.0)",
+                  DeprecationWarning, stacklevel=3)
+
 
 @torch.no_grad()
 def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpec | None = None,
@@ -379,3 +406,7 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         post.global_convergence = prior.convergence(rate_guide, learner.head.num_rows)
     post.prior_rate = prior_rate(learner, test)
     return post
+
+
+def __getattr__(name: str):
+    return moved(__name__, name)

@@ -20,8 +20,8 @@ expectation gradient): q is a product of Bernoullis, so with p_ik = P(g_ik = 1 |
 where D_ik does not depend on g_ik itself. ``losses.info_nce_flip_differences`` computes every D_ik of one draw at
 once, in O(R^2 K) (docs/METHOD.md, "The ELBO's gradient through the gates"). The sum runs over every row, so the
 negatives' dependence on g_ik is kept: this is where an estimator that treated the rows as independent would go
-wrong. ``tests/infer/test_gate_gradients.py`` checks the identity against exact enumeration of every gate configuration of
-a small batch.
+wrong. ``tests/infer/test_gate_gradients.py`` checks the identity against exact enumeration of every gate
+configuration of a small batch.
 """
 
 import torch
