@@ -30,55 +30,31 @@ models/ and guides/ sit at the top of the repository, where the Pyro program is 
 bayesncl_pyro.models and bayesncl_pyro.guides.
 """
 
+import importlib
+
 from bayesncl_pyro._version import __version__ as __version__  # re-exported: the package's version
 
-__all__ = ["BayesNCLHead", "Config", "PRIORS", "Prior", "Trainer", "export_gates", "gate_posterior", "load_run",
-           "read_gates", "register"]
+# the public names and their modules, imported on first use (PEP 562): `import bayesncl_pyro` stays free of torch and
+# Pyro, and a name keeps working here when its module moves
+_PUBLIC = {
+    "BayesNCLHead": "bayesncl_pyro.infer.head",
+    "Config": "bayesncl_pyro.config",
+    "Trainer": "bayesncl_pyro.train.trainer",
+    "load_run": "bayesncl_pyro.evaluate.run",
+    "gate_posterior": "bayesncl_pyro.evaluate.dimensions",
+    "export_gates": "bayesncl_pyro.evaluate.arviz_export",
+    "read_gates": "bayesncl_pyro.evaluate.arviz_export",
+    "Prior": "bayesncl_pyro.models.priors",
+    "PRIORS": "bayesncl_pyro.models.priors",
+    "register": "bayesncl_pyro.models.priors",
+}
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str):
-    # each import here is late: loaded on first use, `import bayesncl_pyro` stays free of torch and Pyro
-    if name == "BayesNCLHead":
-        from bayesncl_pyro.infer.head import BayesNCLHead  # late: see above
-
-        return BayesNCLHead
-    if name == "Config":
-        from bayesncl_pyro.config import Config  # late: see above
-
-        return Config
-    if name == "Trainer":
-        from bayesncl_pyro.train.trainer import Trainer  # late: see above
-
-        return Trainer
-    if name == "load_run":
-        from bayesncl_pyro.evaluate.run import load_run  # late: see above
-
-        return load_run
-    if name == "gate_posterior":
-        from bayesncl_pyro.evaluate.dimensions import gate_posterior  # late: see above
-
-        return gate_posterior
-    if name == "export_gates":
-        from bayesncl_pyro.evaluate.arviz_export import export_gates  # late: see above
-
-        return export_gates
-    if name == "read_gates":
-        from bayesncl_pyro.evaluate.arviz_export import read_gates  # late: see above
-
-        return read_gates
-    if name == "Prior":
-        from bayesncl_pyro.models.priors import Prior  # late: see above
-
-        return Prior
-    if name == "PRIORS":
-        from bayesncl_pyro.models.priors import PRIORS  # late: see above
-
-        return PRIORS
-    if name == "register":
-        from bayesncl_pyro.models.priors import register  # late: see above
-
-        return register
-    raise AttributeError(f"module 'bayesncl_pyro' has no attribute {name!r}")
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'bayesncl_pyro' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
 
 
 def __dir__() -> list[str]:

@@ -16,6 +16,14 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_gates.ip
 OWN_PRIOR = NOTEBOOK.with_name("your_own_prior.ipynb")
 
 
+def _executed(path: Path, tmp_path, monkeypatch) -> tuple[nbformat.NotebookNode, str]:
+    """The notebook at ``path`` run top to bottom in its folder, and the text its code cells printed."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks train their runs in a temporary folder
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    return nb, "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
 @pytest.mark.parametrize("notebook", [NOTEBOOK, OWN_PRIOR], ids=lambda p: p.stem)
 def test_notebook_is_stored_without_outputs(notebook):
     nb = nbformat.read(notebook, as_version=4)
@@ -25,11 +33,7 @@ def test_notebook_is_stored_without_outputs(notebook):
 
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook trains its runs in a temporary folder
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    nb, text = _executed(NOTEBOOK, tmp_path, monkeypatch)
     assert "dims most specific to one class" in text and "conflict (bayesncl)" in text and "conflict (ncl)" in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 5
@@ -42,11 +46,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
 
 
 def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook trains its run in a temporary folder
-    nb = nbformat.read(OWN_PRIOR, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(OWN_PRIOR.parent)}}).execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    _, text = _executed(OWN_PRIOR, tmp_path, monkeypatch)
     assert "p(g) for 3 rows: batch (3,), event (8,)" in text
     assert "posterior draws of the rates: {'chain': 1, 'draw': 10, 'feature': 64}" in text
     assert "q's parameters: ['rate_a', 'rate_b']" in text
