@@ -203,17 +203,17 @@ class HeadOutput:
     @functools.cached_property
     def gate_rate(self) -> torch.Tensor:
         """0-d: the mean inclusion probability over all entries."""
-        return self.q.probs.detach().mean()
+        return self.probs.mean()
 
     @functools.cached_property
     def incl_min(self) -> torch.Tensor:
         """0-d: the mean inclusion probability of the least included dimension."""
-        return self.q.probs.detach().mean(0).min()
+        return self.probs.mean(0).min()
 
     @functools.cached_property
     def incl_max(self) -> torch.Tensor:
         """0-d: the mean inclusion probability of the most included dimension."""
-        return self.q.probs.detach().mean(0).max()
+        return self.probs.mean(0).max()
 
     @functools.cached_property
     def gates_open(self) -> torch.Tensor:
@@ -318,16 +318,16 @@ class BayesNCLHead(nn.Module):
             loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather,
                                                                  kl_weight=kl_weight)
             made = computed(model_trace)
-            out = HeadOutput(nce=made["row_nce"].mean(), kl=kl, features=made["features"])
+            gated = {}
             if self.gated:
                 # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
                 site = guide_trace.nodes["g"]
                 gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
                 if gates.requires_grad:
                     gates.retain_grad()  # read by pulls() after backward
-                out = dataclasses.replace(out, kl_weight=kl_weight, gates=gates, q=site["fn"].base_dist,
-                                          prior=model_trace.nodes["g"]["fn"], estimator=self.estimator)
-        return loss, out
+                gated = dict(kl_weight=kl_weight, gates=gates, q=site["fn"].base_dist,
+                             prior=model_trace.nodes["g"]["fn"], estimator=self.estimator)
+        return loss, HeadOutput(nce=made["row_nce"].mean(), kl=kl, features=made["features"], **gated)
 
     @property
     def kl_weight(self) -> torch.Tensor | float:
@@ -387,16 +387,7 @@ class BayesNCLHead(nn.Module):
         returns what it computed (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them
         inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's ``SVI``, :meth:`svi_program`.
         """
-        def weight():
-            return self.kl_weight if kl_weight is None else kl_weight
-
-        def model(z, h):
-            return self.model(z, h, gather=gather, kl_weight=weight())
-
-        def guide(z, h):
-            return self.guide(z, h, kl_weight=weight(), family=family)
-
-        return model, guide if self.gated else _no_guide
+        return self._program(self.guide, gather, kl_weight, family)
 
     def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None):
         """:meth:`program` with a gate estimator applied to the guide's gate site.
@@ -406,15 +397,23 @@ class BayesNCLHead(nn.Module):
         its KL clamp, and ``leg``'s head gradient, which this program's traces alone lack). q's family is the
         guide's unless ``family`` says otherwise.
         """
-        model, guide = self.program(gather, kl_weight, family)
         if not self.gated:
-            return model, guide
+            return self.program(gather, kl_weight, family)
         trained = self._trained_guide() if estimator is None else poutine.reparam(self.guide, config={"g": estimator})
+        return self._program(trained, gather, kl_weight, family)
 
-        def trained_guide(z, h):
-            return trained(z, h, kl_weight=self.kl_weight if kl_weight is None else kl_weight, family=family)
+    def _program(self, guide_fn, gather, kl_weight, family):
+        """(model, guide) closures of (z, h) over the model and ``guide_fn``, lambda read when they run."""
+        def weight():
+            return self.kl_weight if kl_weight is None else kl_weight
 
-        return model, trained_guide
+        def model(z, h):
+            return self.model(z, h, gather=gather, kl_weight=weight())
+
+        def guide(z, h):
+            return guide_fn(z, h, kl_weight=weight(), family=family)
+
+        return model, guide if self.gated else _no_guide
 
     def _trained_guide(self):
         """The guide under the head's estimator (``poutine.reparam``), built again only when either is replaced.
