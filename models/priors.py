@@ -125,6 +125,17 @@ def _check_rate(prior_prob: float) -> float:
     return float(prior_prob)
 
 
+def _check_concentration(concentration: float):
+    if not concentration > 0:
+        raise UserError(f"Beta concentration must be positive, got {concentration}; pass e.g. "
+                        "--prior-arg concentration=10")
+
+
+def _check_features(guide, h):
+    if guide is not None and h is None:
+        raise UserError("row_rates(guide, h) needs the rows' backbone features h with the guide")
+
+
 class Prior(PyroModule):
     """p(g) for a batch of rows' gates, with any global latents of its own.
 
@@ -203,8 +214,7 @@ class Prior(PyroModule):
         """
         if not self.row_latents:
             raise TypeError(f"{type(self).__name__} has no latents per row; its rate is mean_rate()")
-        if guide is not None and h is None:
-            raise UserError("row_rates(guide, h) needs the rows' backbone features h with the guide")
+        _check_features(guide, h)
         rows = 1 if h is None else len(h)
         with pyro.get_param_store().scope(), torch.random.fork_rng(devices=[]):
             plate = pyro.plate("rows", rows, device=h.device if h is not None else None)
@@ -269,9 +279,7 @@ class BetaBernoulliPrior(Prior):
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
         super().__init__(num_features, prior_prob)
-        if not concentration > 0:
-            raise UserError(f"Beta concentration must be positive, got {concentration}; pass e.g. "
-                            "--prior-arg concentration=10")
+        _check_concentration(concentration)
         a, b = self.prior_prob * concentration, (1 - self.prior_prob) * concentration
         self.register_buffer("a", torch.full((num_features,), a))
         self.register_buffer("b", torch.full((num_features,), b))
@@ -429,9 +437,7 @@ class PerImagePrior(Prior):
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
         super().__init__(num_features, prior_prob)
-        if not concentration > 0:
-            raise UserError(f"Beta concentration must be positive, got {concentration}; pass e.g. "
-                            "--prior-arg concentration=10")
+        _check_concentration(concentration)
         self.register_buffer("a", torch.tensor(self.prior_prob * concentration))
         self.register_buffer("b", torch.tensor((1 - self.prior_prob) * concentration))
 
@@ -448,8 +454,7 @@ class PerImagePrior(Prior):
     @torch.no_grad()
     def row_rates(self, guide=None, h=None, num_draws=256):
         """E[s_i] for each row, exact: q's Beta mean given the row's features, or the prior's (one row)."""
-        if guide is not None and h is None:
-            raise UserError("row_rates(guide, h) needs the rows' backbone features h with the guide")
+        _check_features(guide, h)
         mean = guide.posterior(h).mean if guide is not None else (self.a / (self.a + self.b)).reshape(1)
         return mean.unsqueeze(-1).expand(-1, self.num_features).detach()
 
