@@ -15,9 +15,12 @@ Before timing, the three BayesNCL variants are checked to give the same loss and
 step (matmuls and convolutions, counted on the meta device, so any recipe is counted without running it) are
 printed with the leg estimator's own work, which is elementwise (its flip differences: see leg_flops).
 
-Every repeat runs each variant once, in turn, and ratios are taken within a repeat, then the median over
-repeats; that is one run, and ``--runs`` (3) runs, each but the first a process of its own, give the median over runs:
-on a shared machine the ratios are meaningful, absolute times less so.
+Every repeat runs each variant for one untimed step and ``--steps`` (1) timed ones, in turn, in an order reversed at
+every repeat, and ratios are taken within a repeat, then the median over the ``--repeats`` (40) repeats; that is one
+run, and ``--runs`` (5) runs, each but the first a process of its own, give the median over runs (on 2 CPU cores one
+run's Pyro/plain moves by about 0.01 from process to process): on a shared machine the ratios are meaningful,
+absolute times less so. The three BayesNCL variants train one learner, so they time the same weights in the same
+memory.
 
 Then the trainer's own step without the data pipeline (``--trainer-batches``, 50: the divergence guard and the schedule
 included; ``--cuda-graphs`` captures it): wall and host CPU time per batch, and on a GPU its time between two events.
@@ -87,11 +90,11 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
     for method in ("cl", "ncl", "bayesncl"):
         learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": method})), channels, 50_000)
         fns[method] = (lambda x, m=learner: m(x)[0], learner)
-    bayes = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
-    stock = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl"})), channels, 50_000)
-    stock.load_state_dict(bayes.state_dict())
-    fns["bayesncl_tmf"] = (lambda x: stock_loss(stock, x), stock)
-    fns["bayesncl_plain"] = (lambda x, m=bayes: plain_loss(m, x), bayes)
+    # the three ways of computing BayesNCL's loss on one learner: the same weights in the same memory, where two
+    # learners' layouts alone made their steps differ by up to 1 % within a process
+    bayes = fns["bayesncl"][1]
+    fns["bayesncl_tmf"] = (lambda x: stock_loss(bayes, x), bayes)
+    fns["bayesncl_plain"] = (lambda x: plain_loss(bayes, x), bayes)
     for gate in ("st-sampled", "leg"):
         learner = ContrastiveLearner(resolve(Config(**{**cfg.to_dict(), "method": "bayesncl", "gate": gate})),
                                      channels, 50_000)
@@ -100,7 +103,7 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
         if name.startswith("bayesncl") and learner is not bayes:
             learner.load_state_dict(bayes.state_dict())
     mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
-    for _, learner in fns.values():
+    for learner in {id(learner): learner for _, learner in fns.values()}.values():
         learner.to(device, memory_format=mf).train()
     return fns
 
@@ -232,9 +235,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--proj-dim", type=int, help="default: the dataset's")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="no bf16 autocast of the encoder on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the encoders (CUDA)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant and repeat (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=3, help="timing runs, each a process of its own (one CPU run's ratios "
+    p.add_argument("--steps", type=int, default=1, help="timed steps per variant and repeat (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=40, help="interleaved repeats, the variants' order reversed at each "
+                   "(default: %(default)s)")
+    p.add_argument("--runs", type=int, default=5, help="timing runs, each a process of its own (one CPU run's ratios "
                    "move by a few %%): the figures are the median over runs (default: %(default)s)")
     p.add_argument("--times-to", help=argparse.SUPPRESS)  # a run of --runs: its times, as JSON, to this file
     p.add_argument("--trainer-batches", type=int, default=50, help="batches through the trainer's own step (guard, "
@@ -322,7 +326,12 @@ def main(argv=None) -> int:
 
 
 def measure(fns: dict, x: torch.Tensor, args) -> dict[str, list[float]]:
-    """Seconds per step of each variant in each of ``--repeats`` rounds, the variants interleaved within a round."""
+    """Seconds per step of each variant in each of ``--repeats`` rounds, the variants interleaved within a round.
+
+    A round is short (one step of each variant by default) and its order the last one's reversed: the ratio of two
+    variants within a round is then taken a few milliseconds apart, and neither always runs first (on 2 CPU cores a
+    paired step resolves the Pyro layer's 1-3 %, where blocks of 5 steps each moved by several %).
+    """
     if args.compile:
         for _, learner in fns.values():
             learner.backbone.compile()
@@ -330,9 +339,14 @@ def measure(fns: dict, x: torch.Tensor, args) -> dict[str, list[float]]:
     for name, (fn, _) in fns.items():
         time_steps(fn, opts[name], x, args.warmup)
     times = {name: [] for name in fns}
+    order = list(fns)
     for _ in range(args.repeats):
-        for name, (fn, _) in fns.items():
-            times[name].append(time_steps(fn, opts[name], x, args.steps))
+        for name in order:
+            # one untimed step first: the step after another variant's runs on the caches that one left, a cost no
+            # training run pays (it never switches) and a larger one for the variant with more Python to run
+            time_steps(fns[name][0], opts[name], x, 1)
+            times[name].append(time_steps(fns[name][0], opts[name], x, args.steps))
+        order.reverse()  # each variant as often before as after each other: no drift or cache order favours one
     return times
 
 

@@ -602,14 +602,15 @@ class BayesNCLHead(nn.Module):
         return groups
 
     def prior_parameters(self) -> list[nn.Parameter]:
-        """The prior's global parameters, the model's and the guide's but the gating head's.
+        """The prior's global parameters: the model's (the prior's) and those of the prior's guide.
 
-        The prior's global parameters, the model's and the guide's but the gating head's. After ``backward`` their
-        ``.grad`` is the loss's gradient divided by lambda (their optimizer group's ``grad_scale``).
+        After ``backward`` their ``.grad`` is the loss's gradient divided by lambda (their optimizer group's
+        ``grad_scale``). The guide's other parameters are the gating head's.
         """
         if not self.gated:
             return []
-        return [*self.model.parameters(), *(p for n, p in self.guide.named_parameters() if not n.startswith("head."))]
+        rate_guide = self.guide.rate_guide
+        return [*self.model.parameters(), *(rate_guide.parameters() if rate_guide is not None else ())]
 
     def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
         """The hook on the prior's gradients: divides by this step's lambda.
@@ -628,8 +629,11 @@ class BayesNCLHead(nn.Module):
         so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
         gradients would be divided twice.
         """
+        params = self.prior_parameters()
+        if len(params) == len(self._unweighted) and all(map(self._hooks, params)):
+            return  # every step but the first of a head or a copy: nothing to hook
         hooked = {}
-        for p in self.prior_parameters():
+        for p in params:
             if not p.requires_grad:
                 continue
             old = self._unweighted.get(id(p))  # (parameter, handle): the parameter held, so its id stays its own

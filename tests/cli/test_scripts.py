@@ -1,7 +1,9 @@
 """Every script in experiments/ runs once as a subprocess with tiny arguments (a script missing here fails); their
 user errors and the rest run in-process, through the same main(argv)."""
 
+import argparse
 import json
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
 
 from bayesncl_pyro.cli import inspect_gates, run_svi
@@ -125,6 +128,33 @@ def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
     assert "device/workers images/s" in proc.stdout
     assert "views' producer per batch: CPU " in proc.stdout and "ms (thread_time)" in proc.stdout
 
+
+
+def test_bench_step_times_each_variant_after_a_step_of_its_own_in_an_order_reversed_every_repeat(monkeypatch):
+    """bench_step's timing protocol: in each repeat every variant runs one untimed step and then its timed ones, so the
+    step timed never follows another variant's (whose caches it would pay for), and the order is reversed from one
+    repeat to the next, so neither of two variants always runs first."""
+    bench = runpy.run_path(str(EXPERIMENTS / "bench_step.py"))
+    calls = []
+    monkeypatch.setitem(bench["measure"].__globals__, "time_steps",
+                        lambda fn, opt, x, steps: (calls.append((fn.__name__, steps)), 1.0 + len(calls))[1])
+    weight = torch.nn.Parameter(torch.zeros(1))
+    fns = {}
+    for name in ("a", "b", "c"):
+        def loss(x, name=name):
+            return weight.sum()
+        loss.__name__ = name
+        fns[name] = (loss, torch.nn.Linear(1, 1))
+    args = argparse.Namespace(compile=False, warmup=2, repeats=3, steps=4)
+    times = bench["measure"](fns, torch.zeros(1), args)
+    assert calls[:3] == [("a", 2), ("b", 2), ("c", 2)]  # the warm-up
+    rounds = [calls[3 + 6 * r: 9 + 6 * r] for r in range(3)]
+    assert [[n for n, _ in r[::2]] for r in rounds] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    for r in rounds:
+        assert [(n, s) for n, s in r[::2]] == [(n, 1) for n, _ in r[::2]]  # the untimed step
+        assert r[1::2] == [(n, 4) for n, _ in r[::2]]  # right after it, the variant's timed steps
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert times["a"][0] == 1.0 + 5  # the timed block's figure, not the untimed step's
 
 
 @pytest.mark.slow  # compiles the files' views (torch.compile) for two batch sizes: 40 s on two cores, 4 min under load
