@@ -237,6 +237,23 @@ def test_the_gates_that_never_left_one_half_are_warned_about(runs, tab):
     assert tab.errors == []
 
 
+def test_the_gates_panel_names_the_prior_only_where_the_config_has_one(runs, tab, tmp_path):
+    """A run's page says which --prior its rate is from; a page whose config names none (the benchmark's stand-in)
+    gives the rate alone, not "--prior undefined"."""
+    _, _, folder, _ = runs
+    tab.open(folder / "index.html")
+    assert "(--prior bernoulli)" in tab.page.inner_text("body")
+    feats = bench_report.stand_in(200, 16, 4)
+    kl = dm.kl_per_dim(feats.probs, torch.full((16,), 0.8), 0.01)
+    run = dict(dir="stand-in", method="bayesncl", dataset="stand-in", config=dict(kl_weight=3e-5, gate="ste"))
+    gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
+    data = report.report_data(feats, run, gates=gates, kl=kl)
+    tab.open(report.write(data, report.thumbnails(bench_report.stand_in_images(200)), tmp_path))
+    text = tab.page.inner_text("body")
+    assert re.search(r"prior rate 0\.80*;", text) and "--prior" not in text
+    assert tab.errors == []
+
+
 @pytest.fixture(scope="module")
 def imagenet100_sized(tmp_path_factory):
     """The benchmark's stand-in run (K = 2048, 5,000 test images of 100 classes, 64 px thumbnails): (page, data)."""
