@@ -88,9 +88,8 @@ class BernoulliGates(dist.Bernoulli):
 class GumbelSigmoidGates(BernoulliGates):
     """The reference's GS family: on iff l + G > 0, G a Gumbel draw.
 
-    The reference's GS family: on iff l + G > 0 with G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1); P(g = 1)
-    = 1 + 1e-4 - exp(1e-4 - e^l) (module docstring), not sigmoid(l). ``rsample`` is the reference's draw,
-    straight-through to y = sigmoid((l + G) / T).
+    Here G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1); P(g = 1) = 1 + 1e-4 - exp(1e-4 - e^l) (module docstring), not
+    sigmoid(l). ``rsample`` is the reference's draw, straight-through to y = sigmoid((l + G) / T).
     """
 
     EPS = 1e-4  # the reference's two offsets inside the Gumbel transform
@@ -159,8 +158,8 @@ class GateGuide(PyroModule):
     def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None) -> BernoulliGates:
         """q(g | x) for backbone features h (R x D).
 
-        q(g | x) for backbone features h (R x D): ``.probs`` the inclusion probabilities, ``.sample()`` draws;
-        ``family``: another family on the same logits (default the guide's).
+        Its ``.probs`` are the inclusion probabilities and ``.sample()`` draws; ``family``: another family on the
+        same logits (default the guide's).
         """
         return (family or self.family)(self.logits(h), self.temperature)
 

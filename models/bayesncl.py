@@ -45,8 +45,8 @@ def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
 def _row_indices(batch_rows: int, device: torch.device) -> torch.Tensor:
     """``arange(batch_rows)``, the plate's subsample, built once per batch size and device.
 
-    ``arange(batch_rows)``, the plate's subsample, built once per batch size and device: the model and the guide
-    enter the plate at every step. Never an inference tensor, whatever mode the first call ran in.
+    The model and the guide enter the plate at every step. Never an inference tensor, whatever mode the first call ran
+    in.
     """
     with torch.inference_mode(False):
         return torch.arange(batch_rows, device=device)
@@ -119,7 +119,6 @@ class ContrastiveModel(PyroModule):
 def computed(model_trace) -> dict[str, torch.Tensor]:
     """What a trace of :class:`ContrastiveModel` computed (its return value).
 
-    What a trace of :class:`ContrastiveModel` computed (its return value): ``row_nce``, ``features`` and with gates
-    ``ungated`` (:meth:`ContrastiveModel.forward`).
+    That is ``row_nce``, ``features`` and, with gates, ``ungated`` (:meth:`ContrastiveModel.forward`).
     """
     return model_trace.nodes["_RETURN"]["value"]

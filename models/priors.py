@@ -73,13 +73,12 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
 def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
     """``prior.make_guide()``, once the prior and its guide are checked to fit the program.
 
-    ``prior.make_guide()``, once the prior and its guide are checked to fit the program: the guide samples
-    exactly the latent sites that ``prior(rows)`` samples, and ``prior(rows)`` is a distribution over R rows of K
-    gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in (0, 1)). Otherwise the ELBO would
-    fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp hides) train
-    without a word. Runs the prior once on a forked random stream: building a head draws nothing. ``in_dim``: the
-    width of the backbone features that the guide of a prior with row latents reads (``make_guide(in_dim)``); the
-    check runs it on rows of zeros.
+    It checks that the guide samples exactly the latent sites that ``prior(rows)`` samples, and that ``prior(rows)`` is
+    a distribution over R rows of K gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in
+    (0, 1)). Otherwise the ELBO would fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which
+    the KL's clamp hides) train without a word. Runs the prior once on a forked random stream: building a head draws
+    nothing. ``in_dim``: the width of the backbone features that the guide of a prior with row latents reads
+    (``make_guide(in_dim)``); the check runs it on rows of zeros.
     """
     name, k, rows = type(prior).__name__, prior.num_features, 2
     guide = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
@@ -139,8 +138,8 @@ def _check_features(guide, h):
 class Prior(PyroModule):
     """p(g) for a batch of rows' gates, with any global latents of its own.
 
-    p(g) for a batch of rows' gates, with any global latents of its own: ``prior(rows)`` (:meth:`forward`);
-    a prior of independent Bernoulli gates implements only :meth:`rate`.
+    It is called as ``prior(rows)`` (:meth:`forward`); a prior of independent Bernoulli gates implements only
+    :meth:`rate`.
     """
 
     name: ClassVar[str]
@@ -155,27 +154,26 @@ class Prior(PyroModule):
         self.prior_prob = _check_rate(prior_prob)
 
     def forward(self, rows: int) -> dist.TorchDistribution:
-        """The distribution of ``rows`` rows' gates, batch (rows,) and event (K,).
+        """The distribution of ``rows`` rows' gates, batch shape (rows,) and event shape (K,).
 
-        The distribution of ``rows`` rows' gates, batch shape (rows,) and event shape (K,); may sample global
-        latents (model side, outside the rows plate). By default independent Bernoulli gates at :meth:`rate`.
+        It may sample global latents (model side, outside the rows plate). By default the gates are independent
+        Bernoullis at :meth:`rate`.
         """
         return dist.Bernoulli(self.rate().expand(rows, -1)).to_event(1)
 
     def rate(self) -> torch.Tensor:
-        """Inclusion rate of each gate, shape (K,), for independent Bernoulli gates.
+        """Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates.
 
-        Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates (the default
-        :meth:`forward`); may sample global latents (model side).
+        Such a prior is what the default :meth:`forward` gives. It may sample global latents (model side).
         """
         raise NotImplementedError(f"{type(self).__name__} implements neither rate() nor forward(rows)")
 
     def make_guide(self) -> PyroModule | None:
         """Variational posterior for this prior's latents, or None if it has none.
 
-        Variational posterior for this prior's latents, or None if it has none. It must sample exactly the
-        latent sites that :meth:`forward` samples (checked when a head is built: :func:`checked_guide`). With
-        ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features.
+        It must sample exactly the latent sites that :meth:`forward` samples (checked when a head is built:
+        :func:`checked_guide`). With ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone
+        features.
         """
         return None
 
@@ -183,11 +181,10 @@ class Prior(PyroModule):
     def mean_rate(self, guide: PyroModule | None = None, num_draws: int = 256) -> torch.Tensor:
         """The one point summary of the inclusion rate (K), for reports.
 
-        The one point summary of the inclusion rate (K), for reports: a row's P(g_k = 1) under the prior; with
-        global latents, its mean over ``num_draws`` draws of them from ``guide`` (the trained posterior q,
-        ``make_guide()``'s) or, with no guide, from the prior, on a forked random stream (a report draws nothing
-        from the run's). A prior whose mean is known in closed form overrides it. With ``row_latents`` it is
-        :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features).
+        It is a row's P(g_k = 1) under the prior; with global latents, its mean over ``num_draws`` draws of them from
+        ``guide`` (the trained posterior q, ``make_guide()``'s) or, with no guide, from the prior, on a forked random
+        stream (a report draws nothing from the run's). A prior whose mean is known in closed form overrides it. With
+        ``row_latents`` it is :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features).
         """
         if self.row_latents:
             if guide is not None:
@@ -326,8 +323,8 @@ class BetaRateGuide(PyroModule):
 def stick_alpha(num_features: int, mean_rate: float) -> float:
     """The alpha of Beta(alpha, 1) sticks whose rates have ``mean_rate`` as mean.
 
-    The alpha of Beta(alpha, 1) sticks whose rates v_1 ... v_k have ``mean_rate`` as their mean over the K
-    dimensions under the prior: with m = E[v] = alpha / (alpha + 1), mean_k m^k = mean_rate (bisection on m).
+    The rate of dimension k is v_1 ... v_k, and the mean is over the K dimensions under the prior: with
+    m = E[v] = alpha / (alpha + 1), mean_k m^k = mean_rate (bisection on m).
     """
     lo, hi = 0.0, 1.0
     for _ in range(200):
@@ -342,8 +339,8 @@ def stick_alpha(num_features: int, mean_rate: float) -> float:
 class StickBreakingPrior(Prior):
     """The Indian buffet's stick-breaking rates, decaying with k.
 
-    The Indian buffet's stick-breaking rates: v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k, g_k ~
-    Bernoulli(rho_k), so that the rates decay with k (later dimensions are rarer) and the data set how fast.
+    With v_j ~ Beta(alpha, 1), rho_k = v_1 v_2 ... v_k and g_k ~ Bernoulli(rho_k), the rates decay with k (later
+    dimensions are rarer) and the data set how fast.
 
     ``prior_prob`` is the prior mean rate over the K dimensions, which fixes alpha (:func:`stick_alpha`). The
     sticks are global latents ("stick") with a Beta posterior per stick, initialised at the prior; the rates are

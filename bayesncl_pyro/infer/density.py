@@ -136,10 +136,9 @@ class DensityControl(nn.Module):
     def update(self, share: torch.Tensor):
         """One dual-ascent step on eta from this step's share of open gates.
 
-        One dual-ascent step on eta from this step's share of open gates (0-d, on the device: no host sync),
-        against the target's next point on its path to the density.
-        Under DDP the ranks' shares are averaged, so every rank keeps the same lambda. A non-finite share (a step
-        the divergence guard will judge) leaves the multiplier as it is.
+        The share is 0-d and stays on the device (no host sync); the step is taken against the target's next point on
+        its path to the density. Under DDP the ranks' shares are averaged, so every rank keeps the same lambda. A
+        non-finite share (a step the divergence guard will judge) leaves the multiplier as it is.
         """
         share = share.detach().float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

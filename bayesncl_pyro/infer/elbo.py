@@ -22,9 +22,9 @@ from bayesncl_pyro.nn.losses import bernoulli_kl
 class ELBOTerms(NamedTuple):
     """One evaluation of the ELBO: the loss, its KL part and the traces.
 
-    One evaluation of the ELBO: ``loss`` (-ELBO, differentiable), ``kl`` (the part of it the latent sites
-    contribute, detached) and the traces it was computed from (with several particles, the last particle's), where
-    whoever monitors training reads what the program computed.
+    ``loss`` is -ELBO (differentiable), ``kl`` the part of it the latent sites contribute (detached), and the traces
+    are those it was computed from (with several particles, the last particle's), where whoever monitors training
+    reads what the program computed.
     """
 
     loss: torch.Tensor
@@ -70,10 +70,10 @@ class MeanFieldELBO(TraceMeanField_ELBO):
         return self.terms(model, guide, *args, **kwargs).loss
 
     def terms(self, model, guide, *args, **kwargs) -> ELBOTerms:
-        """The differentiable loss, its KL part and the traces.
+        """The differentiable loss, its KL part and the traces (:class:`ELBOTerms`).
 
-        The differentiable loss, its KL part and the traces (:class:`ELBOTerms`). The KL is summed as the loss
-        is, not recovered from it: a difference of two large float32 numbers would lose it.
+        The KL is summed as the loss is, not recovered from it: a difference of two large float32 numbers would
+        lose it.
         """
         particles = []
         for _ in range(self.num_particles):
@@ -106,8 +106,8 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     def _kl(self, q, p) -> torch.Tensor:
         """KL(q || p) of one latent site, summed over its event dimensions.
 
-        KL(q || p) of one latent site, summed over its event dimensions: the clamped Bernoulli KL for a pair of
-        Bernoullis when a clamp is given, else the registered one (NotImplementedError where none is).
+        The clamped Bernoulli KL for a pair of Bernoullis when a clamp is given, else the registered one
+        (NotImplementedError where none is).
         """
         if self.kl_clamp is not None:
             q_base, p_base, event_dims = _bernoulli_pair(q, p)
@@ -141,8 +141,7 @@ def _bernoulli_pair(q, p) -> tuple[Bernoulli | None, Bernoulli | None, int]:
 def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
     """The part of -ELBO the latent sites contribute, detached.
 
-    The part of -ELBO the latent sites contribute, detached: their KL terms, which :func:`_particle` keeps in the
-    guide trace; 0.0 without latent sites (NCL, CL).
+    It sums their KL terms, which :func:`_particle` keeps in the guide trace; 0.0 without latent sites (NCL, CL).
     """
     kl = 0.0
     for site in guide_trace.nodes.values():
@@ -154,8 +153,8 @@ def _kl_part(guide_trace: Trace) -> torch.Tensor | float:
 def _particle(model_trace: Trace, guide_trace: Trace, kl) -> torch.Tensor:
     """-ELBO of one pair of traces.
 
-    -ELBO of one pair of traces, with ``kl(q, p)`` the KL of a latent site; each latent site's KL term, detached,
-    kept in its guide site as ``"kl"``.
+    ``kl(q, p)`` is the KL of a latent site; each latent site's KL term, detached, is kept in its guide site as
+    ``"kl"``.
     """
     # -ELBO summed directly, each KL added and each log-density subtracted, not the ELBO negated term by term and
     # then as a whole: the same numbers bit for bit (a negation is exact), two to four ops and autograd nodes fewer

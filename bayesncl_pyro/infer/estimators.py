@@ -90,9 +90,8 @@ def gate_class(name: str) -> type["GateEstimator"]:
 class GateEstimator(Reparam):
     """One way of differentiating through the gate site, with the ELBO it trains with.
 
-    One way of differentiating through the gate site: its training value (``apply``, a reparam that sets the
-    site's value and nothing else), and the ELBO it trains with (``elbo``, which takes the KL as this estimator
-    trains it: clamped, at :meth:`kl_probs`).
+    ``apply`` gives the site its training value (a reparam that sets the site's value and nothing else); ``elbo`` is
+    the ELBO it trains with, which takes the KL as this estimator trains it: clamped, at :meth:`kl_probs`.
 
     Args:
         kl_clamp: the KL's rates are clamped to [kl_clamp, 1 - kl_clamp] by its ELBO; 0.01 as the reference, 0 =
@@ -125,9 +124,9 @@ class GateEstimator(Reparam):
     def elbo(self, temperature: float) -> MeanFieldELBO:
         """The ELBO that trains with this estimator.
 
-        The ELBO that trains with this estimator, for an InfoNCE factor at ``temperature``: the mean-field ELBO
-        with this estimator's KL (clamped at ``kl_clamp``, taken at :meth:`kl_probs`), the estimator's gradient
-        carried by the gates' value; ``leg`` adds its head gradient there.
+        It is for an InfoNCE factor at ``temperature``: the mean-field ELBO with this estimator's KL (clamped at
+        ``kl_clamp``, taken at :meth:`kl_probs`), the estimator's gradient carried by the gates' value; ``leg`` adds
+        its head gradient there.
         """
         return MeanFieldELBO(kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
@@ -156,8 +155,8 @@ class GateEstimator(Reparam):
 class ModeStraightThrough(GateEstimator):
     """The reference's STE: the mode of q forward, straight-through to p backward.
 
-    The reference's STE: the mode 1[p > 0.5] forward, identity to p backward. Deterministic: InfoNCE is taken
-    at the mode of q, not averaged over it (the paper's "BayesNCL (STE)").
+    The mode is 1[p > 0.5], and the backward pass is the identity to p. Deterministic: InfoNCE is taken at the mode
+    of q, not averaged over it (the paper's "BayesNCL (STE)").
     """
 
     objective = "the reference's surrogate: InfoNCE at the mode of q + lambda * KL (not -ELBO)"
@@ -173,8 +172,7 @@ class ModeStraightThrough(GateEstimator):
 class Relaxed(GateEstimator):
     """A draw from q, differentiated through its relaxation.
 
-    A draw from q, differentiated through its relaxation: q's own ``rsample`` (for ``BernoulliGates``, Pyro's
-    ``RelaxedBernoulliStraightThrough``).
+    It is q's own ``rsample`` (for ``BernoulliGates``, Pyro's ``RelaxedBernoulliStraightThrough``).
     """
 
     def value(self, q):
@@ -199,8 +197,7 @@ class SampledStraightThrough(GateEstimator):
 class Draw(GateEstimator):
     """A draw from q with no gradient through it: for evaluation, and leg's value.
 
-    A draw from q, with no gradient through it: what evaluating the objective needs (``BayesNCLHead.
-    objective_draw``), and leg's value. Not a training estimator by itself.
+    Evaluating the objective needs it (``BayesNCLHead.objective_draw``). Not a training estimator by itself.
     """
 
     def value(self, q):
@@ -228,9 +225,9 @@ class LocalExpectation(Draw):
 class LocalExpectationELBO(MeanFieldELBO):
     """The mean-field ELBO with ``leg``'s head gradient added.
 
-    The mean-field ELBO with ``leg``'s head gradient: the gates' value is a draw with no gradient path, so the
-    traces alone train the gating head on the KL only; this adds, per particle, the InfoNCE factor's local
-    expectation gradient as a term of value 0, scaled as the factor is:
+    The gates' value is a draw with no gradient path, so the traces alone train the gating head on the KL only; this
+    adds, per particle, the InfoNCE factor's local expectation gradient as a term of value 0, scaled as the factor
+    is:
 
         sum_ik (p_ik - sg(p_ik)) * sg(D_ik),   D = ``info_nce_flip_differences(ungated, g)``,
 
@@ -277,11 +274,10 @@ class GumbelSigmoid(Relaxed):
 class GumbelSigmoidReferenceKL(GumbelSigmoid):
     """The reference's whole GS loss: the ``gs`` gate with the KL at sigmoid(l).
 
-    The reference's whole GS loss: the ``gs`` gate, with the KL computed at sigmoid(l) as the reference
-    computes it. sigmoid(l) is not this family's inclusion probability (0.5 against 0.632 at l = 0), so the KL
-    term is not KL(q || p) and the loss is no ELBO; the logs and the posterior still report q's probability.
-    Its evaluation mask is the reference's too, 1[sigmoid(l) > 0.5], not q's mode (1[P(g = 1) > 0.5], which
-    opens every gate with l > -0.367).
+    The KL is computed at sigmoid(l) as the reference computes it. sigmoid(l) is not this family's inclusion probability
+    (0.5 against 0.632 at l = 0), so the KL term is not KL(q || p) and the loss is no ELBO; the logs and the posterior
+    still report q's probability. Its evaluation mask is the reference's too, 1[sigmoid(l) > 0.5], not q's mode
+    (1[P(g = 1) > 0.5], which opens every gate with l > -0.367).
     """
 
     objective = "the reference's GS loss: InfoNCE at one Gumbel-sigmoid draw + lambda * KL at sigmoid(l) (not -ELBO)"

@@ -141,9 +141,8 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
 def _score_loss(head, z: torch.Tensor, h: torch.Tensor, estimator) -> torch.Tensor:
     """One draw of the score-function surrogate of the head's loss.
 
-    One draw of the score-function surrogate of the head's loss under ``estimator``'s q family and KL clamp: at a
-    draw g ~ q (no gradient through it), the loss plus sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is
-    InfoNCE's REINFORCE term and the KL's.
+    It is taken under ``estimator``'s q family and KL clamp: at a draw g ~ q (no gradient through it), the loss plus
+    sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is InfoNCE's REINFORCE term and the KL's.
     """
     loss, _, model_trace, guide_trace = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp),
                                                         family=estimator.family)

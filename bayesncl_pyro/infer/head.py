@@ -58,11 +58,11 @@ _POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature
 def check_arguments(flags: bool = False, **args):
     """The one check of the head's arguments, refusing a bad value in one line.
 
-    The one check of the head's arguments, given by their names in :class:`BayesNCLHead`'s signature (every one
-    of them; those no rule here concerns pass through): the head calls it, and ``train.resolve`` with ``flags=True``,
-    which names them as run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or
-    more: a KL of exactly 0; a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line
-    that names the argument and the fix.
+    The arguments are given by their names in :class:`BayesNCLHead`'s signature (every one of them; those no rule here
+    concerns pass through). The head calls it, and so does ``train.resolve`` with ``flags=True``, which names them as
+    run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0;
+    a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line that names the argument and
+    the fix.
     """
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
     for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
@@ -81,10 +81,9 @@ def check_arguments(flags: bool = False, **args):
 
 
 def _check_size(args: dict, name):
-    """Refuse a projector and gating head too large for this machine's memory.
+    """Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory.
 
-    Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory:
-    building them fails deep in torch's allocator, or their layers are allocated one at a time until the kernel kills
+    Building them fails deep in torch's allocator, or their layers are allocated one at a time until the kernel kills
     the process. ``train.resolve`` checks before the backbone is built (and the prior, of K values): 1 stands for the
     backbone's width, unknown there (``in_dim``).
     """
@@ -131,11 +130,10 @@ def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float, p
 def own_params():
     """An empty Pyro param store for the duration, so heads do not share parameters.
 
-    An empty Pyro param store for the duration: the Pyro modules run inside use their own parameters (a learned
-    prior's rate, a Beta posterior), not an entry of the process's global store under the same name, which two
-    heads of one process would share, the second then training a parameter its optimizer does not hold. Pyro's
-    ``module_local_params`` is no substitute: it must be on both when a module is built and at each call, so set for
-    the process it would break the user's own PyroModules.
+    The Pyro modules run inside use their own parameters (a learned prior's rate, a Beta posterior), not an entry of the
+    process's global store under the same name, which two heads of one process would share, the second then training a
+    parameter its optimizer does not hold. Pyro's ``module_local_params`` is no substitute: it must be on both when a
+    module is built and at each call, so set for the process it would break the user's own PyroModules.
     """
     return pyro.get_param_store().scope()
 
@@ -146,11 +144,11 @@ def _no_guide(z, h):
 
 @dataclasses.dataclass(eq=False)
 class HeadOutput:
-    """What one step of the head computed.
+    """What one step of the head (:meth:`BayesNCLHead.forward`) computed, detached but ``gates``.
 
-    What one step of the head computed (:meth:`BayesNCLHead.forward`), detached but ``gates``. The 0-d values stay
-    on the device: ``.item()`` them when you log. The summary figures (the properties) are computed from the step's
-    tensors when first read, then kept; read them before anything writes into those tensors (the head never does).
+    The 0-d values stay on the device: ``.item()`` them when you log. The summary figures (the properties) are computed
+    from the step's tensors when first read, then kept; read them before anything writes into those tensors (the head
+    never does).
     """
 
     nce: torch.Tensor
@@ -175,8 +173,8 @@ class HeadOutput:
     def unread(self) -> "HeadOutput":
         """The same values with none of the summary figures computed yet.
 
-        The same values with none of the summary figures computed yet: for tensors rewritten in place since (a CUDA
-        graph's outputs, ``train/graph.py``).
+        It is for tensors rewritten in place since this output was built (a CUDA graph's outputs,
+        ``train/graph.py``).
         """
         return dataclasses.replace(self)
 
@@ -333,8 +331,8 @@ class BayesNCLHead(nn.Module):
     def kl_weight(self) -> torch.Tensor | float:
         """lambda, the KL's weight of the next step.
 
-        lambda, the KL's weight of the next step: with a density target the multiplier's current value (a new 0-d
-        tensor at each read, so a step keeps its own), else the constructor's ``kl_weight``.
+        With a density target it is the multiplier's current value (a new 0-d tensor at each read, so a step keeps
+        its own), else the constructor's ``kl_weight``.
         """
         return self.density.weight() if self.density is not None else self.model.kl_weight
 
@@ -379,23 +377,22 @@ class BayesNCLHead(nn.Module):
     def program(self, gather=None, kl_weight=None, family=None):
         """The head's Pyro program for one batch, as written: ``(model, guide)``.
 
-        The head's Pyro program for one batch, as written: ``(model, guide)``, Pyro callables of (z, h) (projector
-        outputs and backbone features); with ``gather`` (``distributed.gather_rows``), the model contrasts each row
-        against every rank's. The KL's weight is ``kl_weight`` (default: :attr:`kl_weight` when the program runs);
-        ``family``: q's family (default the guide's). Its gate site is discrete (no gate estimator applied):
-        ``pyro.infer.Predictive`` draws from q, and Pyro's ELBOs take the score function through it. The model
-        returns what it computed (``models/bayesncl.py``), which :meth:`forward` reads from the trace. Run them
-        inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's ``SVI``, :meth:`svi_program`.
+        Both are Pyro callables of (z, h) (projector outputs and backbone features); with ``gather``
+        (``distributed.gather_rows``), the model contrasts each row against every rank's. The KL's weight is
+        ``kl_weight`` (default: :attr:`kl_weight` when the program runs); ``family``: q's family (default the guide's).
+        Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws from q, and Pyro's ELBOs
+        take the score function through it. The model returns what it computed (``models/bayesncl.py``), which
+        :meth:`forward` reads from the trace. Run them inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's
+        ``SVI``, :meth:`svi_program`.
         """
         return self._program(self.guide, gather, kl_weight, family)
 
     def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None):
         """:meth:`program` with a gate estimator applied to the guide's gate site.
 
-        :meth:`program` with a gate estimator (by default the head's) applied to the guide's gate site
-        (``poutine.reparam``): what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``:
-        its KL clamp, and ``leg``'s head gradient, which this program's traces alone lack). q's family is the
-        guide's unless ``family`` says otherwise.
+        The estimator is the head's by default, applied with ``poutine.reparam``. This is what training differentiates,
+        with the estimator's ELBO (``GateEstimator.elbo``: its KL clamp, and ``leg``'s head gradient, which this
+        program's traces alone lack). q's family is the guide's unless ``family`` says otherwise.
         """
         if not self.gated:
             return self.program(gather, kl_weight, family)
@@ -429,7 +426,7 @@ class BayesNCLHead(nn.Module):
     def elbo(self, estimator: GateEstimator | None = None) -> MeanFieldELBO:
         """The ELBO the head trains with.
 
-        The ELBO the head trains with: its (or ``estimator``'s) ``GateEstimator.elbo``, which holds the KL clamp;
+        It is the ``GateEstimator.elbo`` of the head's estimator (or of ``estimator``), which holds the KL clamp;
         for NCL and CL the mean-field ELBO (no latent site).
         """
         if not self.gated:
@@ -439,11 +436,10 @@ class BayesNCLHead(nn.Module):
     def svi_program(self):
         """``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h.
 
-        ``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h:
-        ``SVI(*head.svi_program(), optim, head.elbo()).step(h)``, one step on the head's -ELBO (its loss times 2N;
-        the backbone is the caller's). :meth:`training_program`, with the projector run in the model and every
-        parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces name,
-        and the program alone names none for the ``bernoulli`` and ``learned`` priors, so a bare ``SVI`` on
+        ``SVI(*head.svi_program(), optim, head.elbo()).step(h)`` takes one step on the head's -ELBO (its loss times 2N;
+        the backbone is the caller's). The program is :meth:`training_program`, with the projector run in the model and
+        every parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces
+        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors, so a bare ``SVI`` on
         :meth:`training_program` trains nothing. The parameters enter Pyro's param store: step inside
         :func:`own_params`. The prior's gradients arrive divided by lambda (:meth:`param_groups`); call
         :meth:`update_density` after each step as with any optimizer.
@@ -465,11 +461,10 @@ class BayesNCLHead(nn.Module):
                    family=None, kl_weight=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training: loss, KL per row, traces.
 
-        The one place the head's Pyro program runs in training (and in the diagnostics, which pass another gate
-        ``estimator`` and q ``family``), for projector outputs z and backbone features h: the loss (:meth:`forward`),
-        its KL term per row (detached) and the traces, where what the program computed is read. ``kl_weight``: the
-        step's lambda (default :attr:`kl_weight`). It runs inside :func:`own_params`, so no parameter reaches Pyro's
-        global param store.
+        The diagnostics run the program here too, passing another gate ``estimator`` and q ``family``. From projector
+        outputs z and backbone features h it gives the loss (:meth:`forward`), its KL term per row (detached) and the
+        traces, where what the program computed is read. ``kl_weight``: the step's lambda (default :attr:`kl_weight`).
+        It runs inside :func:`own_params`, so no parameter reaches Pyro's global param store.
         """
         self._unweight_prior_gradients()
         kl_weight = self.kl_weight if kl_weight is None else kl_weight
@@ -500,9 +495,8 @@ class BayesNCLHead(nn.Module):
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
         """The InfoNCE of the evaluation's representation, mean per row.
 
-        The InfoNCE of the evaluation's representation (:meth:`representation`: for gates, at the evaluation
-        mask) of backbone features h, mean per row: deterministic, so once per batch beside the draws of
-        :meth:`objective_draw`.
+        The representation is :meth:`representation`'s of backbone features h (for gates, at the evaluation mask).
+        It is deterministic, so it is taken once per batch beside the draws of :meth:`objective_draw`.
         """
         return info_nce_rows(self.representation(h), self.model.temperature).mean()
 
@@ -534,9 +528,9 @@ class BayesNCLHead(nn.Module):
     def pulls(self, out: HeadOutput) -> dict[str, float]:
         """After ``loss.backward()``: how hard InfoNCE and the prior pull on the step's gates.
 
-        After ``loss.backward()``: how hard InfoNCE and the prior pull on the gates of the step that returned
-        ``out`` (``gate_nce_pull``, ``gate_prior_pull``: ``gate_pulls``, the prior's at the probabilities, the
-        rates and the lambda the step's KL used); empty before, or without gates.
+        The step is the one that returned ``out``; the figures are ``gate_nce_pull`` and ``gate_prior_pull``
+        (``gate_pulls``, the prior's at the probabilities, the rates and the lambda the step's KL used). Empty
+        before the backward, or without gates.
         """
         gates = out.gates
         if gates is None or gates.grad is None:
@@ -545,20 +539,18 @@ class BayesNCLHead(nn.Module):
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """The posterior inclusion probabilities q(g_k = 1 | x), R x K.
+        """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h.
 
-        The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h (q's family is the
-        gate estimator's).
+        q's family is the gate estimator's.
         """
         self._need_gates()
         return self.guide.posterior(h).probs
 
     @torch.no_grad()
     def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
-        """The 0/1 gates the evaluation uses, R x K: the posterior mode.
+        """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode.
 
-        The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode
-        1[q(g = 1 | x) > 0.5] (for ``gs-reference-kl`` the reference's mask, 1[sigmoid(l) > 0.5]).
+        The mode is 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the mask is the reference's, 1[sigmoid(l) > 0.5].
         """
         self._need_gates()
         return self.estimator.mask(self.guide.posterior(h))
@@ -615,16 +607,15 @@ class BayesNCLHead(nn.Module):
     def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
         """The hook on the prior's gradients: divides by this step's lambda.
 
-        The hook on the prior's gradients; lambda is read at each step's backward (:attr:`kl_weight`: the
-        multiplier's value until :meth:`update_density`), so a schedule of it is followed.
+        lambda is read at each step's backward (:attr:`kl_weight`: the multiplier's value until :meth:`update_density`),
+        so a schedule of it is followed.
         """
         return grad / self.kl_weight
 
     def _unweight_prior_gradients(self):
-        """Hook :meth:`_unweight` onto every prior parameter not hooked yet.
+        """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles.
 
-        Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles. Called at
-        construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
+        Called at construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
         conversion that replaces the parameter, and neither does the record of the handles (:meth:`__getstate__`),
         so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
         gradients would be divided twice.
@@ -664,9 +655,9 @@ def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tens
                kl_clamp: float) -> tuple[float, float]:
     """How hard the likelihood and the prior move the gates on one batch.
 
-    How hard the likelihood and the prior move the gates, on one batch: ``(nce, prior)``, the mean over
-    the R x K entries of |R * gate_grad| and of |lambda * dKL_ik / dalpha_ik|, both in loss per row per
-    unit of inclusion probability (for the STE gate, whose value moves one for one with alpha).
+    It returns ``(nce, prior)``: the mean over the R x K entries of |R * gate_grad| and of
+    |lambda * dKL_ik / dalpha_ik|, both in loss per row per unit of inclusion probability (for the STE gate, whose value
+    moves one for one with alpha).
 
     gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
     w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's

@@ -1,8 +1,4 @@
-"""The trainable object of a run: a backbone and a BayesNCLHead built from a Config.
-
-The trainable object of a run: a backbone and a :class:`BayesNCLHead` built from a Config, for CL, NCL and
-BayesNCL alike.
-"""
+"""The trainable object of a run, for CL, NCL and BayesNCL alike: a backbone and a BayesNCLHead built from a Config."""
 
 import dataclasses
 import inspect
