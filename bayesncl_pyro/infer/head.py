@@ -195,7 +195,7 @@ class HeadOutput:
 
     @functools.cached_property
     def prior_rate(self) -> torch.Tensor:
-        """K: p(g = 1) of the step's prior (a row's)."""
+        """K: p(g = 1) of the step's prior, its first row's (a prior with a rate per row has each in ``prior.mean``)."""
         return self.prior.mean[0].detach()
 
     @functools.cached_property
@@ -535,7 +535,9 @@ class BayesNCLHead(nn.Module):
         gates = out.gates
         if gates is None or gates.grad is None:
             return {}
-        nce, prior = gate_pulls(gates.grad, out.kl_probs, out.prior_rate, out.kl_weight, out.estimator.kl_clamp)
+        # each row against its own rates: a prior with a rate per row (per-image) has R x K
+        rates = out.prior.mean.detach()
+        nce, prior = gate_pulls(gates.grad, out.kl_probs, rates, out.kl_weight, out.estimator.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 
     def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
@@ -659,10 +661,10 @@ def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tens
     |lambda * dKL_ik / dalpha_ik|, both in loss per row per unit of inclusion probability (for the STE gate, whose value
     moves one for one with alpha).
 
-    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part)
-    w.r.t. the gate values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's
-    ``GateEstimator.kl_probs``); rate: K, the rates it was taken against (the model's, for a hierarchical prior this
-    step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
+    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part) w.r.t. the gate
+    values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's ``GateEstimator.kl_probs``);
+    rate: K, or R x K for a prior with a rate per row, the rates it was taken against (the model's, for a hierarchical
+    prior this step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
     the prior hardly shapes the posterior (docs/RESULTS.md has the published lambda's ratio).
     """
     kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)

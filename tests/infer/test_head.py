@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.infer.head import HeadOutput
+from bayesncl_pyro.infer.head import HeadOutput, gate_pulls
 from bayesncl_pyro.models.priors import BetaBernoulliPrior
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
@@ -300,6 +300,26 @@ def test_the_kl_and_the_prior_pull_use_the_rate_and_probabilities_of_the_step(pr
     alpha.requires_grad_()
     pull, = torch.autograd.grad(bernoulli_kl(alpha, rate, 0.0).sum(), alpha)
     assert head.pulls(stats)["gate_prior_pull"] == pytest.approx(0.05 * pull.abs().mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("prior", ["bernoulli", "per-image"])
+def test_the_prior_pull_takes_each_row_against_its_own_rates(prior):
+    """pulls' prior pull is lambda |dKL / dalpha| at each row's rates: under per-image every row has its own (the first
+    row's for all gave another figure); under a shared rate the figure is the one against the K rates, to the bit."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(8, 4, 8, num_train=100, prior=prior, kl_weight=0.05, kl_clamp=0.0)
+    with pyro.validation_enabled(False):
+        loss, out = head(torch.randn(6, 8))
+    loss.backward()
+    rates = out.prior.mean.detach()
+    assert rates.shape == (6, 4)
+    by_row = gate_pulls(out.gates.grad, out.kl_probs, rates, 0.05, 0.0)[1]
+    first_row = gate_pulls(out.gates.grad, out.kl_probs, out.prior_rate, 0.05, 0.0)[1]
+    assert head.pulls(out)["gate_prior_pull"] == by_row
+    if prior == "bernoulli":
+        assert by_row == first_row
+    else:
+        assert not torch.allclose(rates, rates[:1].expand_as(rates)) and by_row != pytest.approx(first_row)
 
 
 @pytest.mark.parametrize("kwargs, message", [
