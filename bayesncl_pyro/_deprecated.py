@@ -4,7 +4,7 @@ A module that lost a name ends with ``def __getattr__(name): return moved(__name
 ``bayesncl_pyro/posterior.py`` is a module that moved whole. The new home is named by a string and imported on first
 use: an old path lies below its new home (``infer/`` gave ``load_learner`` to ``evaluate/``), and an import statement
 there would be an upward import. This table is the whole list of such references; CHANGELOG.md says the same, and
-both go in 0.5.0.
+both go in 0.5.0. A renamed attribute (or a way of reading one) warns through :func:`renamed`.
 """
 
 import functools
@@ -36,3 +36,9 @@ def moved(module: str, name: str):
     warnings.warn(f"{module}.{name} moved to {new_module}.{new_name}; import it from there (the old path goes in "
                   f"bayesncl-pyro {REMOVED_IN})", DeprecationWarning, stacklevel=3)
     return functools.reduce(getattr, new_name.split("."), importlib.import_module(new_module))
+
+
+def renamed(old: str, new: str):
+    """Warn that ``old``, an attribute or a way of reading one, is now ``new``; called by the old form's accessor."""
+    warnings.warn(f"{old} is now {new} (the old form goes in bayesncl-pyro {REMOVED_IN})", DeprecationWarning,
+                  stacklevel=3)

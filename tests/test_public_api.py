@@ -15,6 +15,7 @@ from bayesncl_pyro import _deprecated, rundir
 from bayesncl_pyro.evaluate import arviz_export, dimensions, run
 from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.infer.estimators import GateEstimator
+from bayesncl_pyro.infer.head import HeadOutput
 from bayesncl_pyro.models import priors
 
 
@@ -104,3 +105,11 @@ def test_the_renamed_posterior_fields_read_as_before_with_a_warning():
     plain = dimensions.GatePosterior(torch.rand(2, 4), torch.rand(2, 4), torch.zeros(2), ["x"])
     with pytest.warns(DeprecationWarning):
         assert plain.rate_draws is None and plain.rate_beta is None and plain.rate_optimum_concentration is None
+
+
+def test_the_heads_output_read_as_a_dict_warns_naming_the_attribute_and_the_release_it_goes_in():
+    """``out["nce"]``, the head's output before it was a HeadOutput, still reads, with the same warning's form."""
+    out = HeadOutput(nce=torch.tensor(1.5), kl=torch.tensor(0.0), features=torch.zeros(2, 3))
+    with pytest.warns(DeprecationWarning, match=r"out\['nce'\] is now out.nce .*goes in bayesncl-pyro 0.5.0") as seen:
+        assert out["nce"] is out.nce
+    assert seen[0].filename == __file__  # the warning points at the caller's line

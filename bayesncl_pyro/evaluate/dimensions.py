@@ -21,7 +21,6 @@ and the class x dimension mean inclusion; ``evaluate/arviz_export.py`` turns it 
 """
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import pyro
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pyro import poutine
 
-from bayesncl_pyro._deprecated import moved
+from bayesncl_pyro._deprecated import moved, renamed
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
@@ -343,26 +342,21 @@ class GatePosterior:
     @property
     def rate_draws(self) -> torch.Tensor | None:
         """Deprecated: ``global_draws["rate"]``."""
-        _renamed("rate_draws", 'global_draws["rate"]')
+        renamed("GatePosterior.rate_draws", 'GatePosterior.global_draws["rate"]')
         return (self.global_draws or {}).get("rate")
 
     @property
     def rate_beta(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Deprecated: ``global_params["a"], global_params["b"]``."""
-        _renamed("rate_beta", 'global_params["a"], global_params["b"]')
+        renamed("GatePosterior.rate_beta", 'GatePosterior.global_params["a"], global_params["b"]')
         params = self.global_params or {}
         return (params["a"], params["b"]) if "a" in params and "b" in params else None
 
     @property
     def rate_optimum_concentration(self) -> float | None:
         """Deprecated: ``global_convergence[1]``."""
-        _renamed("rate_optimum_concentration", "global_convergence[1]")
+        renamed("GatePosterior.rate_optimum_concentration", "GatePosterior.global_convergence[1]")
         return None if self.global_convergence is None else self.global_convergence[1]
-
-
-def _renamed(old: str, new: str):
-    warnings.warn(f"GatePosterior.{old} is now GatePosterior.{new} (the old name goes in bayesncl-pyro 0.5.0)",
-                  DeprecationWarning, stacklevel=3)
 
 
 @torch.no_grad()

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import warnings
 import weakref
 
 import pyro
@@ -39,6 +38,7 @@ from torch import nn
 from torch.distributions import Distribution
 
 from bayesncl_pyro import distributed
+from bayesncl_pyro._deprecated import renamed
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
@@ -220,8 +220,7 @@ class HeadOutput:
 
     def __getitem__(self, name: str):
         """``out["nce"]``, as the dict the head returned before: deprecated, read the attribute."""
-        warnings.warn(f"the head's output is a HeadOutput now: read out.{name}, not out[{name!r}]",
-                      DeprecationWarning, stacklevel=2)
+        renamed(f"reading the head's output as out[{name!r}]", f"out.{name} (a HeadOutput's attribute)")
         return getattr(self, name)
 
 
