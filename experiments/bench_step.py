@@ -103,9 +103,14 @@ def loss_fns(cfg: Config, channels: int, device: torch.device) -> dict:
         if name.startswith("bayesncl") and learner is not bayes:
             learner.load_state_dict(bayes.state_dict())
     mf = torch.channels_last if device.type == "cuda" else torch.preserve_format
-    for learner in {id(learner): learner for _, learner in fns.values()}.values():
+    for learner in learners(fns):
         learner.to(device, memory_format=mf).train()
     return fns
+
+
+def learners(fns: dict) -> list[ContrastiveLearner]:
+    """The variants' learners, each once (the three BayesNCL variants share one)."""
+    return list({id(learner): learner for _, learner in fns.values()}.values())
 
 
 def check_equal(fns: dict, x: torch.Tensor):
@@ -333,7 +338,7 @@ def measure(fns: dict, x: torch.Tensor, args) -> dict[str, list[float]]:
     paired step resolves the Pyro layer's 1-3 %, where blocks of 5 steps each moved by several %).
     """
     if args.compile:
-        for _, learner in fns.values():
+        for learner in learners(fns):
             learner.backbone.compile()
     opts = {name: torch.optim.SGD(learner.parameters(), lr=1e-3) for name, (_, learner) in fns.items()}
     for name, (fn, _) in fns.items():
