@@ -224,9 +224,9 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
 def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
     """How many dims track each ground-truth factor, before and after gating.
 
-    How many dims of the representation F (N x K) track each ground-truth factor, and for a gated learner (``ungated``:
-    its N x K features before gating, ``gates``: its N x K 0/1 evaluation mask, the gates F uses), how many dims of the
-    ungated features track each factor and which share of those the gates switch off.
+    F is the representation (N x K). For a gated learner (``ungated``: its N x K features before gating, ``gates``: its
+    N x K 0/1 evaluation mask, the gates F uses), also how many dims of the ungated features track each factor and
+    which share of those the gates switch off.
 
     A dim counts as switched off when its gate is closed in more than half of the samples where its
     ungated feature is active.

@@ -209,10 +209,9 @@ class Draw(GateEstimator):
 class LocalExpectation(Draw):
     """Local expectation gradients: unbiased for the training objective's gradient.
 
-    Local expectation gradients: a draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating
-    head, per gate, the exact difference of the batch's InfoNCE with that gate on and off at the other gates'
-    draw (its ELBO, :class:`LocalExpectationELBO`). Unbiased for the training objective's gradient (module
-    docstring).
+    A draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating head, per gate, the exact
+    difference of the batch's InfoNCE with that gate on and off at the other gates' draw (its ELBO,
+    :class:`LocalExpectationELBO`). Why it is unbiased: the module docstring.
     """
 
     unbiased = True
@@ -263,8 +262,8 @@ def local_expectation_term(model_trace, guide_trace, temperature: float) -> torc
 class GumbelSigmoid(Relaxed):
     """The reference's Gumbel-sigmoid gate, straight-through.
 
-    The reference's Gumbel-sigmoid gate: a draw from its own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not
-    sigmoid(l)), straight-through to y = sigmoid((l + G) / T).
+    A draw from the reference's own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not sigmoid(l)), straight-through to
+    y = sigmoid((l + G) / T).
     """
 
     family = GumbelSigmoidGates

@@ -339,10 +339,9 @@ class BayesNCLHead(nn.Module):
     def update_density(self, out: HeadOutput):
         """With a density target, one step of the multiplier from a training step's output.
 
-        With a density target (``gate_density``), the multiplier's step from the share of open gates of ``out``, a
-        training step's output: call it once per training step, after ``optimizer.step()`` (the prior's gradients
-        are divided by the step's lambda during ``backward``); the next step's lambda is the new multiplier. Without a
-        target it does nothing.
+        The target is ``gate_density``, and the step is taken from the share of open gates of ``out``. Call it once per
+        training step, after ``optimizer.step()`` (the prior's gradients are divided by the step's lambda during
+        ``backward``); the next step's lambda is the new multiplier. Without a target it does nothing.
         """
         if self.density is not None:
             self.density.update(out.gates_open)
@@ -476,8 +475,8 @@ class BayesNCLHead(nn.Module):
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
         """One draw of the objective itself, with the exact KL, whatever the estimator trained.
 
-        The objective itself, whatever the estimator trained: for backbone features h of 2B rows, one draw of
-        g ~ q(g | x) (and of the prior's global latents from their q), with the exact KL (no clamp). 0-d values:
+        For backbone features h of 2B rows: one draw of g ~ q(g | x) (and of the prior's global latents from their q),
+        with the exact KL (no clamp). 0-d values:
         ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
         row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
         other only, on one process (no gather across ranks: evaluation runs on rank 0).
@@ -560,9 +559,8 @@ class BayesNCLHead(nn.Module):
     def representation(self, h: torch.Tensor) -> torch.Tensor:
         """F, the gated representation the method is evaluated on.
 
-        F, the representation the method uses, for evaluation: normalise(features(z) * m) with m the evaluation
-        mask (:meth:`gate_mask`) with gates, features(z) without (normalise(relu(z)) for NCL, normalise(z) for
-        CL).
+        normalise(features(z) * m) with m the evaluation mask (:meth:`gate_mask`) with gates, features(z) without
+        (normalise(relu(z)) for NCL, normalise(z) for CL).
         """
         feats = self.ungated_features(h)
         if self.gated:
@@ -577,7 +575,7 @@ class BayesNCLHead(nn.Module):
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: encoder, gating head and the prior's global parameters.
 
-        Optimizer groups: the backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
+        The backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
         (0.1 published, not batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay.
         Their gradients arrive divided by lambda (:meth:`prior_parameters`; ``grad_scale`` in their group records by
         what, and marks a checkpoint of this scheme), so that their step does not depend on lambda with SGD or LARS

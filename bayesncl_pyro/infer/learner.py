@@ -99,8 +99,8 @@ _RENAMED = (("encoder.backbone.", "backbone."), ("encoder.projector.", "head.pro
 def load_weights(learner: ContrastiveLearner, state: dict, path: Path):
     """Load a checkpoint's weights, explaining a mismatch in one line.
 
-    Load a checkpoint's weights (a 0.1 checkpoint's under their current names), explaining a mismatch (another
-    version's model) in one line instead of torch's state_dict error.
+    A 0.1 checkpoint's weights load under their current names; a mismatch (another version's model) is explained in
+    one line instead of torch's state_dict error.
     """
     mine, theirs = learner.state_dict(), state["learner"]
     if any(k.startswith("encoder.") for k in theirs):
