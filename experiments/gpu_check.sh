@@ -129,12 +129,13 @@ date -u
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then  # CPU, tiny: every command runs, no figure means anything
     DEV=cpu; N224=200; N32=400; W=2; PB=1; STEPS=6; DECODES=2; CHURN=64; GAP=50
     BIG=(--image-size 32 --encoder cnn --proj-hidden 32 --proj-dim 16 --batch-size 16)
-    SMALL=(--encoder cnn --proj-hidden 32 --proj-dim 16 --batch-size 16); REP=(--repeats 1 --steps 1 --warmup 0)
+    SMALL=(--encoder cnn --proj-hidden 32 --proj-dim 16 --batch-size 16); REP=(--repeats 1 --steps 1 --warmup 0 --runs 3)
     VIEWS_BATCH=16
     BUDGET=900; T1=300; T2=300; T2B=300; T3=300; T4=300; T5=300; T6=60  # a loaded CPU: only the budget guards the test
 else
     DEV=cuda; N224=6000; N32=20000; W=$(( $(nproc) - 2 )); PB=20; STEPS=300; DECODES=5; CHURN=4096; GAP=10
-    BIG=(--batch-size 256); SMALL=(--batch-size 256); REP=(--repeats 3 --steps 10 --warmup 3)
+    # bench_step runs one untimed step before each repeat's timed ones: 9 + 1 steps a repeat, 3 runs, as the budget
+    BIG=(--batch-size 256); SMALL=(--batch-size 256); REP=(--repeats 3 --steps 9 --warmup 3 --runs 3)
     # smoke seconds x factor (docs/PERFORMANCE.md: what each allows per step); the sum stays under the budget
     VIEWS_BATCH=256
     T1=$(( 12 * 4 )); T2=$(( 11 * 4 )); T2B=$(( 10 * 3 )); T3=$(( 36 * 16 / 10 )); T4=$(( 6 * 6 )); T5=$(( 18 * 6 )); T6=60
@@ -301,8 +302,8 @@ EOF
 
 section "3. end to end, 224 px JPEG folder of varied sizes (files: nvJPEG per batch), batch 256, both data paths"
 limited $T3 "$PY" experiments/bench_step.py --device $DEV --dataset imagefolder --data-dir "$WORK/jpeg224" \
-    --image-size 224 --encoder resnet18 --proj-hidden 16384 --proj-dim 2048 "${BIG[@]}" --repeats 1 --steps 3 \
-    --warmup 1 --pipeline-batches $PB --workers "$W" --augment both 2>&1 | tee "$OUT/section3.txt"
+    --image-size 224 --encoder resnet18 --proj-hidden 16384 --proj-dim 2048 "${BIG[@]}" --repeats 1 --steps 2 \
+    --runs 3 --warmup 1 --pipeline-batches $PB --workers "$W" --augment both 2>&1 | tee "$OUT/section3.txt"
 rc=$?
 if (( rc )); then status=1
 elif grep -q "warning: nvJPEG failed" "$OUT/section3.txt"; then
@@ -313,7 +314,7 @@ else echo "section 3 did not run the file path: FAILED"; status=1; fi
 
 section "4. CIFAR recipe on a 32 px JPEG folder held on the device, batch 256"
 limited $T4 "$PY" experiments/bench_step.py --device $DEV --dataset cifar10 --data-dir "$WORK/jpeg32" "${SMALL[@]}" \
-    --repeats 1 --steps 3 --warmup 1 --pipeline-batches $(( PB * 2 )) --workers "$W" --augment device 2>&1 \
+    --repeats 1 --steps 2 --runs 3 --warmup 1 --pipeline-batches $(( PB * 2 )) --workers "$W" --augment device 2>&1 \
     | tee "$OUT/section4.txt"
 rc=$?
 if (( rc )); then status=1
