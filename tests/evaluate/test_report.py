@@ -245,12 +245,13 @@ def test_the_gates_panel_names_the_prior_only_where_the_config_has_one(runs, tab
     assert "(--prior bernoulli)" in tab.page.inner_text("body")
     feats = bench_report.stand_in(200, 16, 4)
     kl = dm.kl_per_dim(feats.probs, torch.full((16,), 0.8), 0.01)
-    run = dict(dir="stand-in", method="bayesncl", dataset="stand-in", config=dict(kl_weight=3e-5, gate="ste"))
+    run = bench_report.stand_in_run(16)
+    del run["config"]["prior"]
     gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
     data = report.report_data(feats, run, gates=gates, kl=kl)
     tab.open(report.write(data, report.thumbnails(bench_report.stand_in_images(200)), tmp_path))
     text = tab.page.inner_text("body")
-    assert re.search(r"prior rate 0\.80*;", text) and "--prior" not in text
+    assert re.search(r"prior rate 0\.80*;", text) and "--prior" not in text and "undefined" not in text
     assert tab.errors == []
 
 
@@ -259,7 +260,7 @@ def imagenet100_sized(tmp_path_factory):
     """The benchmark's stand-in run (K = 2048, 5,000 test images of 100 classes, 64 px thumbnails): (page, data)."""
     feats = bench_report.stand_in(5000, 2048, 100)
     kl = dm.kl_per_dim(feats.probs, torch.full((2048,), 0.8), 0.01)
-    run = dict(dir="stand-in", method="bayesncl", dataset="stand-in", config=dict(kl_weight=3e-5, gate="ste"))
+    run = bench_report.stand_in_run(2048)
     gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
     data = report.report_data(feats, run, gates=gates, kl=kl)
     page = report.write(data, report.thumbnails(bench_report.stand_in_images(5000)), tmp_path_factory.mktemp("big"))
@@ -284,4 +285,7 @@ def test_an_imagenet100_sized_report_opens_and_scrolls(imagenet100_sized, tab):
     assert 0 < first < len(data["dims"])
     tab.page.locator("#view-dims .more").scroll_into_view_if_needed()
     tab.page.wait_for_function(f"document.querySelectorAll('#view-dims .card').length > {first}")
+    tab.open(page)  # the overview: every field it reads is in the stand-in's config
+    text = tab.page.inner_text("body")
+    assert "(--prior bernoulli)" in text and "undefined" not in text
     assert tab.errors == []
