@@ -43,7 +43,7 @@ from pyro import poutine
 from pyro.nn import PyroModule
 from pyro.nn.module import to_pyro_module_
 
-from bayesncl_pyro.models.bayesncl import rows_plate
+from bayesncl_pyro.models.bayesncl import image_features, images_plate, rows_plate
 from bayesncl_pyro.nn.encoders import mlp
 
 
@@ -121,15 +121,9 @@ class GateGuide(PyroModule):
             gradient and never come back.
         kl_weight: lambda, applied here and in the model (a mean-field ELBO scales the KL by the guide's scale).
         rate_guide: the prior's variational posterior for its latents, or None.
-        row_latents: the prior's ``row_latents``: its guide is called as ``rate_guide(h, plate)``, with the rows'
-            backbone features and the rows plate.
-
-    ``mlp_autocast``: None, or the dtype in which the gating head's MLP runs under autocast (its matmuls; the logits
-    and everything after them in the inputs' dtype): ``BayesNCLHead.forward`` sets it, for the step, to its caller's
-    autocast, under which the backbone and the projector run.
+        row_latents: the prior's ``row_latents``: its guide is called as ``rate_guide(h, plate)``, with each image's
+            backbone features (``models.bayesncl.image_features``, from its two views) and the images plate.
     """
-
-    mlp_autocast: torch.dtype | None = None
 
     def __init__(self, in_dim: int, hidden: int, num_features: int, num_rows: int, *, depth: int = 2,
                  family: type[BernoulliGates] = BernoulliGates, temperature: float = 1.0, logit_bound: float = 5.0,
@@ -145,35 +139,44 @@ class GateGuide(PyroModule):
         self.logit_bound, self.kl_weight = logit_bound, kl_weight
         self.rate_guide, self.row_latents = rate_guide, row_latents
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone."""
+    def logits(self, h: torch.Tensor, mlp_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone.
+
+        ``mlp_dtype``: None, or the dtype in which the MLP's matmuls run under autocast (the logits and all after them
+        in h's dtype): ``BayesNCLHead.forward`` passes its caller's autocast, as the backbone's and projector's.
+        """
         b = self.logit_bound
-        if self.mlp_autocast is None:
+        if mlp_dtype is None:
             raw = self.head(h.detach())
         else:
-            with torch.autocast(h.device.type, dtype=self.mlp_autocast):
+            with torch.autocast(h.device.type, dtype=mlp_dtype):
                 raw = self.head(h.detach()).to(h.dtype)
         return b * torch.tanh(raw / b)
 
-    def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None) -> BernoulliGates:
+    def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None,
+                  mlp_dtype: torch.dtype | None = None) -> BernoulliGates:
         """q(g | x) for backbone features h (R x D).
 
         Its ``.probs`` are the inclusion probabilities and ``.sample()`` draws; ``family``: another family on the
-        same logits (default the guide's).
+        same logits (default the guide's); ``mlp_dtype``: :meth:`logits`'.
         """
-        return (family or self.family)(self.logits(h), self.temperature)
+        return (family or self.family)(self.logits(h, mlp_dtype), self.temperature)
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,
-                family: type[BernoulliGates] | None = None) -> BernoulliGates:
+                family: type[BernoulliGates] | None = None, mlp_dtype: torch.dtype | None = None) -> BernoulliGates:
         """Samples the gates (and the prior's latents) from q; returns q(g | x).
 
-        ``kl_weight``: this call's lambda (default: the constructor's); ``family``: as :meth:`posterior`'s.
+        ``kl_weight``: this call's lambda (default: the constructor's); ``family``, ``mlp_dtype``: as
+        :meth:`posterior`'s.
         """
         with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
             plate = rows_plate(self.num_rows, h.shape[0], h.device)
             if self.rate_guide is not None:
-                self.rate_guide(h, plate) if self.row_latents else self.rate_guide()
-            q = self.posterior(h, family)
+                if self.row_latents:  # one latent per image, read from its two views' features
+                    self.rate_guide(image_features(h), images_plate(self.num_rows, h.shape[0], h.device))
+                else:
+                    self.rate_guide()
+            q = self.posterior(h, family, mlp_dtype)
             with plate:
                 pyro.sample("g", q.to_event(1))
         return q

@@ -41,6 +41,20 @@ def rows_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
     return pyro.plate("rows", num_rows, subsample=_row_indices(batch_rows, device), device=device)
 
 
+def images_plate(num_rows: int, batch_rows: int, device) -> pyro.plate:
+    """The plate over images, half the rows': a prior's latent per image (``Prior.row_latents``), its views' shared."""
+    return pyro.plate("images", num_rows // 2, subsample=_row_indices(batch_rows // 2, device), device=device)
+
+
+def image_features(h: torch.Tensor) -> torch.Tensor:
+    """B x D: each image's backbone features from its two views' rows (2B x D, ``[view 1; view 2]``).
+
+    The mean of the two views' normalised features, which a guide of per-image latents reads.
+    """
+    half = h.shape[0] // 2
+    return (normalize(h[:half]) + normalize(h[half:])) / 2
+
+
 @functools.lru_cache(maxsize=16)
 def _row_indices(batch_rows: int, device: torch.device) -> torch.Tensor:
     """``arange(batch_rows)``, the plate's subsample, built once per batch size and device.
@@ -97,8 +111,10 @@ class ContrastiveModel(PyroModule):
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
                 plate = rows_plate(self.num_rows, rows, u.device)
-                # global latents outside the plate, each row's gates (and a prior's row latents) inside it
-                gates = self.prior(rows, plate) if self.prior.row_latents else self.prior(rows)
+                # global latents outside the plate, each row's gates inside it; a prior's latents per image in a plate
+                # over the images, whose two views share them
+                gates = (self.prior(rows, images_plate(self.num_rows, rows, u.device)) if self.prior.row_latents
+                         else self.prior(rows))
                 with plate:
                     g = pyro.sample("g", gates)
             u = normalize(u * g)

@@ -8,8 +8,8 @@ is not (correlated gates, a rate per row) overrides :meth:`Prior.forward`. The E
 where one is registered for q's family and the prior's distribution, and as a one-draw Monte Carlo estimate
 otherwise (``bayesncl_pyro/infer/elbo.py``). A prior with global latents also supplies the variational family for
 them through :meth:`Prior.make_guide`, which the amortized guide calls. A prior with latents of its own per row (a
-per-image sparsity level) sets ``row_latents``: it samples them inside the rows plate it is given, and its guide reads
-each row's backbone features (:attr:`Prior.row_latents`).
+per-image sparsity level) sets ``row_latents``: it samples them inside the plate over images it is given (an image's two
+views share them), and its guide reads each image's backbone features (:attr:`Prior.row_latents`).
 
 To add a prior, subclass :class:`Prior` and pass ``--prior package.module:MyPrior`` (the module must be
 importable: installed, or its folder on PYTHONPATH), or decorate it with ``@register("my-name")`` in this file
@@ -18,7 +18,9 @@ mean) and validates what it is given; its other arguments come from ``--prior-ar
 to the types its signature declares.
 """
 
+import functools
 import math
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -27,7 +29,9 @@ import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro import poutine
+from pyro.infer.autoguide import AutoNormal, init_to_median
 from pyro.nn import PyroModule, PyroParam
+from pyro.util import check_model_guide_match
 from torch.distributions import constraints
 
 from bayesncl_pyro.errors import UserError, quoted
@@ -73,29 +77,40 @@ def build_prior(spec: str, num_features: int, prior_prob: float, **kwargs) -> "P
 def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
     """``prior.make_guide()``, once the prior and its guide are checked to fit the program.
 
-    It checks that the guide samples exactly the latent sites that ``prior(rows)`` samples, and that ``prior(rows)`` is
-    a distribution over R rows of K gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in
-    (0, 1)). Otherwise the ELBO would fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which
-    the KL's clamp hides) train without a word. Runs the prior once on a forked random stream: building a head draws
-    nothing. ``in_dim``: the width of the backbone features that the guide of a prior with row latents reads
-    (``make_guide(in_dim)``); the check runs it on rows of zeros.
+    It checks, each refusal one line naming the site and the fix: that ``prior(rows)`` is a distribution over R rows
+    of K gates (for a prior of Bernoulli gates, :meth:`Prior.rate` gives the K rates in (0, 1)); that its latents are
+    continuous (a discrete one has no KL estimate with a gradient here: sum it out); that the guide samples exactly the
+    latent sites the prior samples; and Pyro's own ``check_model_guide_match`` (event dimensions and shapes). Otherwise
+    the ELBO would fail with a bare KeyError or a broadcast error, or (a rate outside (0, 1), which the KL's clamp
+    hides; a guide site missing its ``.to_event(1)``) train without a word. Runs the prior once on a forked random
+    stream: building a head draws nothing. ``in_dim``: the width of the backbone features that the guide of a prior
+    with row latents reads (``make_guide(in_dim)``); the check runs it on rows of zeros.
     """
     name, k, rows = type(prior).__name__, prior.num_features, 2
+    if type(prior).forward is Prior.forward:
+        with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
+            _check_rates(prior, name)
     guide = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
-        if type(prior).forward is Prior.forward:
-            _check_rates(prior, name)
-        plate = pyro.plate("rows", rows)
+        plate = pyro.plate("images", rows // 2)
         model_trace = poutine.trace(prior).get_trace(*((rows, plate) if prior.row_latents else (rows,)))
-        guide_args = (torch.zeros(rows, in_dim), plate) if prior.row_latents else ()
-        guide_sites = set(poutine.trace(guide).get_trace(*guide_args).stochastic_nodes) if guide is not None else set()
+        _check_continuous(name, model_trace)
+        # a twin of the guide is run here, not the one returned: a PyroModule that has run (an autoguide sets itself up
+        # at its first call) cannot join the head's guide as a submodule; the head runs its own once when built
+        twin = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
+        guide_args = (torch.zeros(rows // 2, in_dim), plate) if prior.row_latents else ()
+        guide_trace = poutine.trace(twin).get_trace(*guide_args) if twin is not None else None
     model_sites = set(model_trace.stochastic_nodes)
+    guide_sites = {n for n, site in guide_trace.iter_stochastic_nodes() if not site["infer"].get("is_auxiliary")} \
+        if guide is not None else set()
     if model_sites != guide_sites:
         given = ("returns no guide" if guide is None else
                  f"returns a guide that samples {sorted(guide_sites) or 'nothing'}")
         raise UserError(f"{name} samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
-                        f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, "
-                        "as BetaBernoulliPrior's does")
+                        f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, or "
+                        "leave make_guide() out for the default guide (Pyro's AutoNormal)")
+    if guide is not None:
+        _check_guide_shapes(name, model_trace, guide_trace)
     gates = model_trace.nodes["_RETURN"]["value"]
     if not isinstance(gates, torch.distributions.Distribution) or (gates.batch_shape, gates.event_shape) != ((rows,),
                                                                                                            (k,)):
@@ -104,6 +119,40 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
         raise UserError(f"{name}({rows}) returned {what}; it must return the distribution of {rows} rows' gates, "
                         f"batch shape ({rows},) and event shape ({k},)")
     return guide
+
+
+def describe(fn: torch.distributions.Distribution) -> str:
+    """A site's distribution in words: its type, and the base an ``Independent`` wraps."""
+    if isinstance(fn, torch.distributions.Independent):
+        return f"{type(fn.base_dist).__name__} (.to_event({fn.reinterpreted_batch_ndims}))"
+    return type(fn).__name__
+
+
+def _check_continuous(name: str, trace):
+    """Refuse a discrete latent of the prior's: no estimator here gives its KL a gradient."""
+    for site_name, site in trace.iter_stochastic_nodes():
+        if site["fn"].support.is_discrete:
+            raise UserError(f"{name} samples the discrete latent {site_name!r} ({describe(site['fn'])}), whose KL has "
+                            "no pathwise gradient here: sum it out in forward() (return the mixture it makes of the "
+                            "gates' laws, torch.distributions.MixtureSameFamily, as notebooks/your_own_prior.ipynb "
+                            "does), or make it continuous (a Beta or a logit-Normal rate)")
+
+
+def _check_guide_shapes(name: str, model_trace, guide_trace):
+    """Pyro's ``check_model_guide_match`` on the prior and its guide, its complaints as one line each."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its warnings (a site in one program only) are refusals here
+            check_model_guide_match(model_trace, guide_trace)
+    except (ValueError, UserWarning, RuntimeWarning) as e:
+        site = next((s for s in model_trace.stochastic_nodes if repr(s) in str(e) or f"'{s}'" in str(e)), None)
+        fix = ""
+        if site is not None:
+            p, q = model_trace.nodes[site]["fn"], guide_trace.nodes[site]["fn"]
+            fix = (f": the prior draws {describe(p)} with event shape {tuple(p.event_shape)}, the guide "
+                   f"{describe(q)} with event shape {tuple(q.event_shape)}; give the guide's distribution the "
+                   "prior's event dimensions (.to_event(n)), or leave make_guide() out for the default guide")
+        raise UserError(f"{name}'s guide does not fit its prior ({e}){fix}") from None
 
 
 def _check_rates(prior: "Prior", name: str):
@@ -143,7 +192,8 @@ class Prior(PyroModule):
     """
 
     name: ClassVar[str]
-    # True for a prior with latents of its own per row: it is called as ``prior(rows, plate)`` and samples them
+    # True for a prior with latents of its own per image: it is called as ``prior(rows, plate)``, plate the plate over
+    # the rows' images (half the rows: rows are [view 1 of B images; view 2 of the same B]), and samples them
     # inside ``with plate:`` (the rows plate, subsampled and scaled as the gates are); its guide is built by
     # ``make_guide(in_dim)`` and called as ``guide(h, plate)``, h the rows' backbone features (R x in_dim)
     row_latents: ClassVar[bool] = False
@@ -171,11 +221,21 @@ class Prior(PyroModule):
     def make_guide(self) -> PyroModule | None:
         """Variational posterior for this prior's latents, or None if it has none.
 
-        It must sample exactly the latent sites that :meth:`forward` samples (checked when a head is built:
-        :func:`checked_guide`). With ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone
-        features.
+        By default Pyro's ``AutoNormal`` over the prior's latents (a Normal per latent in its unconstrained space,
+        started at the prior's median), so a prior with continuous global latents needs no guide of its own; a prior
+        overrides it with a better family (``beta-bernoulli``'s conjugate Beta). It must sample exactly the latent
+        sites that :meth:`forward` samples (checked when a head is built: :func:`checked_guide`). With
+        ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features, written by the
+        prior.
         """
-        return None
+        with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
+            trace = poutine.trace(self).get_trace(1)
+        if not trace.stochastic_nodes:
+            return None
+        _check_continuous(type(self).__name__, trace)
+        # the prior called on one row: its global latents do not depend on the rows; a partial, not the prior itself,
+        # so that the guide does not hold the prior's parameters as its own
+        return AutoNormal(functools.partial(self, 1), init_loc_fn=init_to_median)
 
     @torch.no_grad()
     def mean_rate(self, guide: PyroModule | None = None, num_draws: int = 256) -> torch.Tensor:
@@ -203,22 +263,23 @@ class Prior(PyroModule):
     @torch.no_grad()
     def row_rates(self, guide: PyroModule | None = None, h: torch.Tensor | None = None,
                   num_draws: int = 256) -> torch.Tensor:
-        """Each row's P(g_k = 1), R x K, for a prior with ``row_latents``.
+        """Each image's P(g_k = 1), R x K, for a prior with ``row_latents``.
 
-        R x K, for a prior with ``row_latents``: each row's P(g_k = 1), its latents drawn ``num_draws`` times
-        from ``guide`` given the rows' backbone features h (R x D), or with no guide from the prior (R = 1), on a
-        forked random stream; the mean over the draws. A prior whose mean is known in closed form overrides it.
+        Its latents are drawn ``num_draws`` times from ``guide`` given the images' backbone features h (R x D, one
+        row an image), or with no guide from the prior (R = 1), on a forked random stream; the mean over the draws.
+        A prior whose mean is known in closed form overrides it.
         """
         if not self.row_latents:
             raise TypeError(f"{type(self).__name__} has no latents per row; its rate is mean_rate()")
         _check_features(guide, h)
         rows = 1 if h is None else len(h)
         with pyro.get_param_store().scope(), torch.random.fork_rng(devices=[]):
-            plate = pyro.plate("rows", rows, device=h.device if h is not None else None)
-            draws = [(self(rows, plate) if guide is None else
-                      poutine.replay(self, trace=poutine.trace(guide).get_trace(h, plate))(rows, plate)).mean
+            plate = pyro.plate("images", rows, device=h.device if h is not None else None)
+            # the gates of both views of each image: the first view's rows are the images'
+            draws = [(self(2 * rows, plate) if guide is None else
+                      poutine.replay(self, trace=poutine.trace(guide).get_trace(h, plate))(2 * rows, plate)).mean
                      for _ in range(num_draws)]
-        return torch.stack(draws).mean(0)
+        return torch.stack(draws).mean(0)[:rows]
 
     def convergence(self, guide: PyroModule, num_rows: int) -> tuple[float, float] | None:
         """Where a slowly converging q of global latents is, and where it tends to.
@@ -421,13 +482,13 @@ class NormalLogitGuide(PyroModule):
 
 @register("per-image")
 class PerImagePrior(Prior):
-    """A sparsity level per row, s_i ~ Beta(a, b), with an amortized guide.
+    """A sparsity level per image, s_i ~ Beta(a, b), with an amortized guide.
 
-    s_i ~ Beta(a, b) for each row i (each view of an image, as the gates are per row), g_ik ~ Bernoulli(s_i):
-    a sparsity level of each image's own, with an amortized guide q(s_i | x_i) from the row's backbone features.
+    s_i ~ Beta(a, b) for each image i, g_ik ~ Bernoulli(s_i) for the gates of both its views: a sparsity level of
+    each image's own, with an amortized guide q(s_i | x_i) from the image's backbone features (its two views').
 
     ``prior_prob`` is the Beta mean a / (a + b) and ``concentration`` is a + b, as for ``beta-bernoulli``; here the
-    rate is shared by a row's K gates and not by the rows.
+    rate is shared by an image's 2K gates and not by the images.
     """
 
     row_latents = True
@@ -439,9 +500,10 @@ class PerImagePrior(Prior):
         self.register_buffer("b", torch.tensor((1 - self.prior_prob) * concentration))
 
     def forward(self, rows, plate):
-        """Each row's sparsity s_i (in the rows plate), and its gates at rate s_i."""
+        """Each image's sparsity s_i (in the images plate), and its two views' gates at rate s_i."""
         with plate:
-            rate = pyro.sample("row_rate", dist.Beta(self.a, self.b).expand([rows]))
+            rate = pyro.sample("image_rate", dist.Beta(self.a, self.b).expand([rows // 2]))
+        rate = rate.repeat(2)  # rows [view 1 of B images; view 2 of the same B]: an image's views share its rate
         return dist.Bernoulli(rate.unsqueeze(-1).expand(rows, self.num_features)).to_event(1)
 
     def make_guide(self, in_dim):
@@ -450,18 +512,18 @@ class PerImagePrior(Prior):
 
     @torch.no_grad()
     def row_rates(self, guide=None, h=None, num_draws=256):
-        """E[s_i] for each row, exact: q's Beta mean given the row's features, or the prior's (one row)."""
+        """E[s_i] for each image, exact: q's Beta mean given the image's features, or the prior's (one row)."""
         _check_features(guide, h)
         mean = guide.posterior(h).mean if guide is not None else (self.a / (self.a + self.b)).reshape(1)
         return mean.unsqueeze(-1).expand(-1, self.num_features).detach()
 
 
 class AmortizedBetaGuide(PyroModule):
-    """q(s_i | x_i), a Beta whose mean is amortized from the row's backbone features.
+    """q(s_i | x_i), a Beta whose mean is amortized from the image's backbone features.
 
-    q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the row's
+    q(s_i | x_i) = Beta(c m_i, c (1 - m_i)), its mean m_i = sigmoid((w . h_i / |h_i| + b) / sqrt(K)) from the image's
     backbone features h_i (detached: the prior's guide does not train the backbone), its concentration c one
-    parameter. A row's K gates all pull on s_i, so its gradient is K times a dimension's: the 1 / sqrt(K) keeps the
+    parameter. An image's gates all pull on s_i, so its gradient is K times a dimension's: the 1 / sqrt(K) keeps the
     optimizer's step in m_i a dimension's size whatever K. Starts at the prior for every row (w = 0), drawing
     nothing from the random stream.
     """
@@ -480,6 +542,6 @@ class AmortizedBetaGuide(PyroModule):
         return dist.Beta(self.concentration * mean, self.concentration * (1 - mean))
 
     def forward(self, h, plate):
-        """Sample each row's s_i from q(s_i | x_i) in the rows plate."""
+        """Sample each image's s_i from q(s_i | x_i) in the images plate."""
         with plate:
-            return pyro.sample("row_rate", self.posterior(h))
+            return pyro.sample("image_rate", self.posterior(h))

@@ -55,3 +55,10 @@ def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(tmp_path,
     assert (run / "gates.nc").exists() and (run / "report" / "index.html").exists()
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert log and all(math.isfinite(r["kl"]) and r["kl"] > 0 for r in log)  # the rates' KL a draw, the gates' exact
+    # a prior with correlated gates and no guide of its own, under ste and leg; a discrete latent summed out
+    for gate in ("ste", "leg"):
+        assert (f"{gate}: guide AutoNormal; KL per site: {{'logits': 'Monte Carlo, one pathwise draw', 'g': "
+                "'analytic', 'logits_unconstrained': 'Monte Carlo, one pathwise draw'}") in text
+        assert (run.parent / f"correlated-{gate}" / "eval.json").is_file()
+    assert "KL per site: {'g': 'Monte Carlo, local expectation per gate'}" in text
+    assert (run.parent / "sparse-or-dense" / "eval.json").is_file()

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from pyro.infer.autoguide import AutoNormal
 
+from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.train.resolve import resolve
 
@@ -67,3 +69,29 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
     assert "gate_nce_pull" in capsys.readouterr().out  # the head snippet printed its pulls
     for name in ("my_nets", "my_priors"):
         sys.modules.pop(name, None)
+
+
+def test_the_priors_from_your_own_code_are_followed_as_written_and_train(tmp_path, monkeypatch, capsys):
+    """A new user's path through "Priors from your own code": the module written as shown, each command run as shown
+    (shortened to two steps) trains and evaluates, the correlated prior with no guide of its own (Pyro's AutoNormal)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n### Priors from your own code\n")[1].split("\n### ")[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    (module,) = [code for language, code in blocks if language == "python"]
+    assert module.startswith("# my_priors.py, in a folder on PYTHONPATH")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_priors", raising=False)
+    (tmp_path / "my_priors.py").write_text(module)
+    (commands,) = [code for language, code in blocks if language == "bash"]
+    for i, line in enumerate(commands.splitlines()):
+        command = shlex.split(line.removeprefix("PYTHONPATH=. "))
+        assert command[:2] == ["python", "experiments/run_svi.py"], line
+        assert run_svi.main([*command[2:], *TINY, "--out", f"runs/{i}"]) == 0, line
+        assert (tmp_path / "runs" / str(i) / "eval.json").is_file()
+
+    head = BayesNCLHead(8, 16, 32, num_train=100, prior="my_priors:CorrelatedLogits", prior_args={"correlation": 0.3})
+    assert isinstance(head.guide.rate_guide, AutoNormal)
+    assert head.kl_kind == {"logits": "Monte Carlo, one pathwise draw", "logits_unconstrained":
+                            "Monte Carlo, one pathwise draw", "g": "analytic"}
+    sys.modules.pop("my_priors", None)

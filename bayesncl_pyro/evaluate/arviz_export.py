@@ -14,7 +14,7 @@ its ``class_label``):
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on
                     <site> (chain, draw, ...)         each global latent of the prior by its site name, drawn
                                                       from its q (beta-bernoulli: rate (chain, draw, feature))
-                    <site> (chain, draw, item, ...)   each latent per image of the prior (per-image: row_rate),
+                    <site> (chain, draw, item, ...)   each latent per image of the prior (per-image: image_rate),
                                                       drawn from its q given the image
     observed_data   label (item)
     gates           inclusion_prob (item, feature)    exact q(g_k = 1 | x_i) of the run's gate estimator

@@ -248,11 +248,11 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
 
     As ``pyro.infer.Predictive`` reads a guide: its parameter sites' values (constrained, named within the guide) and
     ``num_draws`` draws of each of its latent sites (S x the site's shape; empty for 0 draws), on the CPU. With h
-    (N x D, a prior with row latents) the guide reads those rows under a plate ``rows`` of N, and the sites in it are
-    ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's own plates
-    (Predictive's ``parallel=True``), in a param store of its own (``own_params``).
+    (N x D, a prior with latents per image) the guide reads those images under a plate ``images`` of N, and the
+    sites in it are ``row_draws`` (S x N x ...). The draws are one trace under a plate of S draws left of the guide's
+    own plates (Predictive's ``parallel=True``), in a param store of its own (``own_params``).
     """
-    args = () if h is None else (h, pyro.plate("rows", len(h), device=h.device))
+    args = () if h is None else (h, pyro.plate("images", len(h), device=h.device))
     with own_params():
         trace = poutine.trace(guide).get_trace(*args)
         prefix = f"{guide._pyro_name}." if guide._pyro_name else ""  # a submodule's params are named by its path
@@ -267,7 +267,7 @@ def prior_latents(guide, num_draws: int, h: torch.Tensor | None = None
     draws, row_draws = {}, {}
     for name in trace.stochastic_nodes:
         site = trace.nodes[name]
-        row = any(f.name == "rows" for f in site["cond_indep_stack"])
+        row = any(f.name == "images" for f in site["cond_indep_stack"])
         (row_draws if row else draws)[name] = site["value"].detach().cpu()
     return params, draws, row_draws
 

@@ -233,29 +233,32 @@ class LocalExpectationELBO(MeanFieldELBO):
     whose gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
     batch's summed InfoNCE (module docstring). It reads from the traces the gate site ``g`` (q's probabilities from
     the guide's site, the draw from the model), the model's ``ungated`` features and the scale of its ``nce``
-    factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which
-    the guide trace's ``g`` site keeps as ``infer["local_expectation_probs"]``: its gradient after backward is
-    InfoNCE's alone (the KL's reaches q through another path).
+    factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which it returns
+    as the particle's ``gate_probs``: its gradient after backward is InfoNCE's alone (the KL's reaches q through another
+    path).
     """
 
     def __init__(self, temperature: float, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
 
-    def _differentiable_loss_particle(self, model_trace, guide_trace):
-        loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)
-        return loss, surrogate + local_expectation_term(model_trace, guide_trace, self.temperature)
+    def particle(self, model_trace, guide_trace):
+        """The mean-field particle plus :func:`local_expectation_term`, its probabilities node returned."""
+        particle = super().particle(model_trace, guide_trace)
+        term, probs = local_expectation_term(model_trace, guide_trace, self.temperature)
+        return particle._replace(loss=particle.loss + term, gate_probs=probs)
 
 
-def local_expectation_term(model_trace, guide_trace, temperature: float) -> torch.Tensor:
-    """:class:`LocalExpectationELBO`'s term for one pair of traces (value 0, on the loss's scale)."""
-    site = guide_trace.nodes["g"]
-    probs = site["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
-    site["infer"]["local_expectation_probs"] = probs
+def local_expectation_term(model_trace, guide_trace, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:class:`LocalExpectationELBO`'s term for one pair of traces, its node of q's probabilities).
+
+    The term has value 0 and is on the loss's scale.
+    """
+    probs = guide_trace.nodes["g"]["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
     features = computed(model_trace)["ungated"]
     dtype = torch.promote_types(features.dtype, torch.float32)
     d = info_nce_flip_differences(features.to(dtype), model_trace.nodes["g"]["value"], temperature).to(probs.dtype)
-    return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"]
+    return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"], probs
 
 
 @register("gs")

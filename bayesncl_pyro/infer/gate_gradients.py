@@ -144,7 +144,7 @@ def _score_loss(head, z: torch.Tensor, h: torch.Tensor, estimator) -> torch.Tens
     It is taken under ``estimator``'s q family and KL clamp: at a draw g ~ q (no gradient through it), the loss plus
     sg(mean_i l_i(g)) * sum_ik log q(g_ik), whose gradient is InfoNCE's REINFORCE term and the KL's.
     """
-    loss, _, model_trace, guide_trace = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp),
-                                                        family=estimator.family)
+    terms = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp), family=estimator.family)
+    loss, model_trace, guide_trace = terms.loss, terms.model_trace, terms.guide_trace
     q, gates = guide_trace.nodes["g"]["fn"].base_dist, model_trace.nodes["g"]["value"]
     return loss + computed(model_trace)["row_nce"].mean() * q.log_prob(gates).sum()

@@ -15,9 +15,9 @@ as the gate estimator estimates it; with the default ``ste``, the reference's su
 mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same head is NCL (no gates), and with
 ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
-The head's arguments are named in one place, its signature (a Config's fields of the same names are its arguments:
-``infer.learner.head_arguments``), and checked in one, :func:`check_arguments`: the head calls it, and
-``train.resolve`` calls it with ``flags=True`` to check a Config's fields under run_svi.py's flag names.
+Where the rest lives: its arguments and prior are checked in ``infer/checks.py``, its step's output is
+``infer/output.py``'s, the prior's gradients are divided by lambda in ``infer/prior_gradients.py``, and its evaluation
+figures are ``infer/evaluation.py``'s.
 
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
 on, every step also computes each site's log-density and runs Pyro's checks of the program, which the loss does
@@ -25,203 +25,36 @@ not need.
 """
 
 import contextlib
-import dataclasses
-import functools
-import os
-import weakref
+import logging
 
 import pyro
 import torch
 from pyro import poutine
-from pyro.nn import PyroModule
 from torch import nn
-from torch.distributions import Distribution
 
 from bayesncl_pyro import distributed
-from bayesncl_pyro._deprecated import renamed
-from bayesncl_pyro.errors import UserError, quoted
-from bayesncl_pyro.guides.gates import BernoulliGates, GateGuide
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.guides.gates import GateGuide
+from bayesncl_pyro.infer.checks import check_arguments as check_arguments  # re-exported: its old home
+from bayesncl_pyro.infer.checks import check_rows, checked_prior
 from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
-from bayesncl_pyro.infer.estimators import GATES, Draw, GateEstimator, LocalExpectation, gate_class
+from bayesncl_pyro.infer.elbo import own_params as own_params  # re-exported: its old home
+from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
+from bayesncl_pyro.infer.evaluation import mode_nce, objective_draw
+from bayesncl_pyro.infer.output import HeadOutput
+from bayesncl_pyro.infer.output import gate_pulls as gate_pulls  # re-exported: its old home
+from bayesncl_pyro.infer.prior_gradients import unweight_prior_gradients
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
-from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
+from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.nn.encoders import mlp
-from bayesncl_pyro.nn.losses import ACTIVE_EPS, NONNEG, REFERENCE_KL_CLAMP, bernoulli_kl_grad, info_nce_rows, normalize
+from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, normalize
 
-# the head's arguments that must be positive, with what to pass instead
-_POSITIVE = dict(proj_dim="256", proj_hidden="2048", head_depth="2", temperature="0.2 (the reference's)",
-                 gate_temperature="1.0", logit_bound="5.0",
-                 kl_weight="3e-5 (the published lambda); for no gates at all, no prior (NCL)")
-
-
-def check_arguments(flags: bool = False, **args):
-    """The one check of the head's arguments, refusing a bad value in one line.
-
-    The arguments are given by their names in :class:`BayesNCLHead`'s signature (every one of them; those no rule here
-    concerns pass through). The head calls it, and so does ``train.resolve`` with ``flags=True``, which names them as
-    run_svi.py's flags. A value that would give a wrong loss without a word (a clamp of 0.5 or more: a KL of exactly 0;
-    a logit bound of 0: every gate closed) or fail deep inside Pyro is refused in one line that names the argument and
-    the fix.
-    """
-    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
-    for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
-        if args[arg] not in valid:
-            raise UserError(f"unknown {name(arg)} {quoted(args[arg])}; choose one of: {', '.join(valid)}")
-    for arg, example in _POSITIVE.items():
-        if not args[arg] > 0:
-            raise UserError(f"{name(arg)} must be positive, got {args[arg]}; pass e.g. {example}")
-    if not 0 <= args["kl_clamp"] < 0.5:
-        raise UserError(f"{name('kl_clamp')} must lie in [0, 0.5), got {args['kl_clamp']} (from 0.5 on the clamped "
-                        "KL is 0): 0.01 is the reference's clamp, 0 the exact KL")
-    if not 0 <= args["topk"] <= args["proj_dim"]:
-        raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
-                        "(0 keeps every feature)")
-    _check_size(args, name)
-
-
-def _check_size(args: dict, name):
-    """Refuse a projector and gating head whose float32 weights alone would not fit in this machine's memory.
-
-    Building them fails deep in torch's allocator, or their layers are allocated one at a time until the kernel kills
-    the process. ``train.resolve`` checks before the backbone is built (and the prior, of K values): 1 stands for the
-    backbone's width, unknown there (``in_dim``).
-    """
-    in_dim, hidden, out_dim = args.get("in_dim", 1), args["proj_hidden"], args["proj_dim"]
-
-    def weights(depth: int) -> int:  # an mlp's (encoders.mlp), bias included
-        return (in_dim + 1) * hidden + (depth - 2) * (hidden + 1) * hidden + (hidden + 1) * out_dim if depth > 1 \
-            else (in_dim + 1) * out_dim
-
-    need = 4 * (weights(2) + (weights(args["head_depth"]) if args["prior"] is not None else 0))
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:
-        given = ", ".join(f"{name(arg)}={args[arg]}" for arg in ("proj_hidden", "proj_dim", "head_depth"))
-        raise UserError(f"the head's weights alone ({given}) would need {need / 2**30:.3g} GiB, more than this "
-                        f"machine's {memory / 2**30:.3g} GiB of memory; lower one of them")
-
-
-def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float, prior_args: dict | None = None,
-                  in_dim: int = 8) -> tuple[Prior | None, PyroModule | None]:
-    """Build and check a head's prior: the one place this is done.
-
-    Returns ``(prior, its guide)`` for a registry name, ``package.module:Class`` or a built :class:`Prior` of
-    ``proj_dim`` gates, the guide (for backbone features of ``in_dim``, which a prior with row latents reads) checked
-    against the prior (``checked_guide``); ``(None, None)`` for None. :class:`BayesNCLHead` calls it, and
-    ``train.resolve``, so a bad prior is refused before a run's folder is claimed and its data loaded.
-    """
-    if prior_args and not isinstance(prior, str):
-        raise UserError("prior_args are the arguments of a prior given by name; " + (
-            "prior=None has no prior to take them" if prior is None else
-            f"a {type(prior).__name__} is built already: pass them to its constructor"))
-    if prior is None:
-        return None, None
-    if isinstance(prior, str):
-        prior = build_prior(prior, proj_dim, prior_prob, **(prior_args or {}))
-    elif not isinstance(prior, Prior):
-        raise UserError(f"prior must be a registry name, package.module:Class, a Prior or None, not a "
-                        f"{type(prior).__name__}")
-    if prior.num_features != proj_dim:
-        raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
-                        f"prior with num_features={proj_dim} (the head's proj_dim)")
-    return prior, checked_guide(prior, in_dim)
-
-
-def own_params():
-    """An empty Pyro param store for the duration, so heads do not share parameters.
-
-    The Pyro modules run inside use their own parameters (a learned prior's rate, a Beta posterior), not an entry of the
-    process's global store under the same name, which two heads of one process would share, the second then training a
-    parameter its optimizer does not hold. Pyro's ``module_local_params`` is no substitute: it must be on both when a
-    module is built and at each call, so set for the process it would break the user's own PyroModules.
-    """
-    return pyro.get_param_store().scope()
+logger = logging.getLogger(__name__)
 
 
 def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
-
-
-@dataclasses.dataclass(eq=False)
-class HeadOutput:
-    """What one step of the head (:meth:`BayesNCLHead.forward`) computed, detached but ``gates``.
-
-    The 0-d values stay on the device: ``.item()`` them when you log. The summary figures (the properties) are computed
-    from the step's tensors when first read, then kept; read them before anything writes into those tensors (the head
-    never does).
-    """
-
-    nce: torch.Tensor
-    """0-d: the mean InfoNCE per row at the gates training used."""
-    kl: torch.Tensor
-    """0-d: the KL term per row (summed over the gates, averaged over the rows; plus a prior's global latents' KL /
-    2N); 0 without gates."""
-    features: torch.Tensor
-    """R x K: the rows InfoNCE saw."""
-    kl_weight: torch.Tensor | float | None = None
-    """With gates: this step's lambda (with a density target, the multiplier's value, 0-d)."""
-    gates: torch.Tensor | None = None
-    """With gates, R x K: the tensor InfoNCE's gradient reaches, the gate values (for ``leg`` the inclusion
-    probabilities its ELBO used), whose gradient :meth:`BayesNCLHead.pulls` reads after ``loss.backward()``."""
-    q: BernoulliGates | None = None
-    """With gates: q(g | x) of the step's rows."""
-    prior: Distribution | None = None
-    """With gates: p(g) of the step's rows (for a hierarchical prior, at this step's draw of its global latents)."""
-    estimator: GateEstimator | None = None
-    """With gates: the gate estimator that trained the step."""
-
-    def unread(self) -> "HeadOutput":
-        """The same values with none of the summary figures computed yet.
-
-        It is for tensors rewritten in place since this output was built (a CUDA graph's outputs,
-        ``train/graph.py``).
-        """
-        return dataclasses.replace(self)
-
-    @functools.cached_property
-    def active(self) -> torch.Tensor:
-        """0-d: the share of feature entries that take part in the loss."""
-        return (self.features.abs() > ACTIVE_EPS).float().mean()
-
-    @functools.cached_property
-    def probs(self) -> torch.Tensor:
-        """R x K: q(g = 1 | x)."""
-        return self.q.probs.detach()
-
-    @functools.cached_property
-    def kl_probs(self) -> torch.Tensor:
-        """R x K: the probabilities the KL was taken at: :attr:`probs`, but sigmoid(l) for ``gs-reference-kl``."""
-        return self.estimator.kl_probs(self.q).detach()
-
-    @functools.cached_property
-    def prior_rate(self) -> torch.Tensor:
-        """K: p(g = 1) of the step's prior, its first row's (a prior with a rate per row has each in ``prior.mean``)."""
-        return self.prior.mean[0].detach()
-
-    @functools.cached_property
-    def gate_rate(self) -> torch.Tensor:
-        """0-d: the mean inclusion probability over all entries."""
-        return self.probs.mean()
-
-    @functools.cached_property
-    def incl_min(self) -> torch.Tensor:
-        """0-d: the mean inclusion probability of the least included dimension."""
-        return self.probs.mean(0).min()
-
-    @functools.cached_property
-    def incl_max(self) -> torch.Tensor:
-        """0-d: the mean inclusion probability of the most included dimension."""
-        return self.probs.mean(0).max()
-
-    @functools.cached_property
-    def gates_open(self) -> torch.Tensor:
-        """0-d: the share of the evaluation mask's open gates."""
-        return self.estimator.mask(self.q).float().mean()
-
-    def __getitem__(self, name: str):
-        """``out["nce"]``, as the dict the head returned before: deprecated, read the attribute."""
-        renamed(f"reading the head's output as out[{name!r}]", f"out.{name} (a HeadOutput's attribute)")
-        return getattr(self, name)
 
 
 class BayesNCLHead(nn.Module):
@@ -285,8 +118,11 @@ class BayesNCLHead(nn.Module):
                                 "no gates: drop gate_density or give a prior")
             check_gate_density(gate_density, "bayesncl", prior.prior_prob)
             self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
-        self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook)
-        self._unweight_prior_gradients()
+        self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook): infer.prior_gradients
+        unweight_prior_gradients(self)
+        self.kl_kind = self._kl_kinds(in_dim)
+        for site, kind in self.kl_kind.items():
+            logger.info(f"the KL of latent site {site!r}: {kind}")
 
     @property
     def gated(self) -> bool:
@@ -306,25 +142,29 @@ class BayesNCLHead(nn.Module):
         (:class:`HeadOutput`). Nothing of the head changes: with a density target, call :meth:`update_density` after
         the optimizer step.
         """
-        self._check_rows(h)
+        check_rows(h, self.num_rows, self.gather_distributed and distributed.world_size() > 1, self.estimator)
         z = self.projector(h)  # under the caller's autocast, if any
         dtype = self.projector[0].weight.dtype
         kl_weight = self.kl_weight
-        with self._program_precision(h.device.type):
+        # the Pyro program in full precision under the caller's autocast, its exps and logs, but the gating MLP, a
+        # matmul of the projector's size, under it as the projector; without one nothing is entered (on a CPU step,
+        # entering autocast costs more than the program's small ops)
+        device = h.device.type
+        mlp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        with torch.autocast(device, enabled=False) if mlp_dtype is not None else contextlib.nullcontext():
             gather = distributed.gather_rows if self.gather_distributed else None
-            loss, kl, model_trace, guide_trace = self.elbo_terms(z.to(dtype), h.to(dtype), gather,
-                                                                 kl_weight=kl_weight)
-            made = computed(model_trace)
-            gated = {}
-            if self.gated:
-                # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
-                site = guide_trace.nodes["g"]
-                gates = site["infer"].get("local_expectation_probs", model_trace.nodes["g"]["value"])
-                if gates.requires_grad:
-                    gates.retain_grad()  # read by pulls() after backward
-                gated = dict(kl_weight=kl_weight, gates=gates, q=site["fn"].base_dist,
-                             prior=model_trace.nodes["g"]["fn"], estimator=self.estimator)
-        return loss, HeadOutput(nce=made["row_nce"].mean(), kl=kl, features=made["features"], **gated)
+            terms = self.elbo_terms(z.to(dtype), h.to(dtype), gather, kl_weight=kl_weight, mlp_dtype=mlp_dtype)
+        made = computed(terms.model_trace)
+        gated = {}
+        if self.gated:
+            # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
+            gate_site = terms.model_trace.nodes["g"]
+            gates = gate_site["value"] if terms.gate_probs is None else terms.gate_probs
+            if gates.requires_grad:
+                gates.retain_grad()  # read by pulls() after backward
+            gated = dict(kl_weight=kl_weight, gates=gates, q=terms.guide_trace.nodes["g"]["fn"].base_dist,
+                         prior=gate_site["fn"], estimator=self.estimator)
+        return terms.loss, HeadOutput(nce=made["row_nce"].mean(), kl=terms.kl, features=made["features"], **gated)
 
     @property
     def kl_weight(self) -> torch.Tensor | float:
@@ -346,27 +186,6 @@ class BayesNCLHead(nn.Module):
         if self.density is not None:
             self.density.update(out.gates_open)
 
-    @contextlib.contextmanager
-    def _program_precision(self, device_type: str):
-        """The Pyro program in full precision under the caller's autocast, the gating MLP not.
-
-        Within, under the caller's autocast: autocast off, so the Pyro program's exps and logs run in full
-        precision, but the guide's gating MLP, a matmul of the projector's size, under the caller's autocast as the
-        projector. Without one, nothing is entered (a CPU step: entering autocast costs more than the program's small
-        ops).
-        """
-        if not torch.is_autocast_enabled(device_type):
-            yield
-            return
-        if self.gated:
-            self.guide.mlp_autocast = torch.get_autocast_dtype(device_type)
-        try:
-            with torch.autocast(device_type, enabled=False):
-                yield
-        finally:
-            if self.gated:
-                self.guide.mlp_autocast = None
-
     @property
     def objective(self) -> str:
         """What the loss computes, in words: the gate estimator's objective, or for NCL and CL the InfoNCE alone."""
@@ -385,19 +204,21 @@ class BayesNCLHead(nn.Module):
         """
         return self._program(self.guide, gather, kl_weight, family)
 
-    def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None):
+    def training_program(self, estimator: GateEstimator | None = None, gather=None, kl_weight=None, family=None,
+                         mlp_dtype=None):
         """:meth:`program` with a gate estimator applied to the guide's gate site.
 
         The estimator is the head's by default, applied with ``poutine.reparam``. This is what training differentiates,
         with the estimator's ELBO (``GateEstimator.elbo``: its KL clamp, and ``leg``'s head gradient, which this
-        program's traces alone lack). q's family is the guide's unless ``family`` says otherwise.
+        program's traces alone lack). q's family is the guide's unless ``family`` says otherwise; ``mlp_dtype``: the
+        autocast dtype of the gating MLP (``GateGuide.logits``), None for none.
         """
         if not self.gated:
             return self.program(gather, kl_weight, family)
         trained = self._trained_guide() if estimator is None else poutine.reparam(self.guide, config={"g": estimator})
-        return self._program(trained, gather, kl_weight, family)
+        return self._program(trained, gather, kl_weight, family, mlp_dtype)
 
-    def _program(self, guide_fn, gather, kl_weight, family):
+    def _program(self, guide_fn, gather, kl_weight, family, mlp_dtype=None):
         """(model, guide) closures of (z, h) over the model and ``guide_fn``, lambda read when they run."""
         def weight():
             return self.kl_weight if kl_weight is None else kl_weight
@@ -406,7 +227,7 @@ class BayesNCLHead(nn.Module):
             return self.model(z, h, gather=gather, kl_weight=weight())
 
         def guide(z, h):
-            return guide_fn(z, h, kl_weight=weight(), family=family)
+            return guide_fn(z, h, kl_weight=weight(), family=family, mlp_dtype=mlp_dtype)
 
         return model, guide if self.gated else _no_guide
 
@@ -446,7 +267,7 @@ class BayesNCLHead(nn.Module):
 
         def svi_model(h):
             pyro.module("bayesncl_head", self)
-            self._unweight_prior_gradients()
+            unweight_prior_gradients(self)
             return model(self.projector(h), h)
 
         def svi_guide(h):
@@ -456,68 +277,42 @@ class BayesNCLHead(nn.Module):
         return svi_model, svi_guide
 
     def elbo_terms(self, z: torch.Tensor, h: torch.Tensor, gather=None, estimator: GateEstimator | None = None,
-                   family=None, kl_weight=None) -> ELBOTerms:
+                   family=None, kl_weight=None, mlp_dtype=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training: loss, KL per row, traces.
 
         The diagnostics run the program here too, passing another gate ``estimator`` and q ``family``. From projector
         outputs z and backbone features h it gives the loss (:meth:`forward`), its KL term per row (detached) and the
-        traces, where what the program computed is read. ``kl_weight``: the step's lambda (default :attr:`kl_weight`).
-        It runs inside :func:`own_params`, so no parameter reaches Pyro's global param store.
+        traces, where what the program computed is read, with the ELBO's per-site figures (:class:`ELBOTerms`).
+        ``kl_weight``: the step's lambda (default :attr:`kl_weight`); ``mlp_dtype``: :meth:`training_program`'s. It
+        runs inside :func:`own_params`, so no parameter reaches Pyro's global param store.
         """
-        self._unweight_prior_gradients()
+        unweight_prior_gradients(self)
         kl_weight = self.kl_weight if kl_weight is None else kl_weight
-        model, guide = self.training_program(estimator, gather, kl_weight, family)
+        model, guide = self.training_program(estimator, gather, kl_weight, family, mlp_dtype)
         with own_params():
-            loss, kl, model_trace, guide_trace = self.elbo(estimator).terms(model, guide, z, h)
-        return ELBOTerms(loss / self.num_rows, kl / (self.num_rows * kl_weight), model_trace, guide_trace)
+            terms = self.elbo(estimator).terms(model, guide, z, h)
+        return terms._replace(loss=terms.loss / self.num_rows, kl=terms.kl / (self.num_rows * kl_weight))
 
-    @torch.no_grad()
+    def _kl_kinds(self, in_dim: int) -> dict[str, str]:
+        """How the ELBO takes each latent site's KL (``infer.kl``), from one run of the program on rows of zeros.
+
+        On a forked random stream, without gradients: building a head draws nothing and trains nothing. This first run
+        also sets up an autoguide of the prior's latents (its parameters exist from its first call), before an
+        optimizer is given the head's parameters.
+        """
+        if not self.gated:
+            return {}
+        h = torch.zeros(4, in_dim)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            return self.elbo_terms(self.projector(h), h).kl_kind
+
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One draw of the objective itself, with the exact KL, whatever the estimator trained.
+        """One draw of the objective with the exact KL, whatever the estimator trained (``infer.evaluation``)."""
+        return objective_draw(self, h)
 
-        For backbone features h of 2B rows: one draw of g ~ q(g | x) (and of the prior's global latents from their q),
-        with the exact KL (no clamp). 0-d values:
-        ``neg_elbo``, -ELBO / 2N estimated at that draw (unbiased over draws); ``nce``, its InfoNCE term (mean per
-        row) and ``kl``, its KL term per row. For NCL and CL, -ELBO = InfoNCE. The rows are contrasted with each
-        other only, on one process (no gather across ranks: evaluation runs on rank 0).
-        """
-        z = self.projector(h)
-        kl_weight, draw = self.kl_weight, Draw(kl_clamp=0.0)
-        model, guide = self.training_program(draw, kl_weight=kl_weight)
-        with own_params():
-            loss, kl, model_trace, _ = self.elbo(draw).terms(model, guide, z, h)
-        kl = kl / (self.num_rows * kl_weight) if self.gated else kl
-        return dict(neg_elbo=loss / self.num_rows, nce=computed(model_trace)["row_nce"].mean(), kl=kl)
-
-    @torch.no_grad()
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
-        """The InfoNCE of the evaluation's representation, mean per row.
-
-        The representation is :meth:`representation`'s of backbone features h (for gates, at the evaluation mask).
-        It is deterministic, so it is taken once per batch beside the draws of :meth:`objective_draw`.
-        """
-        return info_nce_rows(self.representation(h), self.model.temperature).mean()
-
-    def _check_rows(self, h: torch.Tensor):
-        """A batch the loss would get wrong without a word (Python integers only: no device sync)."""
-        if h.ndim != 2:
-            raise UserError(f"the head takes R x D backbone features, got a tensor of shape {tuple(h.shape)}")
-        rows = h.shape[0]
-        if rows % 2:
-            raise UserError(f"got {rows} rows, an odd number: the head takes the rows of both views of B images, "
-                            "[view 1 of the B images; view 2 of the same B] (torch.cat([view1, view2]))")
-        gathered = self.gather_distributed and distributed.world_size() > 1  # negatives from the other ranks
-        if rows < 4 and not gathered:
-            raise UserError(f"got {rows} rows, the views of {rows // 2} image: InfoNCE needs another image for a "
-                            "negative; pass a batch of at least 2 images (4 rows)")
-        if isinstance(self.estimator, LocalExpectation) and gathered:
-            raise UserError("--gate leg trains on one process only: its per-gate differences would need every rank's "
-                            "rows and log-partitions, which are not gathered; run leg without torchrun, or train "
-                            "with --gate st-sampled under DDP")
-        if rows > self.num_rows:
-            raise UserError(f"a batch of {rows // 2} images, but num_train={self.num_rows // 2}: num_train is the "
-                            "number of images in the training set (the ELBO scales each batch up to it); pass "
-                            "len(train_set)")
+        """The InfoNCE of the evaluation's representation, mean per row (``infer.evaluation``)."""
+        return mode_nce(self, h)
 
     def _need_gates(self):
         if not self.gated:
@@ -604,66 +399,10 @@ class BayesNCLHead(nn.Module):
         return [*self.model.parameters(), *(rate_guide.parameters() if rate_guide is not None else ())]
 
     def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
-        """The hook on the prior's gradients: divides by this step's lambda.
-
-        lambda is read at each step's backward (:attr:`kl_weight`: the multiplier's value until :meth:`update_density`),
-        so a schedule of it is followed.
-        """
+        """The hook on the prior's gradients (``infer.prior_gradients``): divides by this step's lambda."""
         return grad / self.kl_weight
-
-    def _unweight_prior_gradients(self):
-        """Hook :meth:`_unweight` onto every prior parameter this head has not hooked, keeping the handles.
-
-        Called at construction and at every step: a tensor hook does not travel with a deep copy, a pickle, or a module
-        conversion that replaces the parameter, and neither does the record of the handles (:meth:`__getstate__`),
-        so a copy hooks its own parameters at its first step. A prior hooked by another head is refused: its
-        gradients would be divided twice.
-        """
-        params = self.prior_parameters()
-        if len(params) == len(self._unweighted) and all(map(self._hooks, params)):
-            return  # every step but the first of a head or a copy: nothing to hook
-        hooked = {}
-        for p in params:
-            if not p.requires_grad:
-                continue
-            old = self._unweighted.get(id(p))  # (parameter, handle): the parameter held, so its id stays its own
-            if old is None or old[0] is not p:
-                if any(head._hooks(p) for head in _HEADS):
-                    raise UserError("this prior belongs to another BayesNCLHead already (its gradients are divided by "
-                                    "lambda there); build a new prior for this head")
-                old = (p, p.register_hook(self._unweight))
-                _HEADS.add(self)
-            hooked[id(p)] = old
-        self._unweighted = hooked
-
-    def _hooks(self, p: nn.Parameter) -> bool:
-        """Whether this head divides p's gradient."""
-        return self._unweighted.get(id(p), (None,))[0] is p
 
     def __getstate__(self):
         state = {**super().__getstate__(), "_unweighted": {}}
         state.pop("_trained", None)  # a copy builds its own, around its own guide
         return state
-
-
-# the heads that hook prior parameters, for the refusal of a prior that another head's hook divides already
-_HEADS: "weakref.WeakSet[BayesNCLHead]" = weakref.WeakSet()
-
-
-def gate_pulls(gate_grad: torch.Tensor, kl_probs: torch.Tensor, rate: torch.Tensor, kl_weight: float,
-               kl_clamp: float) -> tuple[float, float]:
-    """How hard the likelihood and the prior move the gates on one batch.
-
-    It returns ``(nce, prior)``: the mean over the R x K entries of |R * gate_grad| and of
-    |lambda * dKL_ik / dalpha_ik|, both in loss per row per unit of inclusion probability (for the STE gate, whose value
-    moves one for one with alpha).
-
-    gate_grad: R x K, the gradient of the trainer's loss (-ELBO / num_rows, the InfoNCE factor's part) w.r.t. the gate
-    values; kl_probs: R x K, the probabilities the step's KL was taken at (the guide's ``GateEstimator.kl_probs``);
-    rate: K, or R x K for a prior with a rate per row, the rates it was taken against (the model's, for a hierarchical
-    prior this step's draw); kl_clamp: the KL's clamp (``bernoulli_kl``). A prior pull far below the InfoNCE pull means
-    the prior hardly shapes the posterior (docs/RESULTS.md has the published lambda's ratio).
-    """
-    kl_grad = bernoulli_kl_grad(kl_probs.float(), rate.float(), kl_clamp)
-    return ((gate_grad.float() * gate_grad.shape[0]).abs().mean().item(),
-            (kl_weight * kl_grad).abs().mean().item())

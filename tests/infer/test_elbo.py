@@ -14,7 +14,7 @@ from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates
-from bayesncl_pyro.infer.elbo import MeanFieldELBO, _kl_part
+from bayesncl_pyro.infer.elbo import MeanFieldELBO
 from bayesncl_pyro.infer.estimators import GATES, Draw, local_expectation_term
 from bayesncl_pyro.infer.head import own_params
 from bayesncl_pyro.infer.learner import ContrastiveLearner
@@ -35,7 +35,7 @@ class PyroLocalExpectation(TraceMeanField_ELBO):
 
     def _differentiable_loss_particle(self, model_trace, guide_trace):
         loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)
-        return loss, surrogate + local_expectation_term(model_trace, guide_trace, self.temperature)
+        return loss, surrogate + local_expectation_term(model_trace, guide_trace, self.temperature)[0]
 
 
 def _loss_and_grads(learner, elbo, x):
@@ -243,8 +243,8 @@ def test_svi_on_the_heads_svi_program_trains_the_head_as_the_trainer_does(prior)
 
 def _summed(model_trace, guide_trace):
     """MeanFieldELBO's -ELBO of one particle (at the registered KL: no clamp) and its KL part."""
-    loss = MeanFieldELBO()._differentiable_loss_particle(model_trace, guide_trace)[1]
-    return loss, _kl_part(guide_trace)
+    particle = MeanFieldELBO().particle(model_trace, guide_trace)
+    return particle.loss, sum(particle.site_kl.values()) if particle.site_kl else 0.0
 
 
 def _negated_elbo(model_trace, guide_trace):

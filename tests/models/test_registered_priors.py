@@ -63,14 +63,13 @@ def test_logit_normal_mean_rate_is_the_mean_of_the_sigmoid_under_q_and_prior_pro
         build_prior("logit-normal", 16, 0.8, scale=0)
 
 
-def _traces(head, h):
+def _terms(head, h):
     with torch.no_grad():
-        terms = head.elbo_terms(head.projector(h), h)
-    return terms.model_trace, terms.guide_trace
+        return head.elbo_terms(head.projector(h), h)
 
 
 @pytest.mark.parametrize("prior, site, in_rows", [("ibp", "stick", False), ("logit-normal", "logit_rate", False),
-                                                 ("per-image", "row_rate", True), ("beta-bernoulli", "rate", False)])
+                                                 ("per-image", "image_rate", True), ("beta-bernoulli", "rate", False)])
 def test_each_priors_latents_sit_where_they_belong_and_take_the_analytic_kl(prior, site, in_rows):
     """Global latents scaled by lambda once per data set; per-image's rate in the rows plate, scaled by lambda and
     N / R as the gates are; each one's KL term the registered KL of its q and prior, not a draw of log q - log p."""
@@ -80,16 +79,17 @@ def test_each_priors_latents_sit_where_they_belong_and_take_the_analytic_kl(prio
         for param in head.guide.rate_guide.parameters():
             param.add_(0.3)
     h = torch.randn(10, 6)
-    model_trace, guide_trace = _traces(head, h)
-    p, q = model_trace.nodes[site], guide_trace.nodes[site]
+    terms = _terms(head, h)
+    p, q = terms.model_trace.nodes[site], terms.guide_trace.nodes[site]
     scale = 0.1 * (200 / 10 if in_rows else 1.0)
     assert p["scale"] == pytest.approx(scale) and q["scale"] == pytest.approx(scale)
-    assert any(f.name == "rows" for f in p["cond_indep_stack"]) == in_rows
-    assert any(f.name == "rows" for f in q["cond_indep_stack"]) == in_rows
+    assert any(f.name == "images" for f in p["cond_indep_stack"]) == in_rows  # per image: its two views share it
+    assert any(f.name == "images" for f in q["cond_indep_stack"]) == in_rows
     analytic = scale * kl_divergence(q["fn"], p["fn"]).sum()
     one_draw = scale * (q["fn"].log_prob(q["value"]) - p["fn"].log_prob(q["value"])).sum()
-    torch.testing.assert_close(q["kl"], analytic)
-    assert not torch.isclose(q["kl"], one_draw)
+    torch.testing.assert_close(terms.site_kl[site], analytic)
+    assert not torch.isclose(terms.site_kl[site], one_draw)
+    assert terms.kl_kind[site] == "analytic" and head.kl_kind[site] == "analytic"
 
 
 def test_per_image_gives_each_row_its_own_rate_from_its_features():
@@ -119,6 +119,23 @@ def test_per_image_gives_each_row_its_own_rate_from_its_features():
         prior.mean_rate(guide)
 
 
+def test_per_image_gives_the_two_views_of_an_image_one_rate_read_from_both():
+    """One rate per image, not per view-row: the prior's gate rates of row i and row B + i (the two views of image i)
+    are one draw, and q(s_i | x_i) reads the image's two views' features (their normalised mean)."""
+    torch.manual_seed(0)
+    head = BayesNCLHead(6, 8, 16, num_train=100, prior="per-image", kl_weight=0.1)
+    guide = head.guide.rate_guide
+    with torch.no_grad():
+        guide.weight.normal_()  # q away from the prior, where every image has the same rate
+    h = torch.randn(10, 6)
+    terms = _terms(head, h)
+    rates = terms.model_trace.nodes["g"]["fn"].mean
+    torch.testing.assert_close(rates[:5], rates[5:], rtol=0, atol=0)
+    assert terms.guide_trace.nodes["image_rate"]["value"].shape == (5,)
+    both = torch.nn.functional.normalize(h[:5], dim=-1) + torch.nn.functional.normalize(h[5:], dim=-1)
+    torch.testing.assert_close(terms.guide_trace.nodes["image_rate"]["fn"].mean, guide.posterior(both).mean)
+
+
 class _OtherSite(PyroModule):
     def forward(self, h, plate):
         with plate:
@@ -132,14 +149,14 @@ class _MisnamedPerImage(PerImagePrior):
 
 def test_a_prior_with_row_latents_is_checked_with_its_amortized_guide():
     """A row-latent prior whose guide samples another site is refused when the head is built, as a global one's."""
-    with pytest.raises(UserError, match=r"samples the latent sites \['row_rate'\] but its make_guide\(\) returns a "
+    with pytest.raises(UserError, match=r"samples the latent sites \['image_rate'\] but its make_guide\(\) returns a "
                                         r"guide that samples \['other'\]"):
         BayesNCLHead(6, 8, 16, num_train=100, prior=_MisnamedPerImage(8, 0.8))
 
 
 @pytest.mark.parametrize("prior, site, dims", [("ibp", "stick", ("chain", "draw", "feature")),
                                               ("logit-normal", "logit_rate", ("chain", "draw", "feature")),
-                                              ("per-image", "row_rate", ("chain", "draw", "item"))])
+                                              ("per-image", "image_rate", ("chain", "draw", "item"))])
 def test_a_digits_run_of_each_prior_exports_its_gates_opens_in_the_figures_and_the_report(tmp_path, prior, site,
                                                                                         dims):
     out = tmp_path / "run"
