@@ -81,11 +81,9 @@ class BayesNCLHead(nn.Module):
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
             of every rank (global negatives; a plain run is unaffected).
 
-    The prior's global parameters (a learned rate, the Beta posterior of ``beta-bernoulli``) get their gradient
-    divided by lambda (a hook on each): their whole objective sits inside the lambda-weighted KL, so this makes
-    their step independent of lambda under any optimiser (:meth:`param_groups`).
-
-    A forward pass changes nothing of the head. With ``gate_density``, a training loop calls
+    The prior's global parameters get their gradient divided by lambda (``infer/prior_gradients.py``). ``kl_kind``:
+    how the ELBO takes each latent site's KL (``infer/kl.py``), said once at INFO when the head is built. A forward
+    pass changes nothing of the head. With ``gate_density``, a training loop calls
     :meth:`update_density` with the step's output after ``optimizer.step()``: that moves lambda. For Pyro's ``SVI``:
     :meth:`svi_program` and :meth:`elbo`.
     """
@@ -258,10 +256,8 @@ class BayesNCLHead(nn.Module):
         ``SVI(*head.svi_program(), optim, head.elbo()).step(h)`` takes one step on the head's -ELBO (its loss times 2N;
         the backbone is the caller's). The program is :meth:`training_program`, with the projector run in the model and
         every parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces
-        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors, so a bare ``SVI`` on
-        :meth:`training_program` trains nothing. The parameters enter Pyro's param store: step inside
-        :func:`own_params`. The prior's gradients arrive divided by lambda (:meth:`param_groups`); call
-        :meth:`update_density` after each step as with any optimizer.
+        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. The parameters enter
+        Pyro's param store: step inside :func:`own_params`; call :meth:`update_density` after each step.
         """
         model, guide = self.training_program()
 
@@ -370,12 +366,10 @@ class BayesNCLHead(nn.Module):
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: encoder, gating head and the prior's global parameters.
 
-        The backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr``
-        (0.1 published, not batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay.
-        Their gradients arrive divided by lambda (:meth:`prior_parameters`; ``grad_scale`` in their group records by
-        what, and marks a checkpoint of this scheme), so that their step does not depend on lambda with SGD or LARS
-        (Adam is scale-free either way, up to its eps). Clip gradients by group, not over all parameters: the
-        prior's are not on the loss's scale.
+        The backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr`` (0.1 published, not
+        batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay, their gradients divided
+        by lambda (``infer/prior_gradients.py``; ``grad_scale`` records by what, and marks a checkpoint of this
+        scheme). Clip gradients by group: the prior's are not on the loss's scale.
         """
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
@@ -388,11 +382,7 @@ class BayesNCLHead(nn.Module):
         return groups
 
     def prior_parameters(self) -> list[nn.Parameter]:
-        """The prior's global parameters: the model's (the prior's) and those of the prior's guide.
-
-        After ``backward`` their ``.grad`` is the loss's gradient divided by lambda (their optimizer group's
-        ``grad_scale``). The guide's other parameters are the gating head's.
-        """
+        """The prior's global parameters, the prior's and its guide's: their ``.grad`` is divided by lambda."""
         if not self.gated:
             return []
         rate_guide = self.guide.rate_guide
