@@ -137,19 +137,44 @@ def control_masks(ungated: torch.Tensor, features: torch.Tensor, seed: int = 0) 
     return out
 
 
+def mask_jaccard(kept: torch.Tensor, other: torch.Tensor) -> float:
+    """Per image Jaccard overlap |A & B| / |A | B| of two N x K bool masks, averaged over the images.
+
+    An image where both masks keep nothing has no overlap to measure and is left out; 0.0 if every image is such.
+    """
+    union = (kept | other).sum(dim=1)
+    both = (kept & other).sum(dim=1)
+    some = union > 0
+    return float((both[some].double() / union[some]).mean()) if some.any() else 0.0
+
+
+MASK_OVERLAP = {
+    "mask_jaccard": "per image Jaccard overlap of the entries the gates keep (F's active entries) and those post-hoc "
+                    "TopK keeps at the same count (posthoc_topk's mask), averaged over images",
+    "mask_jaccard_random": f"the same overlap of F's active entries with random_per_image's masks (the same count, "
+                           f"drawn among u's active entries): what chance gives, the mean over {RANDOM_MASKS} masks",
+}
+"""The two mask overlaps in eval.json's ``controls``: whether the gates choose the entries a TopK of the same
+features chooses, against chance."""
+
+
 def count_matched_controls(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
                            factors: dict | None = None, seed: int = 0) -> dict:
     """The controls that separate the gates' selection from what training did to the encoder.
 
     Returns ``{name: figures}``, :func:`summary`'s and the sparsity of normalise(u * mask), averaged over each control's
-    :func:`control_masks`. ungated: N x K u, features: N x K F, labels: N.
+    :func:`control_masks`, and the overlaps of :data:`MASK_OVERLAP` (floats) of those same masks with F's.
+    ungated: N x K u, features: N x K F, labels: N.
     """
     def figures(mask):
         x = normalize(ungated * mask)
         return dict(summary(x, labels, factors), sparsity=sparsity(x))
 
-    return {name: _mean([figures(m) for m in masks], "")
-            for name, masks in control_masks(ungated, features, seed).items()}
+    masks = control_masks(ungated, features, seed)
+    kept = active_entries(features).bool()
+    out = {name: _mean([figures(m) for m in ms], "") for name, ms in masks.items()}
+    return dict(out, mask_jaccard=mask_jaccard(kept, masks["posthoc_topk"][0]),
+                mask_jaccard_random=sum(mask_jaccard(kept, m) for m in masks["random_per_image"]) / RANDOM_MASKS)
 
 
 def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
@@ -347,8 +372,17 @@ TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "seman
 
 
 def flat_controls(run: dict) -> dict:
-    """A run's eval.json ``controls`` as flat keys ``control_<name>_<key>`` (for the tables' means over seeds)."""
-    return {f"control_{name}_{k}": v for name, figures in run.get("controls", {}).items() for k, v in figures.items()}
+    """A run's eval.json ``controls`` as flat keys (for the tables' means over seeds).
+
+    ``control_<name>_<key>`` for a control's figures, ``control_<name>`` for the overlaps of :data:`MASK_OVERLAP`.
+    """
+    flat = {}
+    for name, figures in run.get("controls", {}).items():
+        if isinstance(figures, dict):
+            flat.update({f"control_{name}_{k}": v for k, v in figures.items()})
+        else:  # a figure of the run's own: the mask overlaps (MASK_OVERLAP)
+            flat[f"control_{name}"] = figures
+    return flat
 
 
 def family(fields: dict) -> str:
