@@ -17,8 +17,6 @@ other half is the informativeness; the importances are the fitted model's.
 
 import numpy as np
 import torch
-from scipy import stats
-from sklearn.ensemble import GradientBoostingClassifier
 
 ENTROPY_FLOOR = 1e-11
 """Added to R before its entropies, as disentanglement_lib does, so that an all-zero row or column is defined (it is
@@ -27,6 +25,8 @@ then uniform, and weighs nothing)."""
 
 def disentanglement(importance: np.ndarray) -> float:
     """D of a K x M importance matrix: the codes' 1 - entropy over factors (base M), weighted by their importance."""
+    from scipy import stats  # late: scipy's import costs a second, and only a run with known factors needs it
+
     per_code = 1.0 - stats.entropy(importance.T + ENTROPY_FLOOR, base=importance.shape[1])
     weights = importance if importance.sum() > 0 else np.ones_like(importance)
     return float(np.sum(per_code * weights.sum(axis=1) / weights.sum()))
@@ -34,6 +34,8 @@ def disentanglement(importance: np.ndarray) -> float:
 
 def completeness(importance: np.ndarray) -> float:
     """C of a K x M importance matrix: the factors' 1 - entropy over codes (base K), weighted by their importance."""
+    from scipy import stats  # late: as in disentanglement
+
     per_factor = 1.0 - stats.entropy(importance + ENTROPY_FLOOR, base=importance.shape[0])
     weights = importance if importance.sum() > 0 else np.ones_like(importance)
     return float(np.sum(per_factor * weights.sum(axis=0) / weights.sum()))
@@ -46,6 +48,8 @@ def importance_matrix(codes: np.ndarray, factors: np.ndarray, seed: int = 0) -> 
     ``feature_importances_`` are the factor's column, its accuracy on the odd-indexed samples its informativeness. A
     factor with one value in the fitted half has nothing to predict: its column is zero and its accuracy 1.
     """
+    from sklearn.ensemble import GradientBoostingClassifier  # late: as scipy's, for a run with known factors only
+
     train, test = slice(0, None, 2), slice(1, None, 2)
     importance = np.zeros((codes.shape[1], factors.shape[1]))
     accuracy = np.ones(factors.shape[1])
