@@ -44,7 +44,12 @@ reference on CIFAR and ImageNet-100, the fast one (standardised features, one lr
 reuses finished runs and resumes interrupted ones; a folder holding a run with other settings is an error,
 never mixed in.
 Writes <out>/comparison.md, comparison.json, consistency_vs_probe.png and matched_sparsity.png (consistency and
-LP@1 against the activation rate, one curve per method). NCL and CL runs ignore --prior-prob and --kl-weight (they
+LP@1 against the activation rate, one curve per method), and paired.png (each gated method minus each baseline,
+seed by seed, with its intervals, one-sided bounds, equivalence test, power and Holm-adjusted p in the tables).
+A recorded comparison is rewritten from its records by today's code, without data or training:
+
+    python experiments/compare.py --rebuild docs/results/verdict-comp/comparison-d0.3.json
+ NCL and CL runs ignore --prior-prob and --kl-weight (they
 have no gates), so their records serve comparisons at any prior.
 
 --budget-minutes M fits the whole command after start-up (timing, training, evaluation) in about M
@@ -76,8 +81,10 @@ from bayesncl_pyro.evaluate.comparison import (
     METHOD_NAMES,
     comparison,
     method_configs,
+    rebuild,
     record,
     recorded_run,
+    shared_settings,
     train_time,
     write_comparison,
 )
@@ -109,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--record", type=Path, help="a folder of finished runs' records (config.json, eval.json, "
                    "log.jsonl of each, and the comparison), such as docs/results/NAME: a run recorded there with the "
                    "same configuration is reused without training, and every finished run is recorded there after")
+    p.add_argument("--rebuild", type=Path, metavar="JSON", help="rewrite a recorded comparison (such as "
+                   "docs/results/verdict-comp/comparison-d0.3.json), its markdown and paired figures beside it from "
+                   "its runs' records by today's code, without the data and without training; other flags are ignored")
     p.add_argument("--budget-minutes", type=float, help="fit timing, training and evaluation of every run in "
                    "about this many minutes by choosing the number of epochs, at most --epochs (see above)")
     g = p.add_argument_group("shared settings (override the recipe; default: recipe)")
@@ -211,8 +221,8 @@ def compare(args) -> dict:
                              train_time_s=train_time(run_dir, cfg.batch_size)))
             if settings is None or (cfg.method == "bayesncl" and settings.method != "bayesncl"):
                 settings = cfg  # the gates' shared settings, where there are gates
-    report = comparison(args.dataset, args.seeds, notes, runs, settings, len(args.kl_weight or ()) > 1, plan,
-                        time.perf_counter() - started)
+    report = comparison(args.dataset, args.seeds, notes, runs, shared_settings(settings, len(args.kl_weight or ()) > 1),
+                        plan, time.perf_counter() - started)
     md = write_comparison(out, report)
     if args.record:
         folder = rundir.output_folder(args.record, named=True)
@@ -222,10 +232,28 @@ def compare(args) -> dict:
     return report
 
 
+def rebuild_comparison(path: Path) -> dict:
+    """--rebuild: rewrite a recorded comparison and its paired figures beside it from its runs' records.
+
+    No run is trained; the figures of runs (consistency_vs_probe, matched_sparsity) are left to a full command, which a
+    record folder need not keep.
+    """
+    if not path.is_file():
+        raise UserError(f"--rebuild takes a comparison's json in a --record folder; {path} is no file")
+    suffix = path.stem.removeprefix("comparison")  # comparison-d0.3.json -> -d0.3
+    report = rebuild(path)
+    print(write_comparison(path.parent, report, suffix, ("paired", "paired_mechanism")))
+    return report
+
+
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/compare.py."""
-    compare(parser().parse_args(argv))
+    args = parser().parse_args(argv)
+    if args.rebuild:
+        rebuild_comparison(args.rebuild)
+    else:
+        compare(args)
     return 0
 
 

@@ -2,6 +2,6 @@
 
 Also the test split's features, the ArviZ export, load_learner and load_run, and the weights as plain state_dicts.
 
-Modules: arviz_export, comparison, diagnostics, dimensions, figures, heldout, loading, matched, metrics, probe, report,
-run, weights.
+Modules: arviz_export, comparison, dci, diagnostics, dimensions, figures, heldout, loading, matched, metrics, probe,
+report, run, weights.
 """

@@ -14,7 +14,10 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.evaluate.heldout import describe_protocol
 from bayesncl_pyro.evaluate.matched import (
     MATCHED_COLUMNS,
+    MECHANISM,
+    MECHANISM_BASELINES,
     TOPN_COLUMNS,
+    family,
     flat_controls,
     paired,
     paired_table,
@@ -22,6 +25,7 @@ from bayesncl_pyro.evaluate.matched import (
     plot_paired,
     topk_at_rate,
 )
+from bayesncl_pyro.evaluate.stats import EQUIVALENCE_MARGIN, POWER
 from bayesncl_pyro.infer.estimators import GATES
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
@@ -47,6 +51,17 @@ FACTOR_COLUMNS = [("bg dims (F)", "dims_tracking_background", 1, ".1f"),
                   ("bg dims (ungated)", "ungated_dims_tracking_background", 1, ".1f"),
                   ("bg dims gated off %", "gated_off_share_background", 100, ".1f"),
                   ("class dims gated off %", "gated_off_share_class", 100, ".1f")]
+# what the gates select and do, against the known factors (eval.json's controls.mask_jaccard*, dci_*, conflict_*)
+MECHANISM_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"),
+                     ("Jaccard gates / post-hoc TopK", "control_mask_jaccard", 1, ".3f"),
+                     ("Jaccard gates / random", "control_mask_jaccard_random", 1, ".3f"),
+                     ("DCI D", "dci_disentanglement", 1, ".3f"), ("DCI C", "dci_completeness", 1, ".3f"),
+                     ("DCI I class", "dci_informativeness_class", 100, ".1f"),
+                     ("DCI I bg", "dci_informativeness_background", 100, ".1f"),
+                     ("conflict bg", "conflict_background", 1, ".3f"), ("bg dims measured", "conflict_dims_background",
+                                                                       1, ".1f"),
+                     ("conflict class", "conflict_class", 1, ".3f"), ("class dims measured", "conflict_dims_class",
+                                                                      1, ".1f")]
 
 # The paper's numbers (docs/METHOD.md, "Published numbers": ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100,
 # the reference's evaluation protocol), in the units of COLUMNS: dataset -> method -> eval key -> value. The paper's
@@ -136,24 +151,54 @@ def summarise(runs: list[dict], keys: list[str]) -> dict:
             for name, rs in out.items()}
 
 
-def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: Config,
-               several_lambdas: bool, budget: dict | None, wall_s: float) -> dict:
-    """What comparison.json holds: the runs, the means over seeds and the shared settings.
+def shared_settings(cfg: Config, several_lambdas: bool) -> dict:
+    """The settings every run of a comparison shares: ``cfg``'s identity less what differs between runs.
+
+    ``cfg``: one run's Config, a gated one's where there are gates; lambda differs too where there are
+    ``several_lambdas``.
+    """
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+        {"kl_weight"} if several_lambdas else set())
+    return {k: v for k, v in cfg.identity().items() if k not in per_run}
+
+
+def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: dict,
+               budget: dict | None, wall_s: float) -> dict:
+    """What comparison.json holds: the runs, the means over seeds, the paired comparisons and the shared settings.
 
     Each run (``runs``: its name, family, seed, folder and eval.json's figures, each given NCL+TopK's at its sparsity),
-    each method's means over ``seeds``, and the settings every run shares, taken from ``settings`` (one run's Config, a
-    gated one's where there are gates) less what differs between runs (lambda too where there are ``several_lambdas``).
+    each method's means over ``seeds``, the paired rows on the consistencies (``paired``) and, where the runs have them,
+    on :data:`matched.MECHANISM` (``paired_mechanism``: another table, another family for Holm), and ``settings``
+    (:func:`shared_settings`).
     """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
-                              + TOPN_COLUMNS))
-    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
-        {"kl_weight"} if several_lambdas else set())
+                              + TOPN_COLUMNS + MECHANISM_COLUMNS))
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
-    return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes,
-                settings={k: v for k, v in settings.identity().items() if k not in per_run},
-                summary=summarise(runs, keys), paired=paired(runs), runs=runs, paper=PAPER.get(dataset, {}),
-                budget=budget, wall_s=wall_s)
+    return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
+                summary=summarise(runs, keys), paired=paired(runs),
+                paired_mechanism=paired(runs, MECHANISM, MECHANISM_BASELINES), runs=runs,
+                paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
+
+
+def rebuild(path: Path) -> dict:
+    """A comparison.json rebuilt from its runs' records, by today's code: no run is trained again.
+
+    ``path``: a comparison's json (``comparison.json``, or a renamed one such as ``comparison-d0.3.json``) in the folder
+    that records its runs (``--record``). Each run's eval.json is read again from ``<folder>/<run folder>`` (so that
+    figures added to it since, and every figure derived from it, come in), its family from its config.json
+    (:func:`matched.family`: comparisons recorded before families have none); its name, seed, folder and training time
+    are the comparison's; notes, settings, budget and wall time are kept as they were.
+    """
+    old = rundir.read_json(path)
+    runs = []
+    for r in old["runs"]:
+        cfg = rundir.read_json(path.parent / r["folder"] / rundir.CONFIG)
+        runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=r["folder"],
+                         **rundir.read_eval(path.parent / r["folder"], cfg.get("gate")),
+                         train_time_s=r["train_time_s"]))
+    return comparison(old["dataset"], old["seeds"], old["notes"], runs, old["settings"], old.get("budget"),
+                      old["wall_s"])
 
 
 def table(summary: dict, columns: list, seeds: int) -> str:
@@ -214,9 +259,10 @@ def markdown(report: dict) -> str:
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(seeds))]
     if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
-        md += ["", "At matched sparsity (matched_sparsity.png): each run's consistency and dims tracking the class "
-               "beside NCL+TopK's at the same activation rate of F and at the same sparsity (linear in it between "
-               "the two nearest k of the run's own seed, NCL as k = K; blank outside their range), the same run's "
+        md += ["", f"At matched sparsity ({stem_name('matched_sparsity', report)}): each run's consistency and dims "
+               "tracking the class beside NCL+TopK's at the same activation rate of F and at the same sparsity "
+               "(linear in it between the two nearest k of the run's own seed, NCL as k = K, or TopK runs only where "
+               "the column says so; blank outside their range), the same run's "
                "ungated features under random masks as sparse as F (the mean of 5), and the run judged as a posterior: "
                "at q's mean (soft gating) and over 5 draws from q. LP@1 is on backbone features, one per run.", "",
                table(summary, MATCHED_COLUMNS, len(seeds))]
@@ -229,12 +275,35 @@ def markdown(report: dict) -> str:
                "run beside its controls, its own ungated features as sparse as F image by image: each image's "
                "largest entries (post-hoc TopK), random entries (the mean of 5), random entries of the dims F uses.",
                "", table(summary, TOPN_COLUMNS, len(seeds))]
+    if any(c[1] in r for r in runs for c in MECHANISM_COLUMNS[1:]):
+        md += ["", "What the gates select and do, against the known factors. Jaccard: per image, the overlap of the "
+               "entries the gates keep with those post-hoc TopK keeps at the same count (1: the same entries), and "
+               "with random entries at that count (chance); DCI D and C: disentanglement and completeness of F "
+               "against (class, background) (Eastwood and Williams 2018, by disentanglement_lib's gradient-boosted "
+               "trees), I: held-out accuracy of each factor's predictor; conflict: the mean cancellation of the "
+               "InfoNCE gradient's two parts in training (1: pull and push cancel) over the dims of F that track each "
+               "factor and were measured (dims measured).", "", table(summary, MECHANISM_COLUMNS, len(seeds))]
+    paired_note = (
+        "each gated method minus each baseline on the same seed, in points; 95 % confidence intervals of the mean "
+        "difference by Student's t and by the bootstrap over seeds (10,000 resamples); one-sided 95 % bounds: the "
+        "mean difference is above the first and below the second, each at 95 % (\"no gain above\" the second); TOST "
+        f"p: two one-sided tests of a difference within +/- {100 * EQUIVALENCE_MARGIN:g} points (the margin fixed in "
+        "code before any result was read: evaluate/stats.py), below 0.05 only where the difference is shown to be "
+        f"that small; MDD: the true difference a two-sided 5 % paired t test of these seeds detects with "
+        f"{100 * POWER:g} % power at their standard deviation; above / below: seeds whose difference is positive / "
+        "negative; p: two-sided t test of a zero mean, and Holm's adjustment of it over every row of the table. An "
+        "interval that contains 0 does not separate the method from the baseline, nor show them equal: the bounds "
+        "and TOST say how large a difference the seeds leave possible. Trained TopK is interpolated at the gated "
+        "run's own sparsity (share of zeros over all K dims) or activation rate (of its live dims), between the two "
+        "nearest points of its seed's curve, with NCL as a point of the curve (k = K) and on TopK runs alone: the two "
+        "differ where NCL is one of the nearest points.")
     if report.get("paired"):
-        md += ["", "Paired by seed (paired.png): each gated method minus each baseline on the same seed, in points; "
-               "95 % confidence intervals of the mean difference by Student's t and by the bootstrap over seeds "
-               "(10,000 resamples); above / below: seeds whose difference is positive / negative; p: two-sided t "
-               "test of a zero mean. An interval that contains 0 does not separate the method from the baseline.",
-               "", paired_table(report["paired"])]
+        md += ["", f"Paired by seed ({stem_name('paired', report)}): {paired_note}", "",
+               paired_table(report["paired"])]
+    if report.get("paired_mechanism"):
+        md += ["", f"The same, on what the gates do ({stem_name('paired_mechanism', report)}): DCI and the gradient "
+               "conflict, against NCL and trained TopK (values x 100; TOST at the same margin); a family of its own "
+               "for Holm.", "", paired_table(report["paired_mechanism"])]
     paper = paper_table(dataset, summary, protocol)
     if paper:
         caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "
@@ -268,18 +337,32 @@ def plot(runs: list[dict], path: Path):
     plt.close(fig)
 
 
-def write_comparison(out: Path, report: dict) -> str:
-    """Write comparison.json, its figures and comparison.md into ``out``.
+def stem_name(stem: str, report: dict) -> str:
+    """A file of the comparison by its stem: ``<stem><report's suffix>.png`` (the suffix of a renamed comparison)."""
+    return f"{stem}{report.get('suffix', '')}.png"
 
-    The figures: consistency_vs_probe.png, matched_sparsity.png and paired.png (where there are gated runs with
-    baselines). Returns comparison.md's text.
+
+FIGURES = ("consistency_vs_probe", "matched_sparsity", "paired", "paired_mechanism")
+"""The figures of a comparison, by their stem."""
+
+
+def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[str, ...] = FIGURES) -> str:
+    """Write comparison<suffix>.json, its ``figures`` and comparison<suffix>.md into ``out``.
+
+    The figures (:data:`FIGURES`), each name ending in ``suffix`` (a folder may hold several comparisons:
+    comparison-d0.3.*): consistency_vs_probe, matched_sparsity, paired (where there are gated runs with baselines) and
+    paired_mechanism (where they have the mechanism's figures). Returns the markdown's text.
     """
     out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
-    (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report["runs"], out / "consistency_vs_probe.png")
-    plot_matched(report["runs"], out / "matched_sparsity.png")
-    if report.get("paired"):
-        plot_paired(report["paired"], out / "paired.png")
+    report = dict(report, suffix=suffix) if suffix else report
+    (out / f"comparison{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "consistency_vs_probe" in figures:
+        plot(report["runs"], out / stem_name("consistency_vs_probe", report))
+    if "matched_sparsity" in figures:
+        plot_matched(report["runs"], out / stem_name("matched_sparsity", report))
+    for stem in ("paired", "paired_mechanism"):
+        if stem in figures and report.get(stem):
+            plot_paired(report[stem], out / stem_name(stem, report))
     md = markdown(report)
-    (out / "comparison.md").write_text(md)
+    (out / f"comparison{suffix}.md").write_text(md)
     return md

@@ -125,6 +125,24 @@ def conflict_table(run_dir: str | os.PathLike) -> dict | None:
     return out
 
 
+def conflict_by_factor(table: dict, tracking: dict) -> dict:
+    """A run's conflict on the dims that track each ground-truth factor: eval.json's ``conflict_<name>``.
+
+    ``table``: :func:`conflict_table`; ``tracking``: ``{name: K bool mask}`` of the dims tracking each factor
+    (``metrics.factor_tracking`` of the evaluated representation, the rule ``dimensions.factor_scores`` applies).
+    ``conflict_<name>``: the mean ``cancellation`` over those dims that were measured in training (left out where none
+    was), with ``conflict_dims_<name>``, how many were.
+    """
+    out = {}
+    for name, mask in tracking.items():
+        values = table["cancellation"][np.asarray(mask, dtype=bool)]
+        values = values[np.isfinite(values)]
+        out[f"conflict_dims_{name}"] = len(values)
+        if len(values):
+            out[f"conflict_{name}"] = float(values.mean())
+    return out
+
+
 def _median(x, mask=None) -> float:
     x = x if mask is None else x[mask]
     x = x[np.isfinite(x)]

@@ -15,8 +15,11 @@ from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
+from bayesncl_pyro.evaluate.dci import dci
+from bayesncl_pyro.evaluate.diagnostics import conflict_by_factor, conflict_table
 from bayesncl_pyro.evaluate.matched import (
     CONTROLS,
+    MASK_OVERLAP,
     REPRESENTATIONS,
     count_matched_controls,
     posterior_representations,
@@ -178,19 +181,23 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
 
     Linear probe (top-1/5) and kNN top-1 on frozen backbone features h; the interpretability metrics and retrieval
     precision on the test split's representation F; on generated data whose test split records its factors, which factor
-    each dimension tracks; the training objective on the test split (:func:`test_objective`). Fractions in [0, 1];
-    ``protocol`` names how the linear probe and retrieval were done (``cfg.eval_protocol``).
+    each dimension tracks, F's DCI disentanglement and completeness against them (``dci.dci``) and, where the run's
+    folder (``cfg.out``) holds its conflict.jsonl, the gradient conflict on the dims tracking each factor
+    (``conflict_background``, ``conflict_class``: ``diagnostics.conflict_by_factor``); the training objective on the
+    test split (:func:`test_objective`). Fractions in [0, 1]; ``protocol`` names how the linear probe and retrieval were
+    done (``cfg.eval_protocol``).
 
     For BayesNCL the interpretability metrics are also reported for the same model's features before gating (keys ending
     in ``_ungated``): what the gates add, with the encoder held fixed; and at matched sparsity and as a posterior
     (``matched.py``): the ungated features under random masks as sparse as F (``_random_mask``), the posterior mean's
     soft gating (``_posterior_mean``) and draws from q (``_q_draws``); and beside controls as sparse as F image by image
-    (``controls``, ``matched.count_matched_controls``; ``control_definitions`` says what each is). ``representations``
-    says what each suffix is a figure of. Consistency is given twice: the paper's (``semantic_consistency``) and the
-    top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on ``topn_n`` samples a dim, with its
-    coverage and ``topn_chance``, its value for a class-blind dim). ``progress`` (``progress.reporter``) shows the long
-    parts go by: the features of each split, the linear probe's epochs. ``test``: the test split's
-    :func:`test_features`, when the caller has them (else they are computed here).
+    (``controls``, ``matched.count_matched_controls``, with the overlap of the gates' mask and post-hoc TopK's,
+    ``controls.mask_jaccard``, and of random masks, ``controls.mask_jaccard_random``; ``control_definitions`` says what
+    each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
+    (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
+    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). ``progress``
+    (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs. ``test``:
+    the test split's :func:`test_features`, when the caller has them (else they are computed here).
     """
     h_tr, _, y_tr = extract(learner, data.train, cfg, data.channels, device, progress)
     test = test if test is not None else test_features(learner, data, device, progress)
@@ -211,11 +218,15 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     factors = test.factors
     if factors is not None:
         results.update(factor_report(f_te, factors, ungated, gates))
+        results.update(dci(f_te, factors, cfg.seed))
+        conflict = conflict_table(cfg.out) if cfg.out else None  # the run's training records, where it wrote them
+        if conflict is not None:
+            results.update(conflict_by_factor(conflict, factor_tracking(f_te, factors)))
     if learner.gated:
         results.update(random_mask_null(ungated, f_te, y_te, factors, cfg.seed))
         results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
         results.update(controls=count_matched_controls(ungated, f_te, y_te, factors, cfg.seed),
-                       control_definitions=CONTROLS)
+                       control_definitions={**CONTROLS, **MASK_OVERLAP})
     suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,
                 representations={s or "(no suffix)": REPRESENTATIONS[s] for s in suffixes})

@@ -33,6 +33,7 @@ from bayesncl_pyro.evaluate.metrics import (
     sparsity,
     topn_consistency,
 )
+from bayesncl_pyro.evaluate.stats import holm, interval
 from bayesncl_pyro.nn.losses import normalize
 
 RANDOM_MASKS = 5
@@ -137,19 +138,44 @@ def control_masks(ungated: torch.Tensor, features: torch.Tensor, seed: int = 0) 
     return out
 
 
+def mask_jaccard(kept: torch.Tensor, other: torch.Tensor) -> float:
+    """Per image Jaccard overlap |A & B| / |A | B| of two N x K bool masks, averaged over the images.
+
+    An image where both masks keep nothing has no overlap to measure and is left out; 0.0 if every image is such.
+    """
+    union = (kept | other).sum(dim=1)
+    both = (kept & other).sum(dim=1)
+    some = union > 0
+    return float((both[some].double() / union[some]).mean()) if some.any() else 0.0
+
+
+MASK_OVERLAP = {
+    "mask_jaccard": "per image Jaccard overlap of the entries the gates keep (F's active entries) and those post-hoc "
+                    "TopK keeps at the same count (posthoc_topk's mask), averaged over images",
+    "mask_jaccard_random": f"the same overlap of F's active entries with random_per_image's masks (the same count, "
+                           f"drawn among u's active entries): what chance gives, the mean over {RANDOM_MASKS} masks",
+}
+"""The two mask overlaps in eval.json's ``controls``: whether the gates choose the entries a TopK of the same
+features chooses, against chance."""
+
+
 def count_matched_controls(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
                            factors: dict | None = None, seed: int = 0) -> dict:
     """The controls that separate the gates' selection from what training did to the encoder.
 
     Returns ``{name: figures}``, :func:`summary`'s and the sparsity of normalise(u * mask), averaged over each control's
-    :func:`control_masks`. ungated: N x K u, features: N x K F, labels: N.
+    :func:`control_masks`, and the overlaps of :data:`MASK_OVERLAP` (floats) of those same masks with F's.
+    ungated: N x K u, features: N x K F, labels: N.
     """
     def figures(mask):
         x = normalize(ungated * mask)
         return dict(summary(x, labels, factors), sparsity=sparsity(x))
 
-    return {name: _mean([figures(m) for m in masks], "")
-            for name, masks in control_masks(ungated, features, seed).items()}
+    masks = control_masks(ungated, features, seed)
+    kept = active_entries(features).bool()
+    out = {name: _mean([figures(m) for m in ms], "") for name, ms in masks.items()}
+    return dict(out, mask_jaccard=mask_jaccard(kept, masks["posthoc_topk"][0]),
+                mask_jaccard_random=sum(mask_jaccard(kept, m) for m in masks["random_per_image"]) / RANDOM_MASKS)
 
 
 def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
@@ -163,7 +189,14 @@ def interpolate(x: float, points: list[tuple[float, float]]) -> float | None:
     return None
 
 
-TOPK_KEYS = ("semantic_consistency", "semantic_consistency_topn", "dims_tracking_class", "linear_probe_top1")
+MECHANISM = {"dci_disentanglement": "DCI disentanglement", "dci_completeness": "DCI completeness",
+             "conflict_background": "conflict on background dims", "conflict_class": "conflict on class dims"}
+"""What the gates do to the representation and to training, against the known factors: DCI (``dci.dci``) and the
+gradient conflict on the dims tracking each factor (``diagnostics.conflict_by_factor``), paired by seed as
+:data:`METRICS` are but against NCL and trained TopK only (the controls have no training and no such figures)."""
+
+TOPK_KEYS = ("semantic_consistency", "semantic_consistency_topn", "dims_tracking_class", "linear_probe_top1",
+             *MECHANISM)
 
 
 MATCH_ON = {"rate": "activation_rate", "sparsity": "sparsity"}
@@ -172,15 +205,22 @@ entries among the dims in use, so a representation that closes whole dims can be
 and the share of zero entries over all K dims (what a TopK's k fixes, and what the random-mask null keeps)."""
 
 
+WITHOUT_NCL = "_without_ncl"
+"""Suffix of the TopK figures interpolated on TopK runs alone (:func:`topk_at_rate`)."""
+
+
 def topk_at_rate(runs: list[dict]) -> list[dict]:
-    """Give each run NCL+TopK's figures at its own activation rate and sparsity.
+    """Give each run NCL+TopK's figures at its own activation rate and sparsity, with and without NCL on the curve.
 
     ``runs`` (compare.py's: dicts with ``name``, ``family``, ``seed`` and their eval figures), each given the NCL+TopK
     curve of its own seed at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and
     ``topk_<key>_at_sparsity`` for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest
-    TopK settings of that seed (NCL, TopK with every dim kept, is a point of the curve) and left out where the run lies
-    outside the curve's range. A seed's curve is never averaged with another's: the seed draws the data too (the
-    generated benchmark's test split). Runs of the curve itself get nothing.
+    settings of that seed with NCL as a point of the curve (TopK with every dim kept), and the same keys ending in
+    :data:`WITHOUT_NCL` between the two nearest TopK runs alone. The two differ where NCL is one of the two nearest
+    points: NCL is sparser than a large k on some data (CIFAR-100's CPU arm: NCL 89 % zeros, TopK 32 88 %), and then
+    brackets a gated run with a TopK run. Each is left out where the run lies outside its curve's range. A seed's curve
+    is never averaged with another's: the seed draws the data too (the generated benchmark's test split). Runs of the
+    curve itself get nothing.
     """
     curves = {}
     for r in runs:
@@ -189,12 +229,15 @@ def topk_at_rate(runs: list[dict]) -> list[dict]:
     out = []
     for r in runs:
         r = dict(r)
-        curve = curves.get(r.get("seed"), [])
-        if r["family"] not in ("ncl+topk", "ncl") and len(curve) >= 2:
-            for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
-                value = interpolate(r[x], [(c[x], c[key]) for c in curve if key in c])
-                if value is not None:
-                    r[f"topk_{key}_at_{suffix}"] = value
+        with_ncl = curves.get(r.get("seed"), [])
+        if r["family"] not in ("ncl+topk", "ncl"):
+            for ending, curve in (("", with_ncl), (WITHOUT_NCL, [c for c in with_ncl if c["family"] == "ncl+topk"])):
+                if len(curve) < 2:
+                    continue
+                for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
+                    value = interpolate(r[x], [(c[x], c[key]) for c in curve if key in c])
+                    if value is not None:
+                        r[f"topk_{key}_at_{suffix}{ending}"] = value
         out.append(r)
     return out
 
@@ -202,7 +245,18 @@ def topk_at_rate(runs: list[dict]) -> list[dict]:
 METRICS = {"semantic_consistency": "the paper's consistency", "semantic_consistency_topn": "top-N consistency"}
 """The two consistencies every paired comparison is made on."""
 
-BASELINES = {"topk": "trained TopK at its sparsity", **{c: f"{c} (control)" for c in CONTROLS},
+TOPK_BASELINES = {
+    "topk": ("sparsity", "", "trained TopK at its sparsity (NCL on the curve)"),
+    "topk_without_ncl": ("sparsity", WITHOUT_NCL, "trained TopK at its sparsity (TopK runs only)"),
+    "topk_rate": ("rate", "", "trained TopK at its activation rate (NCL on the curve)"),
+    "topk_rate_without_ncl": ("rate", WITHOUT_NCL, "trained TopK at its activation rate (TopK runs only)"),
+}
+"""Trained TopK matched to a gated run four ways: on its share of zeros over all K dims (sparsity) or on the activation
+rate of its live dims, each interpolated with NCL as a point of the curve and on TopK runs alone
+(:func:`topk_at_rate`). A representation that closes whole dims (leg's) has many zeros at a high rate, so the two
+measures can put it at different points of the curve."""
+
+BASELINES = {**{b: label for b, (_, _, label) in TOPK_BASELINES.items()}, **{c: f"{c} (control)" for c in CONTROLS},
              "ungated": "ungated (same model)", "ncl": "NCL (same seed)"}
 """What a gated run is compared with, seed by seed (:func:`baseline_value`)."""
 
@@ -213,8 +267,9 @@ def baseline_value(run: dict, baseline: str, key: str, ncl: dict) -> float | Non
     ``baseline``: a key of :data:`BASELINES`; ``ncl``: seed -> the NCL run of that seed. None where the run has no such
     baseline.
     """
-    if baseline == "topk":
-        return run.get(f"topk_{key}_at_sparsity")
+    if baseline in TOPK_BASELINES:
+        measure, ending, _ = TOPK_BASELINES[baseline]
+        return run.get(f"topk_{key}_at_{measure}{ending}")
     if baseline in CONTROLS:
         return run.get("controls", {}).get(baseline, {}).get(key)
     if baseline == "ungated":
@@ -222,94 +277,106 @@ def baseline_value(run: dict, baseline: str, key: str, ncl: dict) -> float | Non
     return ncl.get(run.get("seed"), {}).get(key)
 
 
-BOOTSTRAP = 10_000
-"""Resamples of the seeds' differences behind the bootstrap interval."""
-
-
-def interval(differences: list[float], level: float = 0.95, seed: int = 0) -> dict:
-    """Mean of paired differences with t and bootstrap confidence intervals.
-
-    ``differences``: one per seed; the ``level`` interval two ways: Student's t (``t_low``, ``t_high``, and the
-    two-sided ``p`` of a zero mean) and the percentile bootstrap over seeds (``boot_low``, ``boot_high``:
-    :data:`BOOTSTRAP` seeded resamples), and the sign count (``above``, ``below``).
-    """
-    from scipy import stats  # late: scipy's import costs a second, and only the comparison's tables need it
-
-    d = torch.tensor(differences, dtype=torch.float64)
-    n, mean = len(d), float(d.mean())
-    out = dict(n=n, mean=mean, above=int((d > 0).sum()), below=int((d < 0).sum()))
-    if n < 2:
-        return out
-    sd = float(d.std())
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
-    p = float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else (0.0 if mean else 1.0)
-    g = torch.Generator().manual_seed(seed)
-    means = d[torch.randint(n, (BOOTSTRAP, n), generator=g)].mean(dim=1)
-    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return dict(out, sd=sd, t_low=mean - half, t_high=mean + half, p=p, boot_low=float(low), boot_high=float(high))
-
-
-def paired(runs: list[dict]) -> list[dict]:
+def paired(runs: list[dict], metrics: dict = METRICS, baselines: dict = BASELINES) -> list[dict]:
     """Each gated method against each baseline on each metric, paired by seed.
 
-    Against :data:`BASELINES` on :data:`METRICS`: one row per (method, baseline, metric) with the seeds' differences
-    (method - baseline, fractions) and their :func:`interval`. ``runs``: as :func:`topk_at_rate` returns them (the TopK
-    of each run's own seed).
+    Against ``baselines`` (keys of :data:`BASELINES`) on ``metrics`` (:data:`METRICS` or :data:`MECHANISM`): one row per
+    (method, baseline, metric) with the seeds' differences (method - baseline, fractions), their
+    :func:`stats.interval` and ``p_holm``, the row's p adjusted by Holm over every row of this call with a p (the
+    family of one table). ``runs``: as :func:`topk_at_rate` returns them (the TopK of each run's own seed).
     """
     ncl = {r.get("seed"): r for r in runs if r["family"] == "ncl"}
     rows = []
     for name in dict.fromkeys(r["name"] for r in runs if r["family"].startswith("bayesncl")):
         mine = [r for r in runs if r["name"] == name]
-        for baseline, key in itertools.product(BASELINES, METRICS):
+        for baseline, key in itertools.product(baselines, metrics):
             pairs = [(r["seed"], r[key] - v) for r in mine
                      if key in r and (v := baseline_value(r, baseline, key, ncl)) is not None]
             if pairs:
                 rows.append(dict(method=name, baseline=BASELINES[baseline], metric=key, seeds=[s for s, _ in pairs],
                                  differences=[d for _, d in pairs], **interval([d for _, d in pairs])))
+    tested = [r for r in rows if "p" in r]
+    for r, p in zip(tested, holm([r["p"] for r in tested])):
+        r["p_holm"] = p
     return rows
 
 
 def paired_table(rows: list[dict]) -> str:
     """:func:`paired`'s rows as a markdown table, in points (percent)."""
-    lines = ["| Method | minus | on | seeds | mean | 95 % CI (t) | 95 % CI (bootstrap) | above / below | p (t) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| Method | minus | on | seeds | mean | 95 % CI (t) | 95 % CI (bootstrap) | one-sided 95 % bounds | "
+             "TOST p | MDD (80 %) | above / below | p (t) | p (Holm) |", "|" + "---|" * 13]
     for r in rows:
         ci = lambda lo, hi: f"[{100 * r[lo]:+.2f}, {100 * r[hi]:+.2f}]" if lo in r else ""  # noqa: E731
-        lines.append(f"| {r['method']} | {r['baseline']} | {METRICS[r['metric']]} | {r['n']} | {100 * r['mean']:+.2f} "
-                     f"| {ci('t_low', 't_high')} | {ci('boot_low', 'boot_high')} | {r['above']} / {r['below']} | "
-                     + (f"{r['p']:.3f}" if "p" in r else "") + " |")
+        num = lambda k, f: format(r[k], f) if k in r else ""  # noqa: E731
+        bounds = f"> {100 * r['bound_low']:+.2f}, < {100 * r['bound_high']:+.2f}" if "bound_low" in r else ""
+        mdd = f"{100 * r['mdd']:.2f}" if "mdd" in r else ""
+        lines.append(f"| {r['method']} | {r['baseline']} | {LABELS[r['metric']]} | {r['n']} | {100 * r['mean']:+.2f} "
+                     f"| {ci('t_low', 't_high')} | {ci('boot_low', 'boot_high')} | {bounds} | {num('tost_p', '.3f')} "
+                     f"| {mdd} | {r['above']} / {r['below']} | {num('p', '.3f')} | {num('p_holm', '.3f')} |")
     return "\n".join(lines)
 
 
 def plot_paired(rows: list[dict], path):
-    """Plot the paired differences as intervals.
+    """Save :func:`paired_figure` of ``rows`` to ``path``."""
+    import matplotlib.pyplot as plt  # late: paired_figure has chosen the Agg backend
 
-    One panel a metric, one row a (method, baseline), the mean with its t interval (thick) and bootstrap interval
-    (thin), zero marked.
+    fig = paired_figure(rows)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def paired_figure(rows: list[dict]):
+    """The figure of the paired differences: each seed's, their mean, and both 95 % intervals of the mean.
+
+    One panel a metric of the rows, one row a (method, baseline) labelled with its number of seeds n: the seeds'
+    differences (grey dots), their mean (black diamond), the t interval (thick, above the row's line) and the
+    percentile bootstrap interval (thin with end caps, below it), drawn apart so that neither hides the other; zero
+    marked, and one legend under the panels.
     """
     import matplotlib  # late: only a plot needs it, with the Agg backend chosen first
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # late: after the backend
+    from matplotlib.lines import Line2D  # late: as pyplot
 
     labels = list(dict.fromkeys((r["method"], r["baseline"]) for r in rows))
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 0.35 * len(labels) + 1.5), sharey=True)
-    for ax, (key, title) in zip(axes, METRICS.items()):
+    seeds = {label: max(r["n"] for r in rows if (r["method"], r["baseline"]) == label) for label in labels}
+    keys = list(dict.fromkeys(r["metric"] for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 0.45 * len(labels) + 2), sharey=True,
+                             squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        colour, title = f"C{keys.index(key)}", LABELS[key]
         for i, label in enumerate(labels):
             r = next((r for r in rows if (r["method"], r["baseline"]) == label and r["metric"] == key), None)
             if r is None:
                 continue
             y = len(labels) - 1 - i
+            ax.plot([100 * d for d in r["differences"]], [y] * len(r["differences"]), ".", color="0.55", ms=5)
             if "t_low" in r:
-                ax.plot([100 * r["boot_low"], 100 * r["boot_high"]], [y, y], color="0.6", lw=1)
-                ax.plot([100 * r["t_low"], 100 * r["t_high"]], [y, y], color=f"C{list(METRICS).index(key)}", lw=3)
-            ax.plot(100 * r["mean"], y, "o", color="k", ms=4)
+                ax.plot([100 * r["t_low"], 100 * r["t_high"]], [y + 0.18] * 2, color=colour, lw=3)
+                ax.errorbar(100 * r["mean"], y - 0.18, xerr=[[100 * (r["mean"] - r["boot_low"])],
+                                                             [100 * (r["boot_high"] - r["mean"])]],
+                            color="0.25", lw=1, capsize=3, fmt="none")
+            ax.plot(100 * r["mean"], y, "D", color="k", ms=4)
         ax.axvline(0, color="k", lw=0.8)
-        ax.set_title(f"{title}: method - baseline (points)", fontsize=9)
+        ax.set_title(f"{title}: method - baseline, same seed (points)", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(labels)), [f"{m} - {b}" for m, b in reversed(labels)], fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    axes[0][0].set_yticks(range(len(labels)), [f"{m} - {b} (n = {seeds[(m, b)]})" for m, b in reversed(labels)],
+                          fontsize=7)
+    # one legend under the panels, where it hides no row (the t interval's colour is the first panel's)
+    fig.legend(handles=[Line2D([], [], ls="", marker=".", color="0.55", label="one seed's difference"),
+                        Line2D([], [], ls="", marker="D", color="k", ms=4, label="mean over seeds"),
+                        Line2D([], [], color="C0", lw=3, label="95 % CI, Student's t (thick, above)"),
+                        Line2D([], [], color="0.25", lw=1, marker="|", label="95 % CI, bootstrap over seeds (below)")],
+               fontsize=8, loc="lower center", ncol=4)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # half an inch for the legend
+    return fig
+
+
+MECHANISM_BASELINES = {b: BASELINES[b] for b in (*TOPK_BASELINES, "ncl")}
+"""The baselines :data:`MECHANISM` is paired against: trained TopK (each of its four matchings) and NCL."""
+
+LABELS = {**METRICS, **MECHANISM}
+"""Every metric a paired row can be on, by its eval key: what the tables and the figure call it."""
 
 
 MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
@@ -318,6 +385,8 @@ MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsi
                    ("TopK Cons. at Act.", "topk_semantic_consistency_at_rate", 100, ".2f"),
                    ("TopK class dims at Act.", "topk_dims_tracking_class_at_rate", 1, ".1f"),
                    ("TopK Cons. at Sparsity", "topk_semantic_consistency_at_sparsity", 100, ".2f"),
+                   ("TopK Cons. at Sparsity (TopK runs only)", "topk_semantic_consistency_at_sparsity_without_ncl",
+                    100, ".2f"),
                    ("TopK class dims at Sparsity", "topk_dims_tracking_class_at_sparsity", 1, ".1f"),
                    ("random-mask Cons.", "semantic_consistency_random_mask", 100, ".2f"),
                    ("random-mask class dims", "dims_tracking_class_random_mask", 1, ".1f"),
@@ -335,6 +404,8 @@ TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "seman
                 ("top-N dims", "topn_coverage_dims", 1, ".1f"), ("top-N images", "topn_coverage_images", 100, ".1f"),
                 ("chance", "topn_chance", 100, ".2f"),
                 ("TopK top-N at Sparsity", "topk_semantic_consistency_topn_at_sparsity", 100, ".2f"),
+                ("TopK top-N at Sparsity (TopK runs only)", "topk_semantic_consistency_topn_at_sparsity_without_ncl",
+                 100, ".2f"),
                 *((f"{short}: {label}", f"control_{name}_{key}", 100, ".2f")
                   for name, short in (("posthoc_topk", "post-hoc TopK"), ("random_per_image", "random per image"),
                                       ("random_pruned", "random pruned"))
@@ -347,8 +418,17 @@ TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "seman
 
 
 def flat_controls(run: dict) -> dict:
-    """A run's eval.json ``controls`` as flat keys ``control_<name>_<key>`` (for the tables' means over seeds)."""
-    return {f"control_{name}_{k}": v for name, figures in run.get("controls", {}).items() for k, v in figures.items()}
+    """A run's eval.json ``controls`` as flat keys (for the tables' means over seeds).
+
+    ``control_<name>_<key>`` for a control's figures, ``control_<name>`` for the overlaps of :data:`MASK_OVERLAP`.
+    """
+    flat = {}
+    for name, figures in run.get("controls", {}).items():
+        if isinstance(figures, dict):
+            flat.update({f"control_{name}_{k}": v for k, v in figures.items()})
+        else:  # a figure of the run's own: the mask overlaps (MASK_OVERLAP)
+            flat[f"control_{name}"] = figures
+    return flat
 
 
 def family(fields: dict) -> str:

@@ -1,0 +1,143 @@
+"""What compare.py's paired tables say: bounds, equivalence, power and Holm against scipy and known values; TopK with
+and without NCL on its curve; the figure's parts; and a recorded comparison rebuilt without training."""
+
+import json
+import math
+
+import pytest
+from scipy import stats
+
+from bayesncl_pyro.cli import compare
+from bayesncl_pyro.evaluate.matched import BASELINES, paired, paired_figure, paired_table, topk_at_rate
+from bayesncl_pyro.evaluate.stats import EQUIVALENCE_MARGIN, holm, interval, minimum_detectable
+
+D = [0.031, -0.004, 0.012, 0.027, 0.008, -0.011, 0.019]
+
+
+def test_one_sided_bounds_are_the_90_percent_t_interval_and_the_two_sided_one_is_scipys():
+    out = interval(D)
+    ninety = stats.t.interval(0.90, len(D) - 1, loc=sum(D) / len(D), scale=stats.sem(D))
+    assert (out["bound_low"], out["bound_high"]) == pytest.approx(ninety)
+    ci = stats.ttest_1samp(D, 0.0).confidence_interval(0.95)
+    assert (out["t_low"], out["t_high"]) == pytest.approx((ci.low, ci.high))
+
+
+def test_tost_p_is_the_larger_of_scipys_two_one_sided_tests_at_the_fixed_margin():
+    m = EQUIVALENCE_MARGIN
+    assert m == 0.02  # the margin fixed before any comparison was read: changing it changes every table's TOST
+    for d in (D, [x + 0.015 for x in D], [x / 10 for x in D]):
+        expected = max(stats.ttest_1samp(d, -m, alternative="greater").pvalue,
+                       stats.ttest_1samp(d, m, alternative="less").pvalue)
+        assert interval(d)["tost_p"] == pytest.approx(expected)
+    assert interval([x / 10 for x in D])["tost_p"] < 0.05  # differences within 0.3 points: shown equivalent
+    assert interval(D)["tost_p"] > 0.05  # a mean of 1.2 points with this spread: not shown within 2
+
+
+def test_minimum_detectable_difference_matches_the_published_power_tables():
+    # one-sample / paired t, two-sided 5 %, 80 % power: d = 0.9960 at n = 10 (Cohen's tables; R's pwr.t.test)
+    assert minimum_detectable(1.0, 10) == pytest.approx(0.9960, abs=5e-4)
+    assert minimum_detectable(0.03, 10) == pytest.approx(0.03 * 0.9960, abs=2e-5)  # scales with the sd
+    # for many seeds, the normal approximation (z_0.975 + z_0.8) / sqrt(n)
+    assert minimum_detectable(1.0, 400) == pytest.approx((1.959964 + 0.841621) / 20, rel=0.01)
+    assert minimum_detectable(1.0, 3) > minimum_detectable(1.0, 10)  # three seeds detect only large differences
+    assert minimum_detectable(0.0, 5) == 0.0 and math.isnan(minimum_detectable(1.0, 1))
+    assert interval(D)["mdd"] == pytest.approx(minimum_detectable(stats.tstd(D), len(D)))
+
+
+def test_holm_adjusts_a_hand_worked_family():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> monotone: 0.02, 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at one
+    assert holm([]) == []
+
+
+def curve(seed):
+    """NCL sparser than TopK 32 (as CIFAR-100's CPU arm): NCL brackets a gated run with TopK 16 on its own."""
+    return [dict(name="ncl+topk-k16", family="ncl+topk", seed=seed, activation_rate=0.30, sparsity=0.94,
+                 semantic_consistency=0.30, semantic_consistency_topn=0.40),
+            dict(name="ncl+topk-k32", family="ncl+topk", seed=seed, activation_rate=0.35, sparsity=0.88,
+                 semantic_consistency=0.20, semantic_consistency_topn=0.30),
+            dict(name="ncl", family="ncl", seed=seed, activation_rate=0.40, sparsity=0.89,
+                 semantic_consistency=0.10, semantic_consistency_topn=0.20)]
+
+
+def test_topk_is_interpolated_with_and_without_ncl_on_its_curve():
+    ste = dict(name="ste", family="bayesncl-ste", seed=0, activation_rate=0.32, sparsity=0.91,
+               semantic_consistency=0.25, semantic_consistency_topn=0.35)
+    out = next(r for r in topk_at_rate(curve(0) + [ste]) if r["name"] == "ste")
+    # with NCL: between NCL (0.89) and TopK 16 (0.94), 2/5 of the way; TopK runs alone: TopK 32 (0.88) to 16, 1/2
+    assert out["topk_semantic_consistency_at_sparsity"] == pytest.approx(0.10 + 0.4 * 0.20)
+    assert out["topk_semantic_consistency_at_sparsity_without_ncl"] == pytest.approx(0.25)
+    # on the activation rate NCL is at the curve's far end: both curves bracket the run between the two TopK runs
+    assert out["topk_semantic_consistency_at_rate"] == pytest.approx(
+        out["topk_semantic_consistency_at_rate_without_ncl"])
+    rows = {(r["baseline"], r["metric"]): r for r in paired(topk_at_rate(curve(0) + [ste]))}
+    assert rows[BASELINES["topk"], "semantic_consistency"]["mean"] == pytest.approx(0.25 - 0.18)
+    assert rows[BASELINES["topk_without_ncl"], "semantic_consistency"]["mean"] == pytest.approx(0.0)
+    assert (BASELINES["topk_rate"], "semantic_consistency") in rows
+    assert BASELINES["topk_without_ncl"] == "trained TopK at its sparsity (TopK runs only)"
+
+
+def three_seeds():
+    runs = [r for s in range(3) for r in curve(s)]
+    runs += [dict(name="ste", family="bayesncl-ste", seed=s, activation_rate=0.32, sparsity=0.91,
+                  semantic_consistency=0.25 + 0.01 * s, semantic_consistency_topn=0.35 - 0.02 * s) for s in range(3)]
+    return topk_at_rate(runs)
+
+
+def test_every_row_carries_bounds_tost_mdd_and_the_familys_holm_p():
+    rows = paired(three_seeds())
+    assert [r["p_holm"] for r in rows] == pytest.approx(holm([r["p"] for r in rows]))
+    for r in rows:
+        assert {"bound_low", "bound_high", "tost_p", "mdd", "margin"} <= r.keys()
+    table = paired_table(rows).splitlines()
+    assert table[0].split(" | ")[7:] == ["one-sided 95 % bounds", "TOST p", "MDD (80 %)", "above / below", "p (t)",
+                                         "p (Holm) |"]
+    r = rows[0]
+    assert table[2].endswith(f"| > {100 * r['bound_low']:+.2f}, < {100 * r['bound_high']:+.2f} | {r['tost_p']:.3f} | "
+                             f"{100 * r['mdd']:.2f} | {r['above']} / {r['below']} | {r['p']:.3f} | {r['p_holm']:.3f} |")
+
+
+def test_the_paired_figure_shows_each_seed_both_intervals_a_legend_and_n():
+    rows = paired(three_seeds())
+    fig = paired_figure(rows)
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["one seed's difference", "mean over seeds", "95 % CI, Student's t (thick, above)",
+                      "95 % CI, bootstrap over seeds (below)"]
+    assert all(label.get_text().endswith("(n = 3)") for label in ax.get_yticklabels())
+    first = next(r for r in rows if r["metric"] == "semantic_consistency")
+    seeds_drawn = [sorted(line.get_xdata()) for line in ax.lines if len(line.get_xdata()) == 3]
+    assert sorted(100 * d for d in first["differences"]) in [pytest.approx(x) for x in seeds_drawn]
+    # the t interval and the bootstrap one at different heights of the row, so that neither hides the other
+    t_line = next(line for line in ax.lines if list(line.get_xdata()) == pytest.approx(
+        [100 * first["t_low"], 100 * first["t_high"]]))
+    assert t_line.get_ydata()[0] != pytest.approx(len({(r["method"], r["baseline"]) for r in rows}) - 1)
+
+
+def test_a_recorded_comparison_is_rebuilt_from_its_records_without_data_or_training(tmp_path, capsys):
+    runs = three_seeds()
+    for r in runs:
+        r["folder"] = f"{r['name']}-seed{r['seed']}"
+        (tmp_path / r["folder"]).mkdir()
+        fields = dict(method="bayesncl", gate="ste") if r["family"].startswith("bayesncl") else dict(
+            method="ncl", topk=16 if r["family"] == "ncl+topk" else 0)
+        (tmp_path / r["folder"] / "config.json").write_text(json.dumps(fields))  # the run's family is read from it
+        figures = {k: v for k, v in r.items() if k in ("activation_rate", "sparsity", "semantic_consistency",
+                                                       "semantic_consistency_topn")}
+        (tmp_path / r["folder"] / "eval.json").write_text(json.dumps(dict(figures, protocol="fast",
+                                                                          linear_probe_top1=0.5)))
+    # as an early comparison.json has them: no family
+    old = dict(dataset="compositional", seeds=[0, 1, 2], notes=["a note"], settings={"epochs": 15}, budget=None,
+               wall_s=60.0, runs=[dict(name=r["name"], seed=r["seed"], folder=r["folder"], train_time_s=1.0)
+                                  for r in runs])
+    (tmp_path / "comparison-d0.3.json").write_text(json.dumps(old))
+    assert compare.main(["--rebuild", str(tmp_path / "comparison-d0.3.json")]) == 0
+    new = json.loads((tmp_path / "comparison-d0.3.json").read_text())
+    assert new["notes"] == ["a note"] and new["settings"] == {"epochs": 15}
+    assert new["paired"] and all("p_holm" in r and "mdd" in r for r in new["paired"])
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"comparison-d0.3.md", "paired-d0.3.png"} <= written and "matched_sparsity-d0.3.png" not in written
+    assert "TOST p" in (tmp_path / "comparison-d0.3.md").read_text()
+    assert compare.main(["--rebuild", str(tmp_path / "nothing.json")]) == 2
+    assert "--rebuild takes a comparison's json" in capsys.readouterr().err
