@@ -88,8 +88,9 @@ def is_run_file(name: str) -> bool:
 def _open(path: Path, flags: int, follow: bool = False) -> int:
     """Return ``os.open(path, flags)`` of a regular file, never through a symbolic link, without waiting on a FIFO.
 
-    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it; other
-    OSErrors pass.
+    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it, and so is
+    a file of a run opened for writing that has other hard links (O_NOFOLLOW does not see them: the write would land
+    in the file elsewhere); other OSErrors pass.
     """
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
@@ -107,6 +108,12 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
         kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
             "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
         raise UserError(_not_a_file(path, kind, follow))
+    links = os.fstat(fd).st_nlink
+    if links > 1 and not follow and flags & (os.O_WRONLY | os.O_RDWR):
+        os.close(fd)
+        raise UserError(f"{path} has {links} hard links, so it is also a file elsewhere; a run never writes into a "
+                        "file it shares (the other name would change too): replace it by a copy of its own (cp FILE "
+                        "FILE.new && mv FILE.new FILE), or move it away")
     os.set_blocking(fd, True)
     return fd
 
@@ -213,8 +220,10 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
-    theirs = [p.name for p in sorted(out.iterdir()) if p.name not in (LOCK, MARKER)
-              and not p.name.startswith(PREVIOUS) and not _TEMPORARY.fullmatch(p.name)]
+    _remember(out, named=True)
+    # every name counts, ours too: without our marker (or checkpoint) a run.lock, a previous-* folder or a
+    # checkpoint.pt.<n>.tmp is the user's, which the lock would truncate and the cleaning below delete
+    theirs = [p.name for p in sorted(out.iterdir())]
     if theirs and not holds_a_run(out):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
@@ -374,11 +383,39 @@ def move_aside(out: Path):
 # -- writing ----------------------------------------------------------------------------------------------------
 
 
+# The folders that output_folder (or claim) checked, by absolute path: the device and inode of the folder checked. A
+# write opens its folder and writes by that descriptor, and only where it is still that folder: one swapped for a link
+# between the check and the write (inspect_gates.py checks inspect/ seconds before its first figure) is refused
+_CHECKED: dict[str, tuple[int, int]] = {}
+
+
+def _remember(folder: Path, named: bool):
+    """Record the folder checked at ``folder`` (``named``: a folder the user named, which may be a link)."""
+    st = os.stat(folder) if named else os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):  # became a link (or a file) since it was checked
+        raise UserError(f"{folder} was replaced while it was checked; nothing is written into a run folder through a "
+                        "link: move it away and rerun")
+    _CHECKED[os.path.abspath(folder)] = (st.st_dev, st.st_ino)
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    checked = _CHECKED.get(os.path.abspath(folder))
+    if checked is not None and checked != (st.st_dev, st.st_ino):
+        os.close(fd)
+        now = f"a symbolic link, to {os.readlink(folder)}" if os.path.islink(folder) else "another folder"
+        raise UserError(f"{folder} was replaced while it was written into (it is now {now}); nothing is written into "
+                        "a folder that is not the one checked: move it away and rerun")
+    return fd
+
+
 def output_folder(path: Path, named: bool = False) -> Path:
     """Return ``path``, a folder to write into, created if missing.
 
     It must be a real folder, not a symbolic link, which could point anywhere (``named``: a folder the user named,
-    ``--out``, may be one).
+    ``--out``, may be one). The folder is remembered: :func:`save_together` writes into it only while it is the same.
     """
     if not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
@@ -389,6 +426,7 @@ def output_folder(path: Path, named: bool = False) -> Path:
         raise UserError(f"{path} is a file, not a folder; move it away, or pass another --out") from None
     except OSError as e:
         raise UserError(f"cannot create the folder {path}: {e.strerror}; pass another --out") from None
+    _remember(path, named)
     return path
 
 
@@ -405,25 +443,35 @@ def write_json(obj, path: Path):
     atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
 
 
+def save_figure(fig, path: Path, **savefig):
+    """Write the matplotlib figure ``fig`` as a PNG to ``path``, atomically (:func:`atomic_save`)."""
+    atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
+
+
 def save_together(items: list[tuple[Content, Path]]):
     """Write each ``obj`` to its ``path``, all or none: no crash or signal leaves a mix of old and new files.
 
     ``obj`` is bytes, a function that writes into a binary file, or else what ``torch.save`` takes. All go first to
     temporary files of this process beside them (created afresh, never through a link), each fsynced, then each is
-    renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a full disk or a signal
-    leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too, removes them.
-    A failed write (disk full, read-only) raises ``UserError``.
+    renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. Each folder is opened once and
+    written by its descriptor, and only if it is still the folder :func:`output_folder` checked. A crash, a full disk
+    or a signal leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too,
+    removes them. A failed write (disk full, read-only) raises ``UserError``.
     """
-    temporaries, path = [], None
+    folders, temporaries, path = {}, [], None
     try:
         for obj, path in items:
-            if path.is_dir() and not path.is_symlink():  # its rename would fail after those before it succeeded
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
+            if path.parent not in folders:
+                folders[path.parent] = _open_folder(path.parent)
+            folder = folders[path.parent]
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(path.name, dir_fd=folder).st_mode):  # its rename would fail after others'
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            tmp = f"{path.name}.{os.getpid()}.tmp"  # two writers never share one
             with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
-                tmp.unlink()
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-            temporaries.append(tmp)
+                os.unlink(tmp, dir_fd=folder)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=folder)
+            temporaries.append((folder, tmp))
             with os.fdopen(fd, "w+b") as f:
                 if isinstance(obj, bytes):
                     f.write(obj)
@@ -435,14 +483,14 @@ def save_together(items: list[tuple[Content, Path]]):
                 os.fsync(f.fileno())
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
         try:
-            for tmp, (_, path) in zip(temporaries, items):
-                os.replace(tmp, path)
+            for (folder, tmp), (_, path) in zip(temporaries, items):
+                os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
     except BaseException as e:
-        for tmp in temporaries:
+        for folder, tmp in temporaries:
             with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
-                tmp.unlink(missing_ok=True)
+                os.unlink(tmp, dir_fd=folder)
         # torch.save's zip writer fails on closing after a failed or interrupted write, with a RuntimeError
         # ("unexpected pos") that would hide the cause: a full disk, a Ctrl-C, a signal (cli.stopped_by_signals)
         cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
@@ -453,6 +501,9 @@ def save_together(items: list[tuple[Content, Path]]):
         if isinstance(cause, (KeyboardInterrupt, Stopped)):
             raise cause from None
         raise
+    finally:
+        for folder in folders.values():
+            os.close(folder)
 
 
 def append_line(line: str | bytes, path: Path):
@@ -555,10 +606,23 @@ def code_references(cfg: Config) -> dict[str, str]:
     """Return the settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference.
 
     An encoder ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a
-    module.
+    module. An encoder left None (the dataset's, before ``resolve``) names none.
     """
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
-            if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
+            if spec is not None and is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
+
+
+def check_config_code(path: str | os.PathLike, values: dict, trust: bool):
+    """Refuse (or, trusted, announce) the code that a config file of a run folder names, as :func:`check_code`.
+
+    ``values``: the fields the run takes from the file (``run_svi.py --config``). A file that lies beside our marker
+    or a checkpoint (named so, or as a link's target) is a run's, perhaps from elsewhere: the encoder and prior it
+    names are its writer's code. Another file is the user's own.
+    """
+    path = Path(path)
+    if any(os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)
+           for folder in (path.parent, path.resolve().parent)):
+        check_code(Config(**{k: values[k] for k in ("encoder", "prior") if k in values}), path, trust)
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

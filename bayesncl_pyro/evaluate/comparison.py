@@ -5,7 +5,6 @@ ours, and comparison.md and comparison.json.
 """
 
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -264,7 +263,7 @@ def plot(runs: list[dict], path: Path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    rundir.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -274,12 +273,13 @@ def write_comparison(out: Path, report: dict) -> str:
     The figures: consistency_vs_probe.png, matched_sparsity.png and paired.png (where there are gated runs with
     baselines). Returns comparison.md's text.
     """
-    out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
-    (out / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
+    # by the rule of rundir, as every writer: into a real folder, by renames that replace a link, never through one
+    out = rundir.output_folder(out, named=True)  # created: every run may have come from --record
+    rundir.write_json(report, out / "comparison.json")
     plot(report["runs"], out / "consistency_vs_probe.png")
     plot_matched(report["runs"], out / "matched_sparsity.png")
     if report.get("paired"):
         plot_paired(report["paired"], out / "paired.png")
     md = markdown(report)
-    (out / "comparison.md").write_text(md)
+    rundir.atomic_save(md.encode(), out / "comparison.md")
     return md

@@ -22,7 +22,7 @@ from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  #
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
-from bayesncl_pyro.rundir import INSPECT_DIR, atomic_save, output_folder, read_log, run_folder  # noqa: E402
+from bayesncl_pyro.rundir import INSPECT_DIR, atomic_save, output_folder, read_log, run_folder, save_figure  # noqa: E402
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
@@ -31,12 +31,12 @@ plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "
 def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
     """Write ``fig`` as a PNG to ``path`` atomically.
 
-    By ``rundir.atomic_save`` (a temporary file, renamed, never through a link), laid out first by tight_layout
+    By ``rundir.save_figure`` (a temporary file, renamed, never through a link), laid out first by tight_layout
     (``tight``) where it has no layout engine.
     """
     if tight and fig.get_layout_engine() is None:
         fig.tight_layout()
-    atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
+    save_figure(fig, path, **savefig)
     plt.close(fig)
     return path
 

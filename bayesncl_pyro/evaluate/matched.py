@@ -34,6 +34,7 @@ from bayesncl_pyro.evaluate.metrics import (
     topn_consistency,
 )
 from bayesncl_pyro.nn.losses import normalize
+from bayesncl_pyro.rundir import save_figure
 
 RANDOM_MASKS = 5
 """Seeded random masks the null's figures are averaged over."""
@@ -308,7 +309,7 @@ def plot_paired(rows: list[dict], path):
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(labels)), [f"{m} - {b}" for m, b in reversed(labels)], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -410,5 +411,5 @@ def plot_matched(runs: list[dict], path):
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
