@@ -47,7 +47,7 @@ from typing import BinaryIO
 import torch
 
 from bayesncl_pyro._version import __version__
-from bayesncl_pyro.config import Config, parse_file
+from bayesncl_pyro.config import Config, check_extent, parse_file
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.plugins import TIMM, is_spec
 
@@ -75,6 +75,9 @@ _TEMPORARY = re.compile("(" + "|".join(map(re.escape, (CHECKPOINT, CONFIG, EVAL,
 JSON_LIMIT = 64 * 2**20  # one JSON document: config.json, eval.json, a --config file
 TEXT_LIMIT = 2**30  # log.jsonl, conflict.jsonl, bad_images.txt, a report's index.html and report.json
 DATA_LIMIT = 2**36  # checkpoint.pt, gates.nc
+# The most records read from a .jsonl file of a run: a run of a million steps that logs every one (a record costs a
+# few hundred bytes to a kilobyte in memory)
+MAX_RECORDS = 1_000_000
 
 
 def is_run_file(name: str) -> bool:
@@ -105,9 +108,7 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-        raise UserError(_not_a_file(path, kind, follow))
+        raise UserError(_not_a_file(path, _kind(mode), follow))
     links = os.fstat(fd).st_nlink
     if links > 1 and not follow and flags & (os.O_WRONLY | os.O_RDWR):
         os.close(fd)
@@ -116,6 +117,12 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
                         "FILE.new && mv FILE.new FILE), or move it away")
     os.set_blocking(fd, True)
     return fd
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) that is no regular file is, in words."""
+    return "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
+        "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
 
 
 def _not_a_file(path: Path, kind: str, follow: bool) -> str:
@@ -145,7 +152,14 @@ def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
 def read_bytes(path: Path, limit: int, *, follow: bool = False) -> bytes:
     """The content of ``path`` (:func:`open_file`), at most ``limit`` bytes (a file that grows while read, too)."""
     with open_file(path, limit, follow=follow) as f:
-        data = f.read(limit + 1)
+        # what fstat found, then in chunks up to the limit: f.read(limit + 1) reserved the whole limit (1 GiB for a
+        # log of a few lines), which failed under an address-space cap
+        chunks = [f.read(os.fstat(f.fileno()).st_size)]
+        read = len(chunks[0])
+        while read <= limit and (chunk := f.read(min(2**16, limit + 1 - read))):
+            chunks.append(chunk)
+            read += len(chunk)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(data) > limit:
         raise UserError(f"{path} grew past {limit:,} bytes while it was read; it is not what a run writes: move it "
                         "away")
@@ -168,22 +182,28 @@ def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what
 def read_records(path: Path) -> list[dict]:
     """Return the records of a run's ``.jsonl`` file, one JSON object with a ``step`` per line (empty if no file).
 
-    A line that is no record, as the last one of a run killed while writing it, is left out, with a note.
+    Read a line at a time, at most ``MAX_RECORDS`` records: the file whole, split into lines, cost about 27 times its
+    size in memory, a log of tiny records under the size limit some 27 GiB. A line that is no record, as the last one
+    of a run killed while writing it, is left out, with a note.
     """
     if not os.path.lexists(path):
         return []
     records, bad = [], []
-    for number, line in enumerate(read_bytes(path, TEXT_LIMIT).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            record = None
-        if isinstance(record, dict) and type(record.get("step")) is int:
-            records.append(record)
-        else:
-            bad.append(number)
+    with open_file(path, TEXT_LIMIT) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                record = None
+            if not (isinstance(record, dict) and type(record.get("step")) is int):
+                bad.append(number)
+            elif len(records) < MAX_RECORDS:
+                records.append(record)
+            else:
+                raise UserError(f"{path} holds more than {MAX_RECORDS:,} records, more than a run writes (one every "
+                                "--log-every steps); it is not what a run writes: move it away")
     if bad:
         logger.warning(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run "
                        "killed while writing one leaves it cut short); they are left out")
@@ -221,9 +241,10 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
     _remember(out, named=True)
-    # every name counts, ours too: without our marker (or checkpoint) a run.lock, a previous-* folder or a
-    # checkpoint.pt.<n>.tmp is the user's, which the lock would truncate and the cleaning below delete
-    theirs = [p.name for p in sorted(out.iterdir())]
+    # every name counts, ours too: without our marker (or checkpoint) a previous-* folder or a checkpoint.pt.<n>.tmp
+    # is the user's, which the cleaning below would delete; but for a lock file as a run leaves it (a run that holds
+    # it has not written its marker yet: it is refused below as in use)
+    theirs = [p.name for p in sorted(out.iterdir()) if not (p.name == LOCK and _a_lock_of_ours(p))]
     if theirs and not holds_a_run(out):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
@@ -245,6 +266,14 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
                             "rerun with the same flags to resume it, pass --overwrite to move it aside "
                             "and start afresh, or pass another --out")
     return held
+
+
+def _a_lock_of_ours(path: Path) -> bool:
+    """Whether ``path`` is a lock file as :class:`RunLock` leaves it: empty, or naming its process."""
+    try:
+        return re.fullmatch(rb"(process \d+ on .+\n)?", read_bytes(path, 4096)) is not None
+    except UserError:  # a link, a FIFO, a folder: not ours
+        return False
 
 
 def holds_a_run(folder: Path) -> bool:
@@ -283,17 +312,34 @@ def _check_place(out: Path, data_dir: str | None):
 
     Refused: the working folder or the data folder, or a folder above one of them (moving its files aside,
     --overwrite, would move the user's repository or data set), or a folder in the data folder (its lock and files
-    would sit in the data set, read as data).
+    would sit in the data set, read as data), by their paths or by their folders' device and inode.
     """
     real = out.expanduser().resolve()
+    ours = [_identity(p) for p in (real, *real.parents)]
     for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
         if place is None:
             continue
         place = Path(place).expanduser().resolve()
         where = what if real == place else f"a folder above {what} ({place})" if real in place.parents else \
             f"inside {what} ({place})" if what == "the data folder" and place in real.parents else None
+        # by device and inode too: a bind mount shows one folder under two paths, which resolve() cannot see
+        theirs = [_identity(p) for p in (place, *place.parents)]
+        if where is None and ours[0] is not None:
+            where = f"{what}, by another path" if ours[0] == theirs[0] else \
+                f"a folder above {what} ({place}), by another path" if ours[0] in theirs[1:] else None
+        if where is None and what == "the data folder" and theirs[0] is not None and theirs[0] in ours[1:]:
+            where = f"inside {what} ({place}), by another path"
         if where:
             raise UserError(f"--out {out} is {where}; a run needs a folder of its own: pass e.g. --out runs/NAME")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of the folder at ``path``, None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _remove_temporaries(out: Path):
@@ -411,6 +457,14 @@ def _open_folder(folder: Path) -> int:
     return fd
 
 
+def inner_folder(path: Path) -> Path:
+    """Return ``path``, a folder inside a run folder or a record to read, refused where it is a symbolic link."""
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; a folder inside a run folder or a record "
+                        "is never read or written through one (it may point anywhere): move it away")
+    return path
+
+
 def output_folder(path: Path, named: bool = False) -> Path:
     """Return ``path``, a folder to write into, created if missing.
 
@@ -465,8 +519,12 @@ def save_together(items: list[tuple[Content, Path]]):
                 folders[path.parent] = _open_folder(path.parent)
             folder = folders[path.parent]
             with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISDIR(os.lstat(path.name, dir_fd=folder).st_mode):  # its rename would fail after others'
+                mode = os.lstat(path.name, dir_fd=folder).st_mode
+                if stat.S_ISDIR(mode):  # its rename would fail after those before it succeeded
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a rename would replace a device or a FIFO
+                    raise UserError(f"cannot write {path}: it is {_kind(mode)}, not a regular file; pass a regular "
+                                    "file or a new name")
             tmp = f"{path.name}.{os.getpid()}.tmp"  # two writers never share one
             with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
                 os.unlink(tmp, dir_fd=folder)
@@ -576,8 +634,12 @@ def load_checkpoint(path: Path) -> dict:
         except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
             raise UserError(f"cannot read checkpoint {path}: {_load_failure(e)}; it is corrupt or not a "
                             "bayesncl-pyro checkpoint (move it away to start afresh)") from None
-    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
+    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys() \
+            or not isinstance(state["config"], dict):
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
+    # a pickle keeps shared references: a kilobyte can hold a list of 2^40 items, which Config.to_dict would copy
+    check_extent(state["config"], f"the config in {path}", "a list that holds another many times over",
+                 "a run's config holds a few dozen: it is not what a run writes, move it away")
     return state
 
 

@@ -92,7 +92,8 @@ def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
 
 
 def recorded_run(folder: Path, cfg: Config) -> bool:
-    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``)."""
+    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``); a link is refused."""
+    folder = rundir.inner_folder(folder)  # the user names the record, not the folders in it: one may point anywhere
     return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
 
 
