@@ -117,8 +117,10 @@ class Config:
             d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
-        if unknown:
-            raise UserError(f"config has unknown keys {sorted(unknown)}: it was written by another version "
+        if unknown:  # a few of them, each quoted short: a file may hold 300,000 (a 48.6 MB line)
+            shown = ", ".join(quoted(k) for k in sorted(unknown, key=str)[:4])
+            more = f" and {len(unknown) - 4:,} more" if len(unknown) > 4 else ""
+            raise UserError(f"config has unknown keys [{shown}{more}]: it was written by another version "
                             "of bayesncl-pyro; start a new --out folder")
         return cls(**d)
 

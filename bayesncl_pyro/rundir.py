@@ -67,6 +67,9 @@ PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlie
 _RUN_FILES = {MARKER, CONFIG, CHECKPOINT, LOG, CONFLICT, EVAL, GATES_FILE, BAD_IMAGES, LOCK, REPORT_DIR, INSPECT_DIR,
               WANDB_DIR}
 _MARK = b"bayesncl-pyro run folder"
+# names that no run writes, which make a marker beside them suspect: a repository, source files
+_PROJECT = {".git", ".hg", ".svn", "pyproject.toml", "setup.py", "Makefile", "package.json"}
+_SOURCE = {".py", ".ipynb", ".c", ".cc", ".cpp", ".h", ".rs", ".go", ".java", ".js", ".ts", ".sh"}
 # the files a run replaces (save_together): a run killed while writing one leaves its <name>.<pid>.tmp
 _TEMPORARY = re.compile("(" + "|".join(map(re.escape, (CHECKPOINT, CONFIG, EVAL, GATES_FILE, MARKER))) + r")\.\d+\.tmp")
 
@@ -83,6 +86,24 @@ MAX_RECORDS = 1_000_000
 def is_run_file(name: str) -> bool:
     """Whether ``name`` is the name of a file (or folder) that a run keeps in its folder."""
     return name in _RUN_FILES or name.startswith((PREVIOUS, "events.out.tfevents."))
+
+
+def check_not_a_run_file(path: Path, flag: str):
+    """Refuse ``path`` (what ``flag`` names) as a file to write where it would replace a file that a run keeps.
+
+    That is a path named as a run's file (checkpoint.pt, log.jsonl, ...), or one inside a folder that a run keeps in
+    its run folder (``report/``, ``inspect/``, ``previous-*``): every folder above the path that holds a run is looked
+    at, not only the last name.
+    """
+    if is_run_file(path.name):
+        raise UserError(f"{flag} {path}: {path.name} is the name of a file that a run keeps in its folder, and an "
+                        "export never replaces one (of this run or another); name it otherwise, e.g. backbone.pt")
+    real = Path(os.path.abspath(path))
+    for below, folder in zip(real.parents, real.parents[1:]):
+        if is_run_file(below.name) and (os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)):
+            raise UserError(f"{flag} {path}: it lies in {below}, which the run in {folder} keeps, and an export never "
+                            "writes into a run's files (of this run or another); name a path outside it, e.g. "
+                            f"{folder / 'backbone.pt'}")
 
 
 # -- the rule: opening a file of a run -------------------------------------------------------------------------
@@ -249,6 +270,11 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
                         "(--overwrite moves only an earlier run's files aside)")
+    suspect = [name for name in theirs if name in _PROJECT or Path(name).suffix in _SOURCE]
+    if suspect:  # a marker copied or forged into a project: --overwrite would move the repository aside
+        raise UserError(f"{out} holds our marker {MARKER}, but also {', '.join(suspect[:4])}, which no run writes (a "
+                        "repository, source files): a marker there is not a run's; pass a new or empty --out, or move "
+                        "them away")
     held = lock(out)
     if not os.path.lexists(out / MARKER):
         atomic_save(f"{_MARK.decode()}, written by bayesncl-pyro {__version__}: rerunning its command resumes the "

@@ -409,3 +409,63 @@ def test_export_replaces_no_file_that_is_not_a_regular_one(ncl_run, tmp_path, ca
     mode = os.lstat(target).st_mode
     assert (stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISSOCK(mode))
     assert not (tmp_path / "b_head.pt").exists()
+
+
+# ----------------------------------------------------------------------------------------------------- LOW
+
+
+def test_export_writes_nothing_into_the_files_a_run_keeps_in_its_folder(bayes_run, ncl_run, tmp_path, capsys):
+    """export.py --out B/report/index.html replaced another run's files: the check looked at the last name only."""
+    a, b = shutil.copytree(bayes_run, tmp_path / "a"), shutil.copytree(ncl_run, tmp_path / "b")
+    (b / "report").mkdir()
+    (b / "report" / "index.html").write_text("the page")
+    for out in (b / "report" / "index.html", b / "previous-1" / "weights.pt"):
+        assert export_script.main([str(a), "--out", str(out)]) == 2
+        folder = b / out.relative_to(b).parts[0]
+        assert _one_error_line(capsys.readouterr().err) == (
+            f"error: --out {out}: it lies in {folder}, which the run in {b} keeps, and an export never writes into a "
+            f"run's files (of this run or another); name a path outside it, e.g. {b / 'backbone.pt'}")
+    assert (b / "report" / "index.html").read_text() == "the page" and not (b / "previous-1").exists()
+    assert sorted(p.name for p in (b / "report").iterdir()) == ["index.html"]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_marker_in_a_project_folder_is_suspect(tmp_path, capsys, overwrite):
+    """--overwrite on a project folder with a forged marker moved .git and the sources into previous-*; without it the
+    run trained beside the user's files."""
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / "train.py").write_text("print('mine')\n")
+    (project / "bayesncl-pyro.run").write_text("bayesncl-pyro run folder, forged\n")
+    assert run_svi.main([*TINY_RUN, "--out", str(project), *overwrite]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: {project} holds our marker bayesncl-pyro.run, but also .git, train.py, which no run writes (a "
+        "repository, source files): a marker there is not a run's; pass a new or empty --out, or move them away")
+    assert sorted(p.name for p in project.iterdir()) == [".git", "bayesncl-pyro.run", "train.py"]
+
+
+def test_a_run_config_of_many_unknown_keys_is_one_short_line(unfinished, capsys):
+    """A config with 300k unknown keys printed one 48.6 MB error line."""
+    config = json.loads((unfinished / "config.json").read_text())
+    (unfinished / "config.json").write_text(json.dumps({**config, **{f"key_{i:06d}_" + "x" * 150: 1
+                                                                     for i in range(300_000)}}))
+    with pytest.raises(UserError) as err:
+        Trainer(fast(unfinished, max_steps=4, conflict_every=1), progress=False)
+    message = str(err.value)
+    assert len(message) < 1000 and message.startswith("config has unknown keys ['key_000000_xxx") and (
+        "and 299,996 more]: it was written by another version of bayesncl-pyro; start a new --out folder") in message
+
+
+def test_a_wandb_run_id_that_is_no_id_is_refused_as_not_a_runs(tmp_path, monkeypatch):
+    """A refused wandb/run_id with '..' advised `wandb login`."""
+    from bayesncl_pyro.loggers import WandbLog
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "run_id").write_text("../../elsewhere\n")
+    with pytest.raises(UserError) as err:
+        WandbLog(tmp_path, {})
+    assert str(err.value) == (
+        f"{tmp_path / 'wandb' / 'run_id'} holds '../../elsewhere', not a W&B run id (letters, digits, - and _, as a "
+        "run writes it); it is not what a run writes: move it away, and a new W&B run starts")
