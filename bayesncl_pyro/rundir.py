@@ -434,6 +434,24 @@ def lock(out: Path) -> RunLock:
     return held
 
 
+@contextlib.contextmanager
+def held(out: Path):
+    """Hold the lock of run folder ``out`` meanwhile, as every writer into a run folder does.
+
+    The lock this process holds already (a trainer's, which exports its gates) stays held after; one taken here is let
+    go. While another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it.
+    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left.
+    """
+    mine = out.resolve() not in _HELD
+    taken = lock(out)
+    try:
+        yield taken
+    finally:
+        if mine:
+            _HELD.pop(out.resolve(), None)
+            taken.file.close()
+
+
 def move_aside(out: Path):
     """Move the run folder's files into a new ``previous-<time>`` subfolder: restarting never deletes results.
 
@@ -552,8 +570,13 @@ def save_together(items: list[tuple[Content, Path]]):
                     raise UserError(f"cannot write {path}: it is {_kind(mode)}, not a regular file; pass a regular "
                                     "file or a new name")
             tmp = f"{path.name}.{os.getpid()}.tmp"  # two writers never share one
-            with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
-                os.unlink(tmp, dir_fd=folder)
+            # left by a killed process: one that had this pid, or under the run's lock (which no other writer holds)
+            # any process's
+            stale = [name for name in os.listdir(folder) if re.fullmatch(re.escape(path.name) + r"\.\d+\.tmp", name)] \
+                if _locked_here(path.parent) else [tmp]
+            for name in stale:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=folder)
             temporaries.append((folder, tmp))
             with os.fdopen(fd, "w+b") as f:
@@ -588,6 +611,12 @@ def save_together(items: list[tuple[Content, Path]]):
     finally:
         for folder in folders.values():
             os.close(folder)
+
+
+def _locked_here(folder: Path) -> bool:
+    """Whether this process holds the lock of the run folder that is ``folder`` or holds it (report/, inspect/)."""
+    real = folder.resolve()
+    return real in _HELD or real.parent in _HELD
 
 
 def append_line(line: str | bytes, path: Path):

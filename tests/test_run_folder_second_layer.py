@@ -23,6 +23,7 @@ from helpers import TINY_COMPARE, TINY_RUN, fast, make_tree
 from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import compare, inspect_gates, run_svi
 from bayesncl_pyro.cli import export as export_script
+from bayesncl_pyro.cli import report as report_script
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import figures
 from bayesncl_pyro.train.trainer import Trainer
@@ -469,3 +470,56 @@ def test_a_wandb_run_id_that_is_no_id_is_refused_as_not_a_runs(tmp_path, monkeyp
     assert str(err.value) == (
         f"{tmp_path / 'wandb' / 'run_id'} holds '../../elsewhere', not a W&B run id (letters, digits, - and _, as a "
         "run writes it); it is not what a run writes: move it away, and a new W&B run starts")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Start a process that holds the lock of a run folder, as a training run does, until the test ends."""
+    started = []
+
+    def hold(run: Path) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from pathlib import Path; from bayesncl_pyro import rundir; "
+             f"lock = rundir.lock(Path({str(run)!r})); print('locked', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(process)
+        assert process.stdout.readline() == "locked\n"
+        return process
+
+    yield hold
+    for process in started:
+        process.communicate("")
+
+
+def test_every_writer_into_a_run_folder_respects_a_held_lock(bayes_run, tmp_path, capsys, holder):
+    """Writers other than the trainer ignored a held run.lock: inspect_gates.py --export rewrote gates.nc beside a
+    training run (report.py and export.py wrote their files into its folder too)."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    shutil.rmtree(run / "report", ignore_errors=True)
+    gates = (run / "gates.nc").read_bytes()
+    process = holder(run)
+    for main, argv in ((inspect_gates.main, [str(run), "--export", "--out", str(tmp_path / "figures")]),
+                       (report_script.main, [str(run)]), (export_script.main, [str(run)])):
+        assert main(argv) == 2
+        assert _one_error_line(capsys.readouterr().err) == (
+            f"error: {run} is in use by another run (process {process.pid} on {socket.gethostname()}); wait for it to "
+            "end, or pass another --out")
+    assert (run / "gates.nc").read_bytes() == gates and not (run / "report").exists()
+    assert not (run / "backbone.pt").exists() and not (tmp_path / "figures").exists()
+
+
+def test_the_temporary_files_a_killed_writer_left_are_removed_by_the_next(bayes_run, tmp_path, capsys):
+    """Temporary files left by a SIGKILL in report.py, export.py and inspect_gates.py were never cleaned."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    left = [run / "report" / "index.html.99999.tmp", run / "report" / "report.json.99999.tmp",
+            run / "inspect" / "elbo.png.4242.tmp", run / "inspect" / "summary.txt.4242.tmp",
+            run / "backbone.pt.777.tmp", run / "backbone_head.pt.777.tmp", run / "gates.nc.31337.tmp"]
+    for path in left:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("half written")
+    (run / "report" / "notes.tmp").write_text("the user's")  # no temporary file of ours: kept
+    assert inspect_gates.main([str(run), "--export"]) == 0, capsys.readouterr().err
+    assert report_script.main([str(run)]) == 0, capsys.readouterr().err
+    assert export_script.main([str(run)]) == 0, capsys.readouterr().err
+    assert [path.name for path in left if path.exists()] == []
+    assert (run / "report" / "notes.tmp").read_text() == "the user's"

@@ -52,7 +52,7 @@ import xarray as xr
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.evaluate.heldout import TestFeatures
-from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, open_file, read_json, read_log
+from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, held, open_file, read_json, read_log
 
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
@@ -142,8 +142,9 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
     config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
-    try:  # a failed write (disk full, read-only folder) is a UserError
-        atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
+    try:  # a failed write (disk full, read-only folder) is a UserError; under the run's lock, as every writer's
+        with held(run_dir):
+            atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
     except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
         raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
     return path
