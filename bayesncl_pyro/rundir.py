@@ -19,9 +19,11 @@ version intact (its temporary file, named by the writing process, is removed by 
 A run folder is data, perhaps from elsewhere, and every reader and writer of one (the trainer, report, inspect_gates,
 export, compare --record, load_run) goes through the one rule here: a file in it is opened without following a
 symbolic link and only if it is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line
-naming it), a read takes at most a limit in bytes, and a write goes to a temporary file and is renamed into a real
-folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused). Only the
-folders the user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
+naming it, and a file written in place, the lock or a log, that has other hard links), a read takes at most a limit in
+bytes (the records of a log, at most ``MAX_RECORDS``), and a write goes to a temporary file and is renamed into a
+real folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused, and one
+replaced since it was checked, by its device and inode), under the run's lock (:func:`held`). Only the folders the
+user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
 configuration names unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an
 absolute path outside the run folder (``evaluate.loading.load_learner``).
 """
