@@ -442,8 +442,12 @@ def held(out: Path):
 
     The lock this process holds already (a trainer's, which exports its gates) stays held after; one taken here is let
     go. While another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it.
-    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left.
+    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder
+    that holds no run (no marker, no checkpoint: ``export_gates`` into a folder of one's own) gets no lock file.
     """
+    if not (os.path.lexists(out / MARKER) or os.path.lexists(out / CHECKPOINT)):
+        yield None
+        return
     mine = out.resolve() not in _HELD
     taken = lock(out)
     try:
