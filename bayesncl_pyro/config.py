@@ -117,8 +117,10 @@ class Config:
             d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
-        if unknown:
-            raise UserError(f"config has unknown keys {sorted(unknown)}: it was written by another version "
+        if unknown:  # a few of them, each quoted short: a file may hold 300,000 (a 48.6 MB line)
+            shown = ", ".join(quoted(k) for k in sorted(unknown, key=str)[:4])
+            more = f" and {len(unknown) - 4:,} more" if len(unknown) > 4 else ""
+            raise UserError(f"config has unknown keys [{shown}{more}]: it was written by another version "
                             "of bayesncl-pyro; start a new --out folder")
         return cls(**d)
 
@@ -165,7 +167,8 @@ def parse_file(path: Path, data: bytes) -> dict:
                         '{"dataset": "cifar10", "epochs": 100}')
     if not isinstance(values, dict):
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
-    _check_extent(path, values)
+    check_extent(values, f"--config {path}", "a YAML alias nested in aliases repeats its values",
+                 "a file of Config fields holds a few dozen")
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
@@ -181,22 +184,22 @@ def parse_file(path: Path, data: bytes) -> dict:
 MAX_VALUES, MAX_TEXT = 1_000_000, 4096  # what a config file's values may hold: no setting is longer than a path
 
 
-def _check_extent(path: Path, values: dict):
-    """Refuse a config file whose values are too many or too long to handle safely.
+def check_extent(values: dict, what: str, repeats: str, fix: str):
+    """Refuse config values that are too many or too long to handle safely, naming them ``what``.
 
     Refused before anything walks, copies or prints them whole: values that hold more than ``MAX_VALUES`` items,
-    counted with repeats, or a string of more than ``MAX_TEXT`` characters. A YAML alias bomb (a few hundred bytes
-    that name 9^9 strings, under a key or in prior_args) would fill the memory.
+    counted with repeats (``repeats`` says how a small file holds so many; ``fix`` ends the message), or a string of
+    more than ``MAX_TEXT`` characters. A YAML alias bomb (a few hundred bytes that name 9^9 strings, under a key or in
+    prior_args) or a pickled list of shared references (a checkpoint's) would fill the memory.
     """
     stack, count = [values], 0
     while stack:
         value = stack.pop()
         count += 1
         if count > MAX_VALUES:
-            raise UserError(f"--config {path} holds more than {MAX_VALUES:,} values (a YAML alias nested in aliases "
-                            "repeats its values); a file of Config fields holds a few dozen")
+            raise UserError(f"{what} holds more than {MAX_VALUES:,} values ({repeats}); {fix}")
         if isinstance(value, str) and len(value) > MAX_TEXT:
-            raise UserError(f"--config {path} holds a string of {len(value):,} characters ({quoted(value)}), more "
+            raise UserError(f"{what} holds a string of {len(value):,} characters ({quoted(value)}), more "
                             f"than the {MAX_TEXT} of the longest path; no setting takes one")
         if isinstance(value, dict):
             stack += [*value, *value.values()]

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.rundir import LOG, WANDB_DIR, append_line, atomic_save, output_folder, read_bytes
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ class WandbLog:
         self.wandb = wandb
         id_file = output_folder(Path(run_dir) / WANDB_DIR) / "run_id"
         run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):  # refused by W&B, whose message would ask for a login
+            raise UserError(f"{id_file} holds {quoted(run_id)}, not a W&B run id (letters, digits, - and _, as a run "
+                            "writes it); it is not what a run writes: move it away, and a new W&B run starts")
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=Path(run_dir).name,
                                   id=run_id, resume="allow", dir=str(run_dir), config=config)

@@ -19,9 +19,11 @@ version intact (its temporary file, named by the writing process, is removed by 
 A run folder is data, perhaps from elsewhere, and every reader and writer of one (the trainer, report, inspect_gates,
 export, compare --record, load_run) goes through the one rule here: a file in it is opened without following a
 symbolic link and only if it is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line
-naming it), a read takes at most a limit in bytes, and a write goes to a temporary file and is renamed into a real
-folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused). Only the
-folders the user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
+naming it, and a file written in place, the lock or a log, that has other hard links), a read takes at most a limit in
+bytes (the records of a log, at most ``MAX_RECORDS``), and a write goes to a temporary file and is renamed into a
+real folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused, and one
+replaced since it was checked, by its device and inode), under the run's lock (:func:`held`). Only the folders the
+user names (the run folder, ``--out``) may be links. Reading a run imports no code that its
 configuration names unless asked to (``trust_code``, :func:`check_code`), and reads its data folder only from an
 absolute path outside the run folder (``evaluate.loading.load_learner``).
 """
@@ -47,7 +49,7 @@ from typing import BinaryIO
 import torch
 
 from bayesncl_pyro._version import __version__
-from bayesncl_pyro.config import Config, parse_file
+from bayesncl_pyro.config import Config, check_extent, parse_file
 from bayesncl_pyro.errors import Stopped, UserError
 from bayesncl_pyro.plugins import TIMM, is_spec
 
@@ -67,6 +69,9 @@ PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlie
 _RUN_FILES = {MARKER, CONFIG, CHECKPOINT, LOG, CONFLICT, EVAL, GATES_FILE, BAD_IMAGES, LOCK, REPORT_DIR, INSPECT_DIR,
               WANDB_DIR}
 _MARK = b"bayesncl-pyro run folder"
+# names that no run writes, which make a marker beside them suspect: a repository, source files
+_PROJECT = {".git", ".hg", ".svn", "pyproject.toml", "setup.py", "Makefile", "package.json"}
+_SOURCE = {".py", ".ipynb", ".c", ".cc", ".cpp", ".h", ".rs", ".go", ".java", ".js", ".ts", ".sh"}
 # the files a run replaces (save_together): a run killed while writing one leaves its <name>.<pid>.tmp
 _TEMPORARY = re.compile("(" + "|".join(map(re.escape, (CHECKPOINT, CONFIG, EVAL, GATES_FILE, MARKER))) + r")\.\d+\.tmp")
 
@@ -75,11 +80,32 @@ _TEMPORARY = re.compile("(" + "|".join(map(re.escape, (CHECKPOINT, CONFIG, EVAL,
 JSON_LIMIT = 64 * 2**20  # one JSON document: config.json, eval.json, a --config file
 TEXT_LIMIT = 2**30  # log.jsonl, conflict.jsonl, bad_images.txt, a report's index.html and report.json
 DATA_LIMIT = 2**36  # checkpoint.pt, gates.nc
+# The most records read from a .jsonl file of a run: a run of a million steps that logs every one (a record costs a
+# few hundred bytes to a kilobyte in memory)
+MAX_RECORDS = 1_000_000
 
 
 def is_run_file(name: str) -> bool:
     """Whether ``name`` is the name of a file (or folder) that a run keeps in its folder."""
     return name in _RUN_FILES or name.startswith((PREVIOUS, "events.out.tfevents."))
+
+
+def check_not_a_run_file(path: Path, flag: str):
+    """Refuse ``path`` (what ``flag`` names) as a file to write where it would replace a file that a run keeps.
+
+    That is a path named as a run's file (checkpoint.pt, log.jsonl, ...), or one inside a folder that a run keeps in
+    its run folder (``report/``, ``inspect/``, ``previous-*``): every folder above the path that holds a run is looked
+    at, not only the last name.
+    """
+    if is_run_file(path.name):
+        raise UserError(f"{flag} {path}: {path.name} is the name of a file that a run keeps in its folder, and an "
+                        "export never replaces one (of this run or another); name it otherwise, e.g. backbone.pt")
+    real = Path(os.path.abspath(path))
+    for below, folder in zip(real.parents, real.parents[1:]):
+        if is_run_file(below.name) and (os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)):
+            raise UserError(f"{flag} {path}: it lies in {below}, which the run in {folder} keeps, and an export never "
+                            "writes into a run's files (of this run or another); name a path outside it, e.g. "
+                            f"{folder / 'backbone.pt'}")
 
 
 # -- the rule: opening a file of a run -------------------------------------------------------------------------
@@ -88,8 +114,9 @@ def is_run_file(name: str) -> bool:
 def _open(path: Path, flags: int, follow: bool = False) -> int:
     """Return ``os.open(path, flags)`` of a regular file, never through a symbolic link, without waiting on a FIFO.
 
-    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it; other
-    OSErrors pass.
+    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it, and so is
+    a file of a run opened for writing that has other hard links (O_NOFOLLOW does not see them: the write would land
+    in the file elsewhere); other OSErrors pass.
     """
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
@@ -104,11 +131,21 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-        raise UserError(_not_a_file(path, kind, follow))
+        raise UserError(_not_a_file(path, _kind(mode), follow))
+    links = os.fstat(fd).st_nlink
+    if links > 1 and not follow and flags & (os.O_WRONLY | os.O_RDWR):
+        os.close(fd)
+        raise UserError(f"{path} has {links} hard links, so it is also a file elsewhere; a run never writes into a "
+                        "file it shares (the other name would change too): replace it by a copy of its own (cp FILE "
+                        "FILE.new && mv FILE.new FILE), or move it away")
     os.set_blocking(fd, True)
     return fd
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) that is no regular file is, in words."""
+    return "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
+        "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
 
 
 def _not_a_file(path: Path, kind: str, follow: bool) -> str:
@@ -138,7 +175,14 @@ def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
 def read_bytes(path: Path, limit: int, *, follow: bool = False) -> bytes:
     """The content of ``path`` (:func:`open_file`), at most ``limit`` bytes (a file that grows while read, too)."""
     with open_file(path, limit, follow=follow) as f:
-        data = f.read(limit + 1)
+        # what fstat found, then in chunks up to the limit: f.read(limit + 1) reserved the whole limit (1 GiB for a
+        # log of a few lines), which failed under an address-space cap
+        chunks = [f.read(os.fstat(f.fileno()).st_size)]
+        read = len(chunks[0])
+        while read <= limit and (chunk := f.read(min(2**16, limit + 1 - read))):
+            chunks.append(chunk)
+            read += len(chunk)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(data) > limit:
         raise UserError(f"{path} grew past {limit:,} bytes while it was read; it is not what a run writes: move it "
                         "away")
@@ -161,22 +205,28 @@ def read_json(path: Path, limit: int = JSON_LIMIT, *, fix: str = "it is not what
 def read_records(path: Path) -> list[dict]:
     """Return the records of a run's ``.jsonl`` file, one JSON object with a ``step`` per line (empty if no file).
 
-    A line that is no record, as the last one of a run killed while writing it, is left out, with a note.
+    Read a line at a time, at most ``MAX_RECORDS`` records: the file whole, split into lines, cost about 27 times its
+    size in memory, a log of tiny records under the size limit some 27 GiB. A line that is no record, as the last one
+    of a run killed while writing it, is left out, with a note.
     """
     if not os.path.lexists(path):
         return []
     records, bad = [], []
-    for number, line in enumerate(read_bytes(path, TEXT_LIMIT).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            record = None
-        if isinstance(record, dict) and type(record.get("step")) is int:
-            records.append(record)
-        else:
-            bad.append(number)
+    with open_file(path, TEXT_LIMIT) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                record = None
+            if not (isinstance(record, dict) and type(record.get("step")) is int):
+                bad.append(number)
+            elif len(records) < MAX_RECORDS:
+                records.append(record)
+            else:
+                raise UserError(f"{path} holds more than {MAX_RECORDS:,} records, more than a run writes (one every "
+                                "--log-every steps); it is not what a run writes: move it away")
     if bad:
         logger.warning(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run "
                        "killed while writing one leaves it cut short); they are left out")
@@ -213,12 +263,20 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the output folder {out}: {e.strerror}; choose another --out")
-    theirs = [p.name for p in sorted(out.iterdir()) if p.name not in (LOCK, MARKER)
-              and not p.name.startswith(PREVIOUS) and not _TEMPORARY.fullmatch(p.name)]
+    _remember(out, named=True)
+    # every name counts, ours too: without our marker (or checkpoint) a previous-* folder or a checkpoint.pt.<n>.tmp
+    # is the user's, which the cleaning below would delete; but for a lock file as a run leaves it (a run that holds
+    # it has not written its marker yet: it is refused below as in use)
+    theirs = [p.name for p in sorted(out.iterdir()) if not (p.name == LOCK and _a_lock_of_ours(p))]
     if theirs and not holds_a_run(out):  # checked before the lock file is made: a user's folder stays as it is
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise UserError(f"{out} holds files that are not a bayesncl-pyro run ({shown}); pass a new or empty --out "
                         "(--overwrite moves only an earlier run's files aside)")
+    suspect = [name for name in theirs if name in _PROJECT or Path(name).suffix in _SOURCE]
+    if suspect:  # a marker copied or forged into a project: --overwrite would move the repository aside
+        raise UserError(f"{out} holds our marker {MARKER}, but also {', '.join(suspect[:4])}, which no run writes (a "
+                        "repository, source files): a marker there is not a run's; pass a new or empty --out, or move "
+                        "them away")
     held = lock(out)
     if not os.path.lexists(out / MARKER):
         atomic_save(f"{_MARK.decode()}, written by bayesncl-pyro {__version__}: rerunning its command resumes the "
@@ -236,6 +294,14 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
                             "rerun with the same flags to resume it, pass --overwrite to move it aside "
                             "and start afresh, or pass another --out")
     return held
+
+
+def _a_lock_of_ours(path: Path) -> bool:
+    """Whether ``path`` is a lock file as :class:`RunLock` leaves it: empty, or naming its process."""
+    try:
+        return re.fullmatch(rb"(process \d+ on .+\n)?", read_bytes(path, 4096)) is not None
+    except UserError:  # a link, a FIFO, a folder: not ours
+        return False
 
 
 def holds_a_run(folder: Path) -> bool:
@@ -274,17 +340,34 @@ def _check_place(out: Path, data_dir: str | None):
 
     Refused: the working folder or the data folder, or a folder above one of them (moving its files aside,
     --overwrite, would move the user's repository or data set), or a folder in the data folder (its lock and files
-    would sit in the data set, read as data).
+    would sit in the data set, read as data), by their paths or by their folders' device and inode.
     """
     real = out.expanduser().resolve()
+    ours = [_identity(p) for p in (real, *real.parents)]
     for what, place in (("the working folder", Path.cwd()), ("the data folder", data_dir)):
         if place is None:
             continue
         place = Path(place).expanduser().resolve()
         where = what if real == place else f"a folder above {what} ({place})" if real in place.parents else \
             f"inside {what} ({place})" if what == "the data folder" and place in real.parents else None
+        # by device and inode too: a bind mount shows one folder under two paths, which resolve() cannot see
+        theirs = [_identity(p) for p in (place, *place.parents)]
+        if where is None and ours[0] is not None:
+            where = f"{what}, by another path" if ours[0] == theirs[0] else \
+                f"a folder above {what} ({place}), by another path" if ours[0] in theirs[1:] else None
+        if where is None and what == "the data folder" and theirs[0] is not None and theirs[0] in ours[1:]:
+            where = f"inside {what} ({place}), by another path"
         if where:
             raise UserError(f"--out {out} is {where}; a run needs a folder of its own: pass e.g. --out runs/NAME")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of the folder at ``path``, None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _remove_temporaries(out: Path):
@@ -353,6 +436,28 @@ def lock(out: Path) -> RunLock:
     return held
 
 
+@contextlib.contextmanager
+def held(out: Path):
+    """Hold the lock of run folder ``out`` meanwhile, as every writer into a run folder does.
+
+    The lock this process holds already (a trainer's, which exports its gates) stays held after; one taken here is let
+    go. While another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it.
+    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder
+    that holds no run (no marker, no checkpoint: ``export_gates`` into a folder of one's own) gets no lock file.
+    """
+    if not (os.path.lexists(out / MARKER) or os.path.lexists(out / CHECKPOINT)):
+        yield None
+        return
+    mine = out.resolve() not in _HELD
+    taken = lock(out)
+    try:
+        yield taken
+    finally:
+        if mine:
+            _HELD.pop(out.resolve(), None)
+            taken.file.close()
+
+
 def move_aside(out: Path):
     """Move the run folder's files into a new ``previous-<time>`` subfolder: restarting never deletes results.
 
@@ -374,11 +479,47 @@ def move_aside(out: Path):
 # -- writing ----------------------------------------------------------------------------------------------------
 
 
+# The folders that output_folder (or claim) checked, by absolute path: the device and inode of the folder checked. A
+# write opens its folder and writes by that descriptor, and only where it is still that folder: one swapped for a link
+# between the check and the write (inspect_gates.py checks inspect/ seconds before its first figure) is refused
+_CHECKED: dict[str, tuple[int, int]] = {}
+
+
+def _remember(folder: Path, named: bool):
+    """Record the folder checked at ``folder`` (``named``: a folder the user named, which may be a link)."""
+    st = os.stat(folder) if named else os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):  # became a link (or a file) since it was checked
+        raise UserError(f"{folder} was replaced while it was checked; nothing is written into a run folder through a "
+                        "link: move it away and rerun")
+    _CHECKED[os.path.abspath(folder)] = (st.st_dev, st.st_ino)
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    checked = _CHECKED.get(os.path.abspath(folder))
+    if checked is not None and checked != (st.st_dev, st.st_ino):
+        os.close(fd)
+        now = f"a symbolic link, to {os.readlink(folder)}" if os.path.islink(folder) else "another folder"
+        raise UserError(f"{folder} was replaced while it was written into (it is now {now}); nothing is written into "
+                        "a folder that is not the one checked: move it away and rerun")
+    return fd
+
+
+def inner_folder(path: Path) -> Path:
+    """Return ``path``, a folder inside a run folder or a record to read, refused where it is a symbolic link."""
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; a folder inside a run folder or a record "
+                        "is never read or written through one (it may point anywhere): move it away")
+    return path
+
+
 def output_folder(path: Path, named: bool = False) -> Path:
     """Return ``path``, a folder to write into, created if missing.
 
     It must be a real folder, not a symbolic link, which could point anywhere (``named``: a folder the user named,
-    ``--out``, may be one).
+    ``--out``, may be one). The folder is remembered: :func:`save_together` writes into it only while it is the same.
     """
     if not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
@@ -389,6 +530,7 @@ def output_folder(path: Path, named: bool = False) -> Path:
         raise UserError(f"{path} is a file, not a folder; move it away, or pass another --out") from None
     except OSError as e:
         raise UserError(f"cannot create the folder {path}: {e.strerror}; pass another --out") from None
+    _remember(path, named)
     return path
 
 
@@ -405,25 +547,44 @@ def write_json(obj, path: Path):
     atomic_save(json.dumps(obj, indent=2).encode() + b"\n", path)
 
 
+def save_figure(fig, path: Path, **savefig):
+    """Write the matplotlib figure ``fig`` as a PNG to ``path``, atomically (:func:`atomic_save`)."""
+    atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
+
+
 def save_together(items: list[tuple[Content, Path]]):
     """Write each ``obj`` to its ``path``, all or none: no crash or signal leaves a mix of old and new files.
 
     ``obj`` is bytes, a function that writes into a binary file, or else what ``torch.save`` takes. All go first to
     temporary files of this process beside them (created afresh, never through a link), each fsynced, then each is
-    renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. A crash, a full disk or a signal
-    leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too, removes them.
-    A failed write (disk full, read-only) raises ``UserError``.
+    renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. Each folder is opened once and
+    written by its descriptor, and only if it is still the folder :func:`output_folder` checked. A crash, a full disk
+    or a signal leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too,
+    removes them. A failed write (disk full, read-only) raises ``UserError``.
     """
-    temporaries, path = [], None
+    folders, temporaries, path = {}, [], None
     try:
         for obj, path in items:
-            if path.is_dir() and not path.is_symlink():  # its rename would fail after those before it succeeded
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
-            with contextlib.suppress(FileNotFoundError):  # left by a killed process that had this pid
-                tmp.unlink()
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-            temporaries.append(tmp)
+            if path.parent not in folders:
+                folders[path.parent] = _open_folder(path.parent)
+            folder = folders[path.parent]
+            with contextlib.suppress(FileNotFoundError):
+                mode = os.lstat(path.name, dir_fd=folder).st_mode
+                if stat.S_ISDIR(mode):  # its rename would fail after those before it succeeded
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a rename would replace a device or a FIFO
+                    raise UserError(f"cannot write {path}: it is {_kind(mode)}, not a regular file; pass a regular "
+                                    "file or a new name")
+            tmp = f"{path.name}.{os.getpid()}.tmp"  # two writers never share one
+            # left by a killed process: one that had this pid, or under the run's lock (which no other writer holds)
+            # any process's
+            stale = [name for name in os.listdir(folder) if re.fullmatch(re.escape(path.name) + r"\.\d+\.tmp", name)] \
+                if _locked_here(path.parent) else [tmp]
+            for name in stale:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=folder)
+            temporaries.append((folder, tmp))
             with os.fdopen(fd, "w+b") as f:
                 if isinstance(obj, bytes):
                     f.write(obj)
@@ -435,14 +596,14 @@ def save_together(items: list[tuple[Content, Path]]):
                 os.fsync(f.fileno())
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
         try:
-            for tmp, (_, path) in zip(temporaries, items):
-                os.replace(tmp, path)
+            for (folder, tmp), (_, path) in zip(temporaries, items):
+                os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
     except BaseException as e:
-        for tmp in temporaries:
+        for folder, tmp in temporaries:
             with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
-                tmp.unlink(missing_ok=True)
+                os.unlink(tmp, dir_fd=folder)
         # torch.save's zip writer fails on closing after a failed or interrupted write, with a RuntimeError
         # ("unexpected pos") that would hide the cause: a full disk, a Ctrl-C, a signal (cli.stopped_by_signals)
         cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
@@ -453,6 +614,15 @@ def save_together(items: list[tuple[Content, Path]]):
         if isinstance(cause, (KeyboardInterrupt, Stopped)):
             raise cause from None
         raise
+    finally:
+        for folder in folders.values():
+            os.close(folder)
+
+
+def _locked_here(folder: Path) -> bool:
+    """Whether this process holds the lock of the run folder that is ``folder`` or holds it (report/, inspect/)."""
+    real = folder.resolve()
+    return real in _HELD or real.parent in _HELD
 
 
 def append_line(line: str | bytes, path: Path):
@@ -525,8 +695,12 @@ def load_checkpoint(path: Path) -> dict:
         except Exception as e:  # any unpickling failure means the file is not a usable checkpoint
             raise UserError(f"cannot read checkpoint {path}: {_load_failure(e)}; it is corrupt or not a "
                             "bayesncl-pyro checkpoint (move it away to start afresh)") from None
-    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys():
+    if not isinstance(state, dict) or not {"version", "config", "learner", "channels", "num_train"} <= state.keys() \
+            or not isinstance(state["config"], dict):
         raise UserError(f"{path} is not a bayesncl-pyro checkpoint (it lacks the run's config and weights)")
+    # a pickle keeps shared references: a kilobyte can hold a list of 2^40 items, which Config.to_dict would copy
+    check_extent(state["config"], f"the config in {path}", "a list that holds another many times over",
+                 "a run's config holds a few dozen: it is not what a run writes, move it away")
     return state
 
 
@@ -555,10 +729,23 @@ def code_references(cfg: Config) -> dict[str, str]:
     """Return the settings of ``cfg`` that name code to import (``package.module:name``): setting -> reference.
 
     An encoder ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a
-    module.
+    module. An encoder left None (the dataset's, before ``resolve``) names none.
     """
     return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
-            if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
+            if spec is not None and is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
+
+
+def check_config_code(path: str | os.PathLike, values: dict, trust: bool):
+    """Refuse (or, trusted, announce) the code that a config file of a run folder names, as :func:`check_code`.
+
+    ``values``: the fields the run takes from the file (``run_svi.py --config``). A file that lies beside our marker
+    or a checkpoint (named so, or as a link's target) is a run's, perhaps from elsewhere: the encoder and prior it
+    names are its writer's code. Another file is the user's own.
+    """
+    path = Path(path)
+    if any(os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)
+           for folder in (path.parent, path.resolve().parent)):
+        check_code(Config(**{k: values[k] for k in ("encoder", "prior") if k in values}), path, trust)
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

@@ -246,7 +246,11 @@ def test_a_second_run_on_one_folder_is_refused_naming_the_first(tmp_path, capsys
 
 def test_a_run_killed_while_writing_its_config_blocks_nothing(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.json.4321.tmp").write_text('{"data')  # a SIGKILL in the middle of the first write
+    # what a SIGKILL in the middle of the first write of config.json leaves: the run had claimed the folder, with its
+    # marker and its lock (a folder of such names without our marker is a user's: test_run_folder_second_layer.py)
+    (tmp_path / "run" / "bayesncl-pyro.run").write_text("bayesncl-pyro run folder\n")
+    (tmp_path / "run" / "run.lock").write_text("process 4321 on elsewhere\n")
+    (tmp_path / "run" / "config.json.4321.tmp").write_text('{"data')
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["bayesncl-pyro.run", "config.json", "run.lock"]
     del trainer

@@ -43,7 +43,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.nn.losses import NONNEG
     from bayesncl_pyro.plugins import is_spec
-    from bayesncl_pyro.rundir import GATES_FILE, code_references, read_config_file
+    from bayesncl_pyro.rundir import GATES_FILE, check_config_code, code_references, read_config_file
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
@@ -138,6 +138,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", help="a JSON or YAML file of Config fields (bayesncl_pyro/config.py; "
                    "a run's own config.json works as it is); the flags given here override it")
+    g.add_argument("--trust-run", action="store_true", help="with a --config FILE of a run folder: import the code "
+                   "that its encoder or prior names (package.module:name); such a file is refused otherwise, as it "
+                   "would run its writer's code")
     g.add_argument("--out", help="run folder; rerunning into it resumes (default: runs/<what the run is>: dataset, "
                    "method, gate, and the settings that differ from the recipe, e.g. runs/compositional-bayesncl-ste)")
     g.add_argument("--overwrite", action="store_true", help="start afresh in --out, moving the run already there "
@@ -184,13 +187,16 @@ def config(argv: list[str]) -> tuple[Config, bool]:
     line over them.
     """
     p = parser()
-    file = p.parse_known_args(argv)[0].config
+    given = vars(p.parse_known_args(argv)[0])  # the flags alone, before the file's fields become their defaults
+    file = given["config"]
     if file is not None:
         values = read_config_file(file)
         values["prior_args"] = list(values.get("prior_args", {}).items())  # --prior-arg appends to them
         p.set_defaults(**values)
     args = vars(p.parse_args(argv))
-    overwrite = args.pop("overwrite")
+    overwrite, trust = args.pop("overwrite"), args.pop("trust_run")
+    if file is not None:  # the code that the file names, and no flag: a run folder's is its writer's
+        check_config_code(file, {k: v for k, v in values.items() if args.get(k) == v != given.get(k)}, trust)
     del args["config"]
     args["prior_args"] = dict(args["prior_args"])  # [(name, value), ...] from the repeated --prior-arg
     return Config(**args), overwrite

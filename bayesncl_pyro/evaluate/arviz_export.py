@@ -52,7 +52,7 @@ import xarray as xr
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.evaluate.heldout import TestFeatures
-from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, open_file, read_json, read_log
+from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, held, open_file, read_json, read_log
 
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
@@ -142,8 +142,9 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
     config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
     dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
-    try:  # a failed write (disk full, read-only folder) is a UserError
-        atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
+    try:  # a failed write (disk full, read-only folder) is a UserError; under the run's lock, as every writer's
+        with held(run_dir):
+            atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
     except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
         raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
     return path
@@ -162,9 +163,54 @@ def read_gates(path: str | os.PathLike):
     if not os.path.lexists(path):
         raise UserError(f"no gates file at {path}; run_svi.py writes one when a BayesNCL run ends, and "
                         f"python experiments/inspect_gates.py {path.parent} --export writes it from the checkpoint")
-    with open_file(path, DATA_LIMIT) as f, xr.open_datatree(f, engine=ENGINE) as lazy:
-        dt = lazy.load()  # into memory, so that the file is closed when this returns
+    with open_file(path, DATA_LIMIT) as f:
+        _check_storage(f, path)
+        with xr.open_datatree(f, engine=ENGINE) as lazy:
+            dt = lazy.load()  # into memory, so that the file is closed when this returns
     return dt if ARVIZ_1 else _to_inference_data_arviz0(dt)
+
+
+# The most a gates.nc is read up to once decompressed, for each byte of the file: a run writes it uncompressed, and
+# a user's recompression (nccopy -d) of its 0/1 gates shrinks it some tens of times; zeros compress a thousandfold
+EXPANSION, EXPANSION_SLACK = 64, 64 * 2**20
+
+
+def _check_storage(f, path: Path):
+    """Refuse a gates.nc (open as ``f``) whose data lie outside it, or would decompress past what it may hold.
+
+    Refused: an HDF5 external-storage variable, a virtual dataset or an external link (each reads another file, which
+    may be any file: its bytes would come back as gates), and data that decompress to more than ``EXPANSION`` times
+    the file's size (plus ``EXPANSION_SLACK``). ``f`` is at its start again after.
+    """
+    import h5py  # late: h5netcdf's HDF5 backend, which the read below imports anyway
+
+    fix = "it is not what a run writes, move it away"
+    found, total = [], 0
+
+    def variable(name, obj):
+        nonlocal total
+        if isinstance(obj, h5py.Dataset):
+            if obj.external:
+                found.append(f"its variable /{name} keeps its data in another file (HDF5 external storage), which a "
+                             "run's gates.nc never does (it may be any file)")
+            elif obj.is_virtual:
+                found.append(f"its variable /{name} is a virtual dataset, whose data lie in other files, which a run's "
+                             "gates.nc never holds (they may be any file)")
+            total += obj.size * obj.dtype.itemsize
+
+    with h5py.File(f, "r") as h5:
+        h5.visit_links(lambda name: found.append(
+            f"its link /{name} leads into another file (an HDF5 external link), which a run's gates.nc never holds "
+            "(it may be any file)") if isinstance(h5.get(name, getlink=True), h5py.ExternalLink) else None)
+        if not found:
+            h5.visititems(variable)
+    if found:
+        raise UserError(f"{path}: {found[0]}: {fix}")
+    size = os.fstat(f.fileno()).st_size
+    if total > EXPANSION * size + EXPANSION_SLACK:
+        raise UserError(f"{path} holds {size:,} bytes that decompress to {total:,}, more than the "
+                        f"{EXPANSION * size + EXPANSION_SLACK:,} a gates.nc of its size is read up to; {fix}")
+    f.seek(0)
 
 
 def _from_dict(groups: dict, coords: dict, dims: dict) -> xr.DataTree:

@@ -5,7 +5,6 @@ ours, and comparison.md and comparison.json.
 """
 
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -108,7 +107,8 @@ def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
 
 
 def recorded_run(folder: Path, cfg: Config) -> bool:
-    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``)."""
+    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``); a link is refused."""
+    folder = rundir.inner_folder(folder)  # the user names the record, not the folders in it: one may point anywhere
     return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
 
 
@@ -333,7 +333,7 @@ def plot(runs: list[dict], path: Path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    rundir.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -353,9 +353,10 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
     comparison-d0.3.*): consistency_vs_probe, matched_sparsity, paired (where there are gated runs with baselines) and
     paired_mechanism (where they have the mechanism's figures). Returns the markdown's text.
     """
-    out.mkdir(parents=True, exist_ok=True)  # every run may have come from --record
+    # by the rule of rundir, as every writer: into a real folder, by renames that replace a link, never through one
+    out = rundir.output_folder(out, named=True)  # created: every run may have come from --record
     report = dict(report, suffix=suffix) if suffix else report
-    (out / f"comparison{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
+    rundir.write_json(report, out / f"comparison{suffix}.json")
     if "consistency_vs_probe" in figures:
         plot(report["runs"], out / stem_name("consistency_vs_probe", report))
     if "matched_sparsity" in figures:
@@ -364,5 +365,5 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
         if stem in figures and report.get(stem):
             plot_paired(report[stem], out / stem_name(stem, report))
     md = markdown(report)
-    (out / f"comparison{suffix}.md").write_text(md)
+    rundir.atomic_save(md.encode(), out / f"comparison{suffix}.md")
     return md

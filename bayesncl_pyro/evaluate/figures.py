@@ -22,7 +22,15 @@ from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  #
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
-from bayesncl_pyro.rundir import INSPECT_DIR, atomic_save, output_folder, read_log, run_folder  # noqa: E402
+from bayesncl_pyro.rundir import (  # noqa: E402
+    INSPECT_DIR,
+    atomic_save,
+    held,
+    output_folder,
+    read_log,
+    run_folder,
+    save_figure,
+)
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "axes.grid": True,
                      "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
@@ -31,12 +39,12 @@ plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "
 def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
     """Write ``fig`` as a PNG to ``path`` atomically.
 
-    By ``rundir.atomic_save`` (a temporary file, renamed, never through a link), laid out first by tight_layout
+    By ``rundir.save_figure`` (a temporary file, renamed, never through a link), laid out first by tight_layout
     (``tight``) where it has no layout engine.
     """
     if tight and fig.get_layout_engine() is None:
         fig.tight_layout()
-    atomic_save(lambda f: fig.savefig(f, format="png", **savefig), path)
+    save_figure(fig, path, **savefig)
     plt.close(fig)
     return path
 
@@ -237,8 +245,17 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
     ``out``: a folder the user names; by default RUN/inspect, a real folder of the run (``rundir.output_folder``). With
     ``export``, first (re)write the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of
     ``load_learner``. Everything is read from the run folders before anything is written: a file refused there leaves no
-    figure behind.
+    figure behind. Writing into the run folder (by default, or ``export``) holds its lock (``rundir.held``): refused
+    while a run trains there.
     """
+    if out is not None and not export:
+        return _inspect(run_dir, out, baseline, export, **load)
+    with held(run_folder(run_dir)):
+        return _inspect(run_dir, out, baseline, export, **load)
+
+
+def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: bool, **load) -> list[str]:
+    """:func:`inspect`, with the run folder's lock held where it writes into it."""
     learner, cfg = load_learner(run_dir, **load)
     log, main = read_log(run_dir), conflict_table(run_dir)
     base = conflict_table(baseline) if main is not None and baseline is not None else None

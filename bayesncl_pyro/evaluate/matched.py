@@ -35,6 +35,7 @@ from bayesncl_pyro.evaluate.metrics import (
 )
 from bayesncl_pyro.evaluate.stats import holm, interval
 from bayesncl_pyro.nn.losses import normalize
+from bayesncl_pyro.rundir import save_figure
 
 RANDOM_MASKS = 5
 """Seeded random masks the null's figures are averaged over."""
@@ -321,7 +322,7 @@ def plot_paired(rows: list[dict], path):
     import matplotlib.pyplot as plt  # late: paired_figure has chosen the Agg backend
 
     fig = paired_figure(rows)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -490,5 +491,5 @@ def plot_matched(runs: list[dict], path):
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -39,6 +39,7 @@ from bayesncl_pyro.rundir import (
     EVAL,
     REPORT_DIR,
     TEXT_LIMIT,
+    held,
     output_folder,
     read_bytes,
     read_eval,
@@ -395,10 +396,13 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
                  out: str | os.PathLike | None = None, **load) -> Path:
     """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report).
 
-    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them.
+    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them. Into the run folder under its lock
+    (``rundir.held``): refused while a run trains there.
     """
-    built = build(run_dir, baseline, **load)
-    return write(*built, out) if out is not None else write(*built, run_folder(run_dir) / REPORT_DIR, named=False)
+    if out is not None:
+        return write(*build(run_dir, baseline, **load), out)
+    with held(run_folder(run_dir)):
+        return write(*build(run_dir, baseline, **load), run_folder(run_dir) / REPORT_DIR, named=False)
 
 
 class Report:

@@ -3,6 +3,7 @@
 The backbone's and the head's state_dicts, and the lines of code that load them (experiments/export.py).
 """
 
+import contextlib
 from pathlib import Path
 
 from bayesncl_pyro import rundir
@@ -17,20 +18,21 @@ def export_weights(run_dir: Path, out: Path, head_out: Path | None = None, trust
 
     Written together (``rundir.save_together``: both new or both as they were); returns what was written and the lines
     that load them. An export never replaces a file of a run (this one or another): a path named as one (checkpoint.pt,
-    log.jsonl, gates.nc, ...) is refused.
+    log.jsonl, gates.nc, ...) or inside a folder a run keeps (report/, ...) is refused: ``rundir.check_not_a_run_file``.
     """
     head_out = head_out or out.with_name(f"{out.stem}_head{out.suffix or '.pt'}")
     for flag, path in (("--out", out), ("--head-out", head_out)):
-        if rundir.is_run_file(path.name):
-            raise UserError(f"{flag} {path}: {path.name} is the name of a file that a run keeps in its folder, and an "
-                            "export never replaces one (of this run or another); name it otherwise, e.g. backbone.pt")
+        rundir.check_not_a_run_file(path, flag)
     if out.resolve() == head_out.resolve():
         raise UserError(f"--out and --head-out are both {out}; give them two names")
     learner, cfg = load_learner(run_dir, trust_code=trust_code)
     for path in (out, head_out):
         rundir.output_folder(path.parent, named=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
-    rundir.save_together([(backbone, out), (head, head_out)])
+    run = rundir.run_folder(run_dir).resolve()
+    # into the run folder (the default) under its lock: refused while a run trains there
+    with rundir.held(run) if run in (out.parent.resolve(), head_out.parent.resolve()) else contextlib.nullcontext():
+        rundir.save_together([(backbone, out), (head, head_out)])
     channels, size = learner.in_channels, cfg.image_size
     feature_dim = learner.head.projector[0].in_features
     build = torchvision_code(cfg.encoder, channels, size) or [
