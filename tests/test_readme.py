@@ -89,6 +89,10 @@ def test_the_priors_from_your_own_code_are_followed_as_written_and_train(tmp_pat
         assert command[:2] == ["python", "experiments/run_svi.py"], line
         assert run_svi.main([*command[2:], *TINY, "--out", f"runs/{i}"]) == 0, line
         assert (tmp_path / "runs" / str(i) / "eval.json").is_file()
+        said = capsys.readouterr()
+        assert "the KL of latent site 'g': analytic" in said.out + said.err  # the run's first lines say each KL
+        if "CorrelatedLogits" in line:
+            assert "the KL of latent site 'logits': Monte Carlo, one pathwise draw" in said.out + said.err
 
     head = BayesNCLHead(8, 16, 32, num_train=100, prior="my_priors:CorrelatedLogits", prior_args={"correlation": 0.3})
     assert isinstance(head.guide.rate_guide, AutoNormal)

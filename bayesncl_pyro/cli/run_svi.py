@@ -254,7 +254,9 @@ def announce(trainer) -> str:
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
     return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
             f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "
-            f"writing to {trainer.out}/\nthe loss it minimises: {trainer.learner.head.objective}")
+            f"writing to {trainer.out}/\nthe loss it minimises: {trainer.learner.head.objective}"
+            + "".join(f"\nthe KL of latent site {site!r}: {kind}"  # how the ELBO takes it (infer/kl.py)
+                      for site, kind in trainer.learner.head.kl_kind.items()))
 
 
 def export(trainer) -> int:

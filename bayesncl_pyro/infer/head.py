@@ -82,7 +82,7 @@ class BayesNCLHead(nn.Module):
             of every rank (global negatives; a plain run is unaffected).
 
     The prior's global parameters get their gradient divided by lambda (``infer/prior_gradients.py``). ``kl_kind``:
-    how the ELBO takes each latent site's KL (``infer/kl.py``), said once at INFO when the head is built. A forward
+    how the ELBO takes each latent site's KL (``infer/kl.py``), logged once at DEBUG when the head is built. A forward
     pass changes nothing of the head. With ``gate_density``, a training loop calls
     :meth:`update_density` with the step's output after ``optimizer.step()``: that moves lambda. For Pyro's ``SVI``:
     :meth:`svi_program` and :meth:`elbo`.
@@ -119,8 +119,8 @@ class BayesNCLHead(nn.Module):
         self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook): infer.prior_gradients
         unweight_prior_gradients(self)
         self.kl_kind = self._kl_kinds(in_dim)
-        for site, kind in self.kl_kind.items():
-            logger.info(f"the KL of latent site {site!r}: {kind}")
+        for site, kind in self.kl_kind.items():  # run_svi.py says them in its first lines
+            logger.debug(f"the KL of latent site {site!r}: {kind}")
 
     @property
     def gated(self) -> bool:

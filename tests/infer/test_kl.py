@@ -127,8 +127,8 @@ def test_a_guide_missing_to_event_is_refused_by_pyros_own_check_in_one_line():
 
 def test_a_prior_without_a_guide_gets_pyros_autonormal_and_trains(caplog):
     """No make_guide: the default guide is an AutoNormal over the prior's latents; the head says once, per site, how
-    each KL is taken; the rate's q moves with training."""
-    with caplog.at_level(logging.INFO, logger="bayesncl_pyro.infer.head"):
+    each KL is taken (at DEBUG: run_svi.py prints it in its first lines); the rate's q moves with training."""
+    with caplog.at_level(logging.DEBUG, logger="bayesncl_pyro.infer.head"):
         head = BayesNCLHead(D, K, H, num_train=100, prior=_Rate(K, 0.8), kl_weight=0.1)
     assert isinstance(head.guide.rate_guide, AutoNormal)
     assert head.kl_kind == {"rate": PATHWISE, "rate_unconstrained": PATHWISE, "g": ANALYTIC}
