@@ -38,6 +38,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped
+    from bayesncl_pyro.evaluate.verdict import closing_sentence
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.nn.encoders import ENCODERS
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
         status = 0
         if trainer.learner.gated and not (evaluated_before and (trainer.out / GATES_FILE).exists()):
             status = export(trainer)
-        print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+        print(*filter(None, [outcome(results, trainer.cfg)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
         return status
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print(INTERRUPTED, file=sys.stderr)
@@ -268,11 +269,12 @@ def export(trainer) -> int:
     return 0
 
 
-def outcome(results: dict) -> str:
+def outcome(results: dict, cfg: Config) -> str:
     """What the gates did, in words, from an eval dict.
 
     Empty for CL and NCL. The paper's consistency and the top-N one beside post-hoc TopK of the same features, then, on
-    generated data, which factor the dims follow.
+    generated data, which factor the dims follow, and last this run's comparison beside the ten-seed result
+    (``verdict.closing_sentence``; ``cfg``, the run's, says whether that result is of this run's recipe).
     """
     if "gates_open" not in results:
         return ""
@@ -300,22 +302,8 @@ def outcome(results: dict) -> str:
         lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
                   "images where they fire)", f"with the gates, {tracking('')}"]
     if posthoc and "semantic_consistency_topn" in posthoc:
-        lines.append(what_they_show(results, posthoc))
+        lines.append(closing_sentence(results, cfg))
     return "\n".join(lines)
-
-
-def what_they_show(results: dict, posthoc: dict) -> str:
-    """The closing sentence of the run's summary: the gates against post-hoc TopK.
-
-    The gates' choice of entries against post-hoc TopK's on the same features, on the top-N consistency (which sparsity
-    cannot game), and what sparsity alone does to the paper's.
-    """
-    diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
-    where = "above" if diff > 0.01 else "below" if diff < -0.01 else "level with"
-    rise = posthoc["semantic_consistency"] - results["semantic_consistency_ungated"]
-    return (f"so on this seed the gates' choice of entries is {where} keeping each image's largest ones ({diff:+.3f} "
-            f"on the top-{results['topn_n']} consistency), while sparsity alone moves the paper's consistency by "
-            f"{rise:+.3f} (post-hoc TopK against every gate open); docs/RESULTS.md pairs ten seeds")
 
 
 def next_steps(cfg: Config, argv: list[str]) -> str:
