@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
@@ -93,7 +93,7 @@ GATE_SETTINGS = ("prior_prob", "kl_weight")  # shared flags that only BayesNCL r
 
 def parser() -> argparse.ArgumentParser:
     """The command line of experiments/compare.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
     p.add_argument("--data-dir", help="dataset folder, as for run_svi.py")
     p.add_argument("--out", help="comparison folder (default: runs/compare-<dataset>)")

@@ -121,3 +121,31 @@ def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(
     assert trust == "--trust-run"  # the run is the user's own: its code may be imported
     line = run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
     assert "PYTHONPATH" not in line and "--trust-run" not in line
+
+
+def test_help_lists_each_recipes_values():
+    """Issue 53, item 2: --help said "default: dataset" with no values, and left imagefolder out."""
+    text = run_svi.parser().format_help()
+    assert "default: dataset)" not in text
+    assert "imagefolder: 224 px, resnet18, K=256, batch 128, lars lr 0.3, 100 epochs" in text
+    assert "compositional: 32 px, cnn, K=64, batch 256, sgd lr 0.06, 15 epochs" in text
+    size = next(a for a in run_svi.parser()._actions if "--image-size" in a.option_strings)
+    assert "imagefolder 224" in size.help and "compositional 32" in size.help
+
+
+def test_the_first_line_states_the_image_size_and_optimizer(tmp_path, capsys):
+    assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "at 8 px, cnn, K=" in first and ", batch 64, sgd lr " in first and "warning" not in first
+
+
+def test_a_gpu_recipe_on_a_cpu_warns_with_its_cost_and_a_cpu_recipes_flags():
+    from bayesncl_pyro.config import CPU_RECIPE_FLAGS, Config, with_recipe
+
+    warning = run_svi.cpu_warning(with_recipe(Config(dataset="imagefolder")), "cpu", 6)
+    assert warning.startswith("warning: imagefolder's recipe is a GPU recipe (224 px, resnet18")
+    assert "its 6 steps of 128 images take about 5 min" in warning and CPU_RECIPE_FLAGS in warning
+    assert "39,000 steps" in run_svi.cpu_warning(with_recipe(Config(dataset="cifar10")), "cpu", 39_000)
+    assert run_svi.cpu_warning(with_recipe(Config(dataset="imagefolder")), "cuda", 6) == ""
+    assert run_svi.cpu_warning(with_recipe(Config()), "cpu", 225) == ""  # the first run is a CPU recipe
+    assert run_svi.cpu_warning(with_recipe(Config(dataset="cifar10", encoder="cnn")), "cpu", 100) == ""
