@@ -200,8 +200,28 @@ def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
         f"{k} ({share[k]:.0%} '{classes[dominant[k]]}', {int(active[k])} on)" for k in dims)
 
 
+_SUPERSCRIPT = str.maketrans("-0123456789", "\u207b\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+
+
+def power_of_ten(value: float, position=None) -> str:
+    """A log axis' tick label as plain text: ``10⁴`` for 10,000, "" between the powers of ten.
+
+    matplotlib's own log labels are mathtext (``$`` and ``mathdefault`` around ``10^{4}``), which this module's
+    ``text.parse_math = False`` (class names are text) would print raw.
+    """
+    if value <= 0:
+        return ""
+    exponent = round(float(np.log10(value)))
+    return f"10{str(exponent).translate(_SUPERSCRIPT)}" if np.isclose(value, 10.0 ** exponent) else ""
+
+
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
-    """Plot a run's per-dimension gradient conflict beside a baseline's."""
+    """Plot a run's per-dimension gradient conflict beside a baseline's into ``path`` (:func:`conflict_figure`)."""
+    return _save(conflict_figure(main, name, baseline, baseline_name), path, tight=False, bbox_inches="tight")
+
+
+def conflict_figure(main: dict, name: str, baseline: dict | None, baseline_name: str):
+    """A run's per-dimension gradient conflict beside a baseline's, as a matplotlib figure (three panels)."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     panels = [("cancellation", "pull of positives vs push of negatives", "cancellation (1 = they cancel)",
                "linear"),
@@ -217,6 +237,9 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
         else:
             ax.scatter(main["freq"], main[key], s=18, c="tab:blue", label=name)
         ax.set(title=title, ylabel=ylabel, yscale=scale)
+        if scale == "log":
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(power_of_ten))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.title.set_fontsize(9.5)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.supxlabel("activation frequency of the dimension (share of rows in which it takes part in the loss)",
@@ -227,7 +250,7 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
     if "incl" in main:
         fig.colorbar(sc, ax=axes, label="mean inclusion probability of the dim's gate\non the logged training batches",
                      fraction=0.02, pad=0.01)
-    return _save(fig, path, tight=False, bbox_inches="tight")
+    return fig
 
 
 def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None, export: bool = False,
