@@ -289,3 +289,16 @@ def with_recipe(cfg: Config) -> Config:
     return dataclasses.replace(cfg, **defaults)
 
 
+GATE_FIELDS = ("prior", "prior_prob", "prior_args", "kl_weight", "gate_density", "kl_clamp", "gate", "gate_temperature",
+               "head_depth", "logit_bound", "gate_lr")
+"""The fields only BayesNCL's gates use: NCL and CL build no prior, guide or gating head from them."""
+
+
+def without_gates(cfg: Config, method: str) -> Config:
+    """``cfg`` as a ``method`` run (NCL, CL), its gate fields (:data:`GATE_FIELDS`) back at their defaults.
+
+    The baseline a gated run is judged against: the same data and budget, and no prior of the user's own to import when
+    it is opened later.
+    """
+    default = Config()
+    return dataclasses.replace(cfg, method=method, **{f: getattr(default, f) for f in GATE_FIELDS})

@@ -579,8 +579,9 @@ def code_references(cfg: Config) -> dict[str, str]:
     An encoder ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a
     module.
     """
-    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
-            if is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
+    prior = cfg.prior if cfg.method == "bayesncl" else None  # NCL and CL never build their config's prior
+    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", prior))
+            if spec is not None and is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

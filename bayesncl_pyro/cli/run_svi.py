@@ -21,7 +21,6 @@ Stopped runs saved a checkpoint first (one "stopped:" line); rerunning the comma
 """
 
 import argparse
-import dataclasses
 import os
 import shlex
 import signal
@@ -41,6 +40,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
         CPU_SECONDS_PER_IMAGE,
         DATASET_DEFAULTS,
         EVAL_PROTOCOLS,
+        GATE_FIELDS,
         METHODS,
         ON_NAN,
         OPTIMIZERS,
@@ -49,6 +49,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
         describe_recipe,
         recipe_values,
         run_name,
+        without_gates,
     )
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped
@@ -57,7 +58,6 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.nn.losses import NONNEG
-    from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE, code_references, read_config_file
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
@@ -354,39 +354,61 @@ def outcome(results: dict, cfg: Config) -> str:
 
 
 def next_steps(cfg: Config, argv: list[str]) -> str:
-    """The commands that look at the gates and train the NCL baseline on the same budget."""
+    """The commands that look at the gates and train the NCL baseline on the same budget.
+
+    Every path in them absolute, so that they run as printed from any folder. The NCL command leaves out the gates'
+    flags (:data:`config.GATE_FIELDS`): NCL builds no prior, and a baseline that recorded a prior of the user's own
+    would need its code (and --trust-run) to be opened.
+    """
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = (str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named
-            else cfg.out + "-ncl")
+    ncl = without_gates(cfg, "ncl")
+    base = os.path.abspath(Path(RUNS) / run_name(ncl) if named else cfg.out + "-ncl")
+    out = os.path.abspath(cfg.out)
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
-    steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
+    steps = [command(cfg, "inspect_gates.py", out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
-             f"{shlex.quote(cfg.out)}/inspect/)",
-             command(cfg, "report.py", cfg.out, *baseline),
-             f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
+             f"{shlex.quote(out)}/inspect/)",
+             command(cfg, "report.py", out, *baseline),
+             f"    a card per dimension, one page: {shlex.quote(out)}/report/index.html"]
     if cfg.method == "bayesncl":
-        flags = _without(argv, "--method", "--out", "--overwrite", "--gate-density")  # NCL has no gates to target
-        steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
+        gate_flags = ["--prior-arg" if f == "prior_args" else "--" + f.replace("_", "-") for f in GATE_FIELDS]
+        flags = _absolute(_without(argv, "--method", "--out", "--overwrite", *gate_flags), *PATH_FLAGS)
+        steps[:0] = [command(ncl, "run_svi.py", *flags, "--method", "ncl", "--out", base),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]
     return "next:\n" + "\n".join("  " + line for line in steps)
+
+
+PATH_FLAGS = ("--data-dir", "--config")
+"""run_svi.py's flags whose value is a path (but --out, which the printed commands set)."""
 
 
 def command(cfg: Config, script: str, *args: str) -> str:
     """The command line that runs ``experiments/<script> args`` as this run was started.
 
     By this run's interpreter and, for code of the user's own (``package.module:name``), with its PYTHONPATH (and
-    --trust-run: the run is the user's own); paths as seen from the current folder.
+    --trust-run: the run is the user's own); paths absolute, so that it runs from any folder.
     """
-    env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
+    env = os.environ.get("PYTHONPATH") if code_references(cfg) else None
+    if env:  # its folders as seen from here, so that they are the same from anywhere
+        env = os.pathsep.join(os.path.abspath(p) if p else p for p in env.split(os.pathsep))
     trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
-    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
+    words = [os.path.abspath(sys.executable), str(EXPERIMENTS / script), *args, *trust]
     return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
 
 
-def _near(path) -> str:
-    """``path`` relative to the current folder when it lies below it, else absolute."""
-    relative = os.path.relpath(path)
-    return relative if not relative.startswith("..") else os.path.abspath(path)
+def _absolute(argv: list[str], *flags: str) -> list[str]:
+    """Argv with the values of the given flags made absolute paths (``--flag value`` or ``--flag=value``)."""
+    out, path_next = [], False
+    for a in argv:
+        name, eq, value = a.partition("=")
+        if path_next:
+            out.append(os.path.abspath(a))
+        elif eq and name in flags:
+            out.append(f"{name}={os.path.abspath(value)}")
+        else:
+            out.append(a)
+        path_next = not path_next and not eq and a in flags
+    return out
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

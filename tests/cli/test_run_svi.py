@@ -1,6 +1,7 @@
 """run_svi.py's end of a run: a failed gate export keeps the results, says why in one line, and can be redone."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -149,3 +150,44 @@ def test_a_gpu_recipe_on_a_cpu_warns_with_its_cost_and_a_cpu_recipes_flags():
     assert run_svi.cpu_warning(with_recipe(Config(dataset="imagefolder")), "cuda", 6) == ""
     assert run_svi.cpu_warning(with_recipe(Config()), "cpu", 225) == ""  # the first run is a CPU recipe
     assert run_svi.cpu_warning(with_recipe(Config(dataset="cifar10", encoder="cnn")), "cpu", 100) == ""
+
+
+def _commands(text: str) -> list[list[str]]:
+    lines = text.split("next:\n")[1].splitlines()
+    return [shlex.split(line) for line in lines if not line.startswith("      ")]
+
+
+def test_the_ncl_command_of_a_run_with_a_prior_of_your_own_carries_no_prior(monkeypatch, tmp_path):
+    """Issue 53, item 5: the NCL baseline's command carried --prior module:Class --prior-arg ..., so that the baseline
+    recorded a prior it never builds and needed PYTHONPATH and --trust-run to be opened."""
+    from bayesncl_pyro.config import Config, with_recipe, without_gates
+    from bayesncl_pyro.rundir import code_references
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "code")
+    argv = ["--dataset", "digits", "--prior", "my_priors:SteppedPrior", "--prior-arg", "scale=0.25", "--kl-weight=0.01",
+            "--gate", "leg", "--epochs", "3"]
+    cfg = with_recipe(Config(dataset="digits", prior="my_priors:SteppedPrior", prior_args={"scale": 0.25},
+                             kl_weight=0.01, gate="leg", epochs=3, out="runs/mine"))
+    train, inspect, report = _commands(run_svi.next_steps(cfg, argv))
+    assert "--prior" not in train and "--prior-arg" not in train and "--gate" not in train
+    assert not any(w.startswith(("--kl-weight", "PYTHONPATH")) for w in train)
+    assert train[train.index("--epochs") + 1] == "3" and train[train.index("--method") + 1] == "ncl"
+    assert inspect[0] == f"PYTHONPATH={tmp_path / 'code'}" and inspect[-1] == "--trust-run"  # the gated run needs both
+    assert code_references(without_gates(cfg, "ncl")) == {}
+    assert code_references(Config(method="ncl", prior="my_priors:SteppedPrior")) == {}  # an NCL run saved before
+
+
+def test_the_next_commands_run_from_any_folder(monkeypatch, tmp_path):
+    """Issue 53, item 10: the commands named the run folders relative to the folder the run was started in."""
+    from bayesncl_pyro.config import Config, with_recipe
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--dataset", "cifar10", "--data-dir", "data/cifar", "--config=my.yaml"]
+    cfg = with_recipe(Config(dataset="cifar10", data_dir=str(tmp_path / "data" / "cifar"), out="runs/mine"))
+    commands = _commands(run_svi.next_steps(cfg, argv))
+    paths = [w.split("=", 1)[-1] for c in commands for w in c if "/" in w or w.endswith(".yaml")]
+    assert paths and all(os.path.isabs(p) for p in paths), paths
+    assert str(tmp_path / "runs" / "mine") in commands[1] and str(tmp_path / "runs" / "mine-ncl") in commands[0]
+    assert f"--config={tmp_path / 'my.yaml'}" in commands[0]
+    assert commands[0][commands[0].index("--data-dir") + 1] == str(tmp_path / "data" / "cifar")
