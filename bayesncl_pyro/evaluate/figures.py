@@ -18,7 +18,13 @@ import torch  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
-from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  # noqa: E402
+from bayesncl_pyro.evaluate.diagnostics import (  # noqa: E402
+    budget_note,
+    conflict_lines,
+    conflict_table,
+    read_conflict,
+    trained_steps,
+)
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
@@ -265,7 +271,7 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
     learner, cfg = load_learner(run_dir, **load)
     log, main = read_log(run_dir), conflict_table(run_dir)
     base = conflict_table(baseline) if main is not None and baseline is not None else None
-    base_name = load_learner(baseline, **load)[1].method if main is not None and baseline is not None else ""
+    base_name = load_learner(baseline, **load)[1].method if baseline is not None else ""
     out = output_folder(out, named=True) if out is not None else output_folder(run_folder(run_dir) / INSPECT_DIR)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     feats = test_features(learner, data)
@@ -276,6 +282,9 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
 
         print(f"wrote {export_gates(run_dir, learner, data, test=feats)}")
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
+    if baseline is not None:
+        note = budget_note(cfg.method, trained_steps(run_dir), base_name, trained_steps(baseline))
+        summary += [note] if note else []
     if log:
         last = log[-1]
         estimator = gate_class(cfg.gate) if learner.gated else None
@@ -313,6 +322,11 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
             f"the run is shorter than one conflict interval (--conflict-every {cfg.conflict_every} steps)"
             if cfg.conflict_every else "train with --conflict-every N > 0"))
     else:
+        if baseline is not None and base is None:  # said, never silently left out
+            records = read_conflict(baseline)
+            summary.append(f"the baseline {baseline} has {0 if records is None else len(records['step'])} conflict "
+                           "record(s), and its conflict needs 2: it is left out of conflict.png and of the lines below "
+                           "(train it with --conflict-every at most half its steps)")
         plot_conflict(main, cfg.method, base, base_name, out / "conflict.png")
         summary += conflict_lines(cfg.method, main, gated_off) + (conflict_lines(base_name, base) if base is not None
                                                                   else [])

@@ -118,3 +118,22 @@ def test_the_conflict_figures_log_axis_reads_as_text_and_no_panel_is_squeezed():
     for left, right in zip(boxes, boxes[1:]):
         assert right.x0 - left.x1 < 0.3 * boxes[0].width  # the gap between panels: 0.8 of a panel on main
     matplotlib.pyplot.close(fig)
+
+
+def test_a_baseline_of_another_length_or_without_conflict_is_said(tmp_path, bayes_run, ncl_run):
+    """Issue 53, item 4: the summary compared runs of different lengths without a word, and silently left out a
+    baseline with one conflict record."""
+    import json
+    import shutil
+
+    base = tmp_path / "ncl"
+    shutil.copytree(ncl_run, base)
+    log = [json.loads(line) for line in (base / "log.jsonl").read_text().splitlines()]
+    log[-1]["step"] = 20
+    (base / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    first = (base / "conflict.jsonl").read_text().splitlines()[0]
+    (base / "conflict.jsonl").write_text(first + "\n")
+    summary = figures.inspect(bayes_run, tmp_path / "figures", baseline=base)
+    steps = json.loads((bayes_run / "log.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"note: the baseline (ncl) trained 20 steps and this run (bayesncl) {steps}" in summary[1]
+    assert any(f"the baseline {base} has 1 conflict record(s)" in line and "left out" in line for line in summary)
