@@ -42,6 +42,28 @@ DATASET_DEFAULTS["cifar100"] = dict(DATASET_DEFAULTS["cifar10"])  # a copy: chan
 # any image folder: ImageNet-100's recipe with CIFAR's projector; the paper publishes no numbers to compare with
 DATASET_DEFAULTS["imagefolder"] = dict(DATASET_DEFAULTS["in100"], proj_hidden=2048, proj_dim=256, eval_protocol="fast")
 
+# What a step of a GPU recipe costs on a CPU, measured on 2 idle CPU cores in float32: seconds per training image (its
+# two views, forward and backward). ResNet-18 with CIFAR's stem at 32 px: 2.4-2.6 s for 32 images (README.md, "Training
+# on ImageNet-100 and other data"); with ImageNet's stem at 224 px: 2.5 images/s (issue 53). Other recipes are CPU ones.
+CPU_SECONDS_PER_IMAGE = {"cifar10": 0.075, "cifar100": 0.075, "in100": 0.4, "imagefolder": 0.4}
+# A recipe for a CPU on such data: the small CNN at 32 px, as the README's CIFAR-on-a-CPU example
+CPU_RECIPE_FLAGS = "--encoder cnn --image-size 32 --optimizer sgd --lr 0.1 --eval-protocol fast"
+
+
+def describe_recipe(values: dict) -> str:
+    """A recipe's settings in words, e.g. ``32 px, cnn, K=64, batch 256, sgd lr 0.06, 15 epochs``.
+
+    Args:
+        values: a dataset's ``DATASET_DEFAULTS`` entry, or a resolved Config's fields (``Config.to_dict``).
+    """
+    return (f"{values['image_size']} px, {values['encoder']}, K={values['proj_dim']}, batch {values['batch_size']}, "
+            f"{values['optimizer']} lr {values['lr']:g}, {values['epochs']} epochs")
+
+
+def recipe_values(name: str) -> str:
+    """Each dataset's recipe value of one field, for ``--help``: ``compositional 32, digits 8, ...``."""
+    return ", ".join(f"{dataset} {values[name]}" for dataset, values in DATASET_DEFAULTS.items())
+
 
 RUNS = "runs"
 """Where a run given no ``--out`` goes: ``runs/<run_name>``, below the current folder."""
@@ -270,3 +292,16 @@ def with_recipe(cfg: Config) -> Config:
     return dataclasses.replace(cfg, **defaults)
 
 
+GATE_FIELDS = ("prior", "prior_prob", "prior_args", "kl_weight", "gate_density", "kl_clamp", "gate", "gate_temperature",
+               "head_depth", "logit_bound", "gate_lr")
+"""The fields only BayesNCL's gates use: NCL and CL build no prior, guide or gating head from them."""
+
+
+def without_gates(cfg: Config, method: str) -> Config:
+    """``cfg`` as a ``method`` run (NCL, CL), its gate fields (:data:`GATE_FIELDS`) back at their defaults.
+
+    The baseline a gated run is judged against: the same data and budget, and no prior of the user's own to import when
+    it is opened later.
+    """
+    default = Config()
+    return dataclasses.replace(cfg, method=method, **{f: getattr(default, f) for f in GATE_FIELDS})

@@ -256,9 +256,10 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
     never wrote a checkpoint (it was refused or diverged at its first steps) is moved aside: it holds nothing to
     resume. Writes the marker, no file of the run: the trainer writes ``config.json`` once the run is set up, so
     that a run refused before it trains (a batch larger than the data set) leaves nothing that would refuse the
-    corrected command.
+    corrected command; the trainer then undoes the claim itself (:func:`unclaim`).
     """
     _check_place(out, cfg.data_dir)
+    created = not os.path.lexists(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -278,6 +279,7 @@ def claim(out: Path, cfg: Config, overwrite: bool) -> "RunLock":
                         "repository, source files): a marker there is not a run's; pass a new or empty --out, or move "
                         "them away")
     held = lock(out)
+    held.created = created
     if not os.path.lexists(out / MARKER):
         atomic_save(f"{_MARK.decode()}, written by bayesncl-pyro {__version__}: rerunning its command resumes the "
                     "run, --overwrite moves its files aside\n".encode(), out / MARKER)
@@ -405,6 +407,26 @@ class RunLock:
         self.file.truncate()
         self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
+        self.created = False  # whether the claim that took it created the folder (claim sets it)
+
+
+def unclaim(out: Path, held: RunLock):
+    """Undo the claim of a run refused before it wrote a file (no data, a batch larger than the training set).
+
+    The marker and the lock go, and the folder too where the claim created it, so that the corrected command meets no
+    folder of a run that never was. A folder that holds anything else (an earlier run's files, a ``previous-`` folder
+    that --overwrite made) keeps everything. ``held``: the lock :func:`claim` returned, released here.
+    """
+    if set(os.listdir(out)) <= {LOCK, MARKER}:
+        with contextlib.suppress(FileNotFoundError):
+            (out / MARKER).unlink()
+        (out / LOCK).unlink()  # while still holding it: a run that opens it now finds no file to wait on
+        held.file.close()
+        if held.created:
+            with contextlib.suppress(OSError):  # a folder someone wrote into meanwhile stays
+                out.rmdir()
+    else:
+        held.file.close()
 
 
 _HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionary()
@@ -731,7 +753,8 @@ def code_references(cfg: Config) -> dict[str, str]:
     An encoder ``timm:NAME`` is a model of the installed timm; a prior has no such form, and its ``timm:X`` imports a
     module. An encoder left None (the dataset's, before ``resolve``) names none.
     """
-    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", cfg.prior))
+    prior = cfg.prior if cfg.method == "bayesncl" else None  # NCL and CL never build their config's prior
+    return {flag: spec for flag, spec in (("encoder", cfg.encoder), ("prior", prior))
             if spec is not None and is_spec(spec) and not (flag == "encoder" and spec.startswith(TIMM))}
 
 

@@ -320,6 +320,26 @@ def test_a_run_that_wrote_no_checkpoint_blocks_nothing(tmp_path, caplog):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.01
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "in100", "--data-dir", "no-such-folder"], "no-such-folder"),
+    ([*TINY_RUN, "--batch-size", "100000"], "is larger than the training set"),
+])
+def test_a_refused_run_leaves_no_claimed_folder(tmp_path, monkeypatch, capsys, flags, message):
+    """Issue 53, item 7: a run refused while it set up left its marker and run.lock in a folder of its own, which the
+    corrected command then met; a folder that held a run before keeps it."""
+    monkeypatch.chdir(tmp_path)
+    assert run_svi.main([*flags, "--out", "runs/new"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "new").exists()
+    earlier = tmp_path / "runs" / "earlier"
+    assert run_svi.main([*TINY_RUN, "--method", "ncl", "--out", str(earlier), "--max-steps", "1"]) == 0
+    files = sorted(p.name for p in earlier.iterdir() if p.name not in ("bayesncl-pyro.run", "run.lock"))
+    assert run_svi.main([*flags, "--out", str(earlier), "--overwrite"]) == 2
+    (aside,) = [p for p in earlier.iterdir() if p.name.startswith("previous-")]
+    assert sorted(p.name for p in aside.iterdir()) == files  # nothing of the earlier run lost
+    assert sorted(p.name for p in earlier.iterdir() if p != aside) == ["bayesncl-pyro.run", "run.lock"]
+
+
 # -------------------------------------------------------------------------------------- the report's JSON
 
 

@@ -4,7 +4,9 @@ Each module's ``main(argv=None) -> int`` parses ``argv`` and returns the exit st
 tests call ``main`` in-process.
 """
 
+import argparse
 import contextlib
+import difflib
 import functools
 import logging
 import signal
@@ -80,3 +82,26 @@ def stopped_by_signals(what: str):
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The scripts' argument parser: whole flag names only, and a bad command line in one line with its fix.
+
+    argparse's prefix matching would run ``--max-step 20`` as ``--max-steps 20`` and take a flag added later as another
+    one, so abbreviations are refused. A command line it cannot read is one ``error:`` line, exit status 2, naming the
+    closest flag to an unknown one (``--gate-densty``: did you mean ``--gate-density``?) instead of the whole usage.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        """Exit with status 2 and one line: the problem, the closest known flag to an unknown one, and --help."""
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        if message.startswith("unrecognized arguments:"):
+            unknown = [w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("-")]
+            hints = [f"{w}: did you mean {close[0]}?" for w in unknown
+                     if (close := difflib.get_close_matches(w, flags, n=1, cutoff=0.6))]
+            if hints:
+                message += f" ({'; '.join(hints)})"
+        self.exit(2, f"error: {message}; {self.prog} --help lists the flags\n")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bayesncl_pyro.cli import ArgumentParser
 from bayesncl_pyro.data.images import TensorImages
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate import report
@@ -112,7 +113,7 @@ def open_in_browser(page: Path) -> dict:
 
 def main(argv=None) -> int:
     """Build a stand-in run's report, print each stage's time and the page's size (and, asked, its browser times)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=5000, help="test images (default: %(default)s, ImageNet-100's val)")
     p.add_argument("--dims", type=int, default=2048, help="K (default: %(default)s)")
     p.add_argument("--classes", type=int, default=100, help="default: %(default)s")

@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
@@ -100,16 +100,18 @@ GATE_SETTINGS = ("prior_prob", "kl_weight")  # shared flags that only BayesNCL r
 
 def parser() -> argparse.ArgumentParser:
     """The command line of experiments/compare.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="cifar10", help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="Every list takes its values apart or comma-separated: --seeds 0 1 2 or --seeds 0,1,2, "
+                       "--methods ncl bayesncl-ste or --methods ncl,bayesncl-ste.")
+    p.add_argument("--dataset", default=Config().dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s, "
+                   "as for run_svi.py)")
     p.add_argument("--data-dir", help="dataset folder, as for run_svi.py")
     p.add_argument("--out", help="comparison folder (default: runs/compare-<dataset>)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated, from {', '.join(METHOD_NAMES)}, or 'all' (default: %(default)s)")
-    p.add_argument("--priors", default="bernoulli",
-                   help="comma-separated gate priors from the registry; each BayesNCL method runs once per prior "
-                   "(default: %(default)s)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="default: %(default)s")
+    p.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS],
+                   help=f"from {', '.join(METHOD_NAMES)}, or 'all' (default: {DEFAULT_METHODS})")
+    p.add_argument("--priors", nargs="+", default=["bernoulli"],
+                   help="gate priors from the registry; each BayesNCL method runs once per prior (default: bernoulli)")
+    p.add_argument("--seeds", nargs="+", default=["0"], help="default: 0")
     p.add_argument("--recipe", choices=("cpu", "reference"), default="cpu",
                    help="cpu: small CNN, subset, 15 epochs (see above); reference: the dataset's recipe "
                    "(default: %(default)s)")
@@ -126,13 +128,13 @@ def parser() -> argparse.ArgumentParser:
                        ("optimizer", str), ("lr", float), ("warmup-epochs", float), ("proj-hidden", int),
                        ("proj-dim", int), ("image-size", int), ("max-steps", int), ("prior-prob", float)):
         g.add_argument(f"--{flag}", type=kind)
-    g.add_argument("--kl-weight", type=float, nargs="+", help="lambda; several values run each BayesNCL method "
+    g.add_argument("--kl-weight", nargs="+", help="lambda; several values run each BayesNCL method "
                    "once per value, named <method>-lambda<value>")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
-    g.add_argument("--gate-density", type=float, nargs="+", help="a target share of open gates (lambda follows "
+    g.add_argument("--gate-density", nargs="+", help="a target share of open gates (lambda follows "
                    "it from --kl-weight); each BayesNCL method runs once per value, named <method>-d<D>")
-    g.add_argument("--topk", type=int, nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
+    g.add_argument("--topk", nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
                    "NCL+TopK once per k, named ncl+topk-k<k>")
     g.add_argument("--workers", type=int, default=2)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
@@ -158,9 +160,25 @@ def shared_config(args, train_size: int) -> tuple[dict, list[str]]:
     if "train_subset" in shared:
         notes.append(f"trained on a random subset of {shared['train_subset']} of the {train_size} training images "
                      "(the test split is whole)")
-    if "max_steps" in shared:
-        notes.append(f"training stopped after {shared['max_steps']} steps (a smoke run)")
     return shared, notes
+
+
+def steps_note(shared: dict, train_size: int, dataset: str) -> str | None:
+    """What --max-steps did to the runs, in words; None without it.
+
+    It stops a run only when it comes before the schedule's last step (``--epochs`` over the training images, in
+    batches), which ends the run otherwise.
+    """
+    if "max_steps" not in shared:
+        return None
+    values = {**DATASET_DEFAULTS[dataset], **shared}
+    images = min(values.get("train_subset") or train_size, train_size)
+    steps = values["epochs"] * (images // values["batch_size"])
+    if shared["max_steps"] < steps:
+        return f"training stopped after {shared['max_steps']} of its {steps} steps (--max-steps: a smoke run)"
+    epochs = f"{values['epochs']} epoch{'s' if values['epochs'] != 1 else ''}"
+    return (f"training ran its {steps} steps ({epochs} of {images // values['batch_size']}); "
+            f"--max-steps {shared['max_steps']} stopped nothing")
 
 
 def recipe(args) -> dict:
@@ -175,7 +193,7 @@ def compare(args) -> dict:
     from bayesncl_pyro.train.budget import plan_budget
     from bayesncl_pyro.train.trainer import Trainer
 
-    methods = METHOD_NAMES if args.methods == "all" else [m.strip() for m in args.methods.split(",")]
+    methods = METHOD_NAMES if args.methods == ["all"] else args.methods
     unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
         raise UserError(f"unknown --methods {', '.join(unknown)}; choose from {', '.join(METHOD_NAMES)} or 'all'")
@@ -186,7 +204,7 @@ def compare(args) -> dict:
     train_size = len(load_dataset(args.dataset, args.data_dir).train)
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
-    configs = method_configs(methods, args.priors.split(","), args.topk or max(1, proj_dim // 8), args.kl_weight,
+    configs = method_configs(methods, args.priors, args.topk or max(1, proj_dim // 8), args.kl_weight,
                              args.gate_density)
     plan = None
     if args.budget_minutes is not None:
@@ -199,6 +217,8 @@ def compare(args) -> dict:
                      f"--budget-minutes {args.budget_minutes:g} (timed: " + ", ".join(
                          f"{n} {1e3 * t:.0f} ms/step" for n, t in plan["step_s"].items())
                      + f", evaluation {plan['eval_s']:.0f} s); warm-up {shared.get('warmup_epochs'):g} epochs")
+    if (note := steps_note(shared, train_size, args.dataset)) is not None:
+        notes.append(note)
     runs, settings = [], None
     for name, fields in configs.items():
         for seed in args.seeds:
@@ -249,12 +269,40 @@ def rebuild_comparison(path: Path) -> dict:
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/compare.py."""
-    args = parser().parse_args(argv)
+    args = lists(parser().parse_args(argv))
     if args.rebuild:
         rebuild_comparison(args.rebuild)
     else:
         compare(args)
     return 0
+
+
+LISTS = {"methods": str, "priors": str, "seeds": int, "kl_weight": float, "gate_density": float, "topk": int}
+"""The flags that take a list, and the type of its values."""
+
+
+def lists(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with each list flag's values split at commas too (``--seeds 0,1`` is ``--seeds 0 1``), typed."""
+    for name, kind in LISTS.items():
+        given = getattr(args, name)
+        if given is None:
+            continue
+        values = [v.strip() for item in given for v in item.split(",") if v.strip()]
+        try:
+            setattr(args, name, [kind(v) for v in values])
+        except ValueError:
+            bad = next(v for v in values if not _is(kind, v))
+            raise UserError(f"--{name.replace('_', '-')} takes {kind.__name__} values, got {bad!r}; e.g. --seeds 0 1 "
+                            "or --seeds 0,1") from None
+    return args
+
+
+def _is(kind, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bayesncl_pyro import rundir
-from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors, stopped_by_signals
 from bayesncl_pyro.evaluate.weights import export_weights
 from bayesncl_pyro.plugins import add_reader_flags
 
@@ -23,7 +23,7 @@ from bayesncl_pyro.plugins import add_reader_flags
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/export.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py (or its checkpoint.pt)")
     p.add_argument("--out", type=Path, help="the backbone's state_dict (default: RUN_DIR/backbone.pt)")
     p.add_argument("--head-out", type=Path, help="the head's state_dict (default: beside --out, <name>_head.pt)")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bayesncl_pyro.cli import one_line_errors
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.pipeline import EpochSampler
 from bayesncl_pyro.data.views import TwoViews, collate_views, simclr_transform
@@ -43,7 +43,7 @@ def first_batch(cfg, data, batch_size: int) -> torch.Tensor:
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/gate_gradient_bias.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a BayesNCL run folder written by run_svi.py")
     p.add_argument("--estimators", default=",".join((*GATES, SCORE)), help="comma-separated; score is the "
                    "score-function (REINFORCE) gradient of the program as written (default: %(default)s)")

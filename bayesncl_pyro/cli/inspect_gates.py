@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors, stopped_by_signals
 from bayesncl_pyro.evaluate.figures import inspect
 from bayesncl_pyro.plugins import add_reader_flags
 
@@ -28,7 +28,7 @@ from bayesncl_pyro.plugins import add_reader_flags
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/inspect_gates.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
     p.add_argument("--baseline", type=Path, help="another run folder (e.g. NCL) drawn next to it in conflict.png")
     p.add_argument("--out", type=Path, help="where the figures go (default: RUN_DIR/inspect)")

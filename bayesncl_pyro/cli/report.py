@@ -17,14 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from bayesncl_pyro.cli import one_line_errors, stopped_by_signals
+from bayesncl_pyro.cli import ArgumentParser, one_line_errors, stopped_by_signals
 from bayesncl_pyro.plugins import add_reader_flags
 
 
 @one_line_errors
 def main(argv=None) -> int:
     """Entry point of experiments/report.py."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run folder written by run_svi.py")
     p.add_argument("--baseline", type=Path, help="another run on the same data (e.g. NCL): its dimensions in a list "
                    "of their own, its evaluation beside the run's")

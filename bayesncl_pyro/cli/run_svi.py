@@ -21,7 +21,6 @@ Stopped runs saved a checkpoint first (one "stopped:" line); rerunning the comma
 """
 
 import argparse
-import dataclasses
 import os
 import shlex
 import signal
@@ -34,15 +33,31 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: one line, no traceback
     from bayesncl_pyro import distributed
-    from bayesncl_pyro.cli import one_line_errors
-    from bayesncl_pyro.config import AUGMENT, EVAL_PROTOCOLS, METHODS, ON_NAN, OPTIMIZERS, RUNS, Config, run_name
+    from bayesncl_pyro.cli import ArgumentParser, one_line_errors
+    from bayesncl_pyro.config import (
+        AUGMENT,
+        CPU_RECIPE_FLAGS,
+        CPU_SECONDS_PER_IMAGE,
+        DATASET_DEFAULTS,
+        EVAL_PROTOCOLS,
+        GATE_FIELDS,
+        METHODS,
+        ON_NAN,
+        OPTIMIZERS,
+        RUNS,
+        Config,
+        describe_recipe,
+        recipe_values,
+        run_name,
+        without_gates,
+    )
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped
+    from bayesncl_pyro.evaluate.verdict import closing_sentence
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.nn.encoders import ENCODERS
     from bayesncl_pyro.nn.losses import NONNEG
-    from bayesncl_pyro.plugins import is_spec
     from bayesncl_pyro.rundir import GATES_FILE, check_config_code, code_references, read_config_file
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
@@ -52,14 +67,19 @@ except KeyboardInterrupt:
 def parser() -> argparse.ArgumentParser:
     """The command line of experiments/run_svi.py, its defaults taken from Config."""
     d = Config()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    recipes = "\n".join(f"  {name}: {describe_recipe(values)}, {values['eval_protocol']} evaluation"
+                        + (" (a GPU recipe)" if name in CPU_SECONDS_PER_IMAGE else "")
+                        for name, values in DATASET_DEFAULTS.items())
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"each dataset's recipe (DATASET_DEFAULTS in bayesncl_pyro/config.py), the "
+                                f"defaults of the flags that say 'recipe':\n{recipes}")
 
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=d.dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s: "
                    "generated shapes on backgrounds shared by every class, with known factors, no download)")
     g.add_argument("--data-dir", help="dataset folder (cifar10/100: pickled batches or {train,test}/<class>/; "
                    "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
-    g.add_argument("--image-size", type=int, help="training resolution in pixels (default: dataset)")
+    g.add_argument("--image-size", type=int, help="training resolution in pixels " + _recipe("image_size"))
     g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
     g.add_argument("--augment", default=d.augment, choices=AUGMENT, help="where the two views are drawn: workers "
@@ -71,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("method")
     g.add_argument("--method", default=d.method, choices=METHODS, help="default: %(default)s")
-    g.add_argument("--nonneg", choices=NONNEG, help="non-negativity of z (default: dataset; none for cl)")
+    g.add_argument("--nonneg", choices=NONNEG, help="non-negativity of z; none for cl" + _recipe("nonneg"))
     g.add_argument("--topk", type=int, default=d.topk, help="keep the k largest features per row, 0 = off "
                    "(the NCL+TopK baseline)")
     g.add_argument("--temperature", type=float, default=d.temperature, help="InfoNCE tau (default: %(default)s)")
@@ -111,20 +131,20 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("encoder")
     g.add_argument("--encoder", help=f"backbone: one of the project's ({', '.join(ENCODERS)}), a torchvision model "
                    "(resnet50, vit_b_16, convnext_tiny, ...), timm:NAME (pip install -e '.[timm]'), or "
-                   "package.module:callable returning an nn.Module of images -> features (default: dataset)")
-    g.add_argument("--proj-hidden", type=int, help="projector and gating-head hidden width (default: dataset)")
-    g.add_argument("--proj-dim", type=int, help="K, the number of features and gates (default: dataset)")
+                   "package.module:callable returning an nn.Module of images -> features " + _recipe("encoder"))
+    g.add_argument("--proj-hidden", type=int, help="projector and gating-head hidden width " + _recipe("proj_hidden"))
+    g.add_argument("--proj-dim", type=int, help="K, the number of features and gates " + _recipe("proj_dim"))
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default: dataset (lars for the reference recipes)")
-    g.add_argument("--lr", type=float, help="base learning rate at batch 256, scaled by batch/256 (default: dataset)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="the optimizer" + _recipe("optimizer"))
+    g.add_argument("--lr", type=float, help="base learning rate at batch 256, scaled by batch/256 " + _recipe("lr"))
     g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="gating-head learning rate, not "
                    "batch-scaled (default: %(default)s)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
     g.add_argument("--momentum", type=float, default=d.momentum, help="default: %(default)s")
-    g.add_argument("--epochs", type=int, help="passes over the training set (default: dataset)")
-    g.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: dataset)")
-    g.add_argument("--batch-size", type=int, help="images per step, two views each (default: dataset)")
+    g.add_argument("--epochs", type=int, help="passes over the training set " + _recipe("epochs"))
+    g.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs " + _recipe("warmup_epochs"))
+    g.add_argument("--batch-size", type=int, help="images per step, two views each " + _recipe("batch_size"))
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs); the "
                    "schedule still spans --epochs")
     g.add_argument("--on-nan", default=d.on_nan, choices=ON_NAN, help="a step whose loss or gradients are not "
@@ -133,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast (standardised "
                    "features, one lr for every backbone) or reference (the paper's, for cifar10, cifar100, in100; "
-                   "docs/METHOD.md) (default: dataset)")
+                   "docs/METHOD.md) " + _recipe("eval_protocol"))
 
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", help="a JSON or YAML file of Config fields (bayesncl_pyro/config.py; "
@@ -162,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-minutes", type=float, help="also save a checkpoint every this many minutes of wall-clock "
                    "time, for long epochs (default: off)")
     g.add_argument("--conflict-every", type=int, help="steps between records of the per-dimension InfoNCE "
-                   "gradient conflict in conflict.jsonl, 0 = off (default: dataset, about one per epoch)")
+                   "gradient conflict in conflict.jsonl, 0 = off; about one per epoch" + _recipe("conflict_every"))
     g.add_argument("--tensorboard", action="store_true", help="also write the log, the per-dimension inclusion "
                    "histogram and the evaluation as TensorBoard events in --out (pip install -e '.[tensorboard]')")
     g.add_argument("--wandb", action="store_true", help="also log them, and the config, to a Weights & Biases run "
@@ -171,6 +191,11 @@ def parser() -> argparse.ArgumentParser:
                    "kNN top-1 (backbone features, 1,024 training against 256 test images) and RankMe of the "
                    "representation in the log, 0 = off; about 4%% of the first run's time (default: %(default)s)")
     return p
+
+
+def _recipe(name: str) -> str:
+    """The end of a flag's help whose default is the dataset's recipe: each dataset's value."""
+    return f" (default: the dataset's recipe: {recipe_values(name)})".replace("%", "%%")
 
 
 def _name_value(text: str) -> tuple[str, str]:
@@ -220,7 +245,7 @@ def main(argv=None) -> int:
         status = 0
         if trainer.learner.gated and not (evaluated_before and (trainer.out / GATES_FILE).exists()):
             status = export(trainer)
-        print(*filter(None, [outcome(results)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
+        print(*filter(None, [outcome(results, trainer.cfg)]), "\n" + next_steps(trainer.cfg, argv), sep="\n")
         return status
     except KeyboardInterrupt:  # outside the training loop (loading, evaluation): nothing half-written
         print(INTERRUPTED, file=sys.stderr)
@@ -252,11 +277,35 @@ def announce(trainer) -> str:
             f"rho={cfg.prior_prob}{args}, {weight}, {kl})"}[cfg.method]
     last = trainer.last_step
     steps = f"resuming at step {trainer.step} of {last}" if trainer.step else f"{last} steps"
-    return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images, {cfg.encoder}, "
-            f"K={cfg.proj_dim} features, batch {cfg.batch_size}; {steps}) on {trainer.device}; "
-            f"writing to {trainer.out}/\nthe loss it minimises: {trainer.learner.head.objective}"
+    warning = cpu_warning(cfg, trainer.device.type, trainer.last_step - trainer.step)
+    return (f"training {what} on {cfg.dataset} ({len(trainer.data.train)} training images at {cfg.image_size} px, "
+            f"{cfg.encoder}, K={cfg.proj_dim} features, batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr:g}; "
+            f"{steps}) on {trainer.device}; writing to {trainer.out}/\nthe loss it minimises: "
+            f"{trainer.learner.head.objective}"
             + "".join(f"\nthe KL of latent site {site!r}: {kind}"  # how the ELBO takes it (infer/kl.py)
-                      for site, kind in trainer.learner.head.kl_kind.items()))
+                      for site, kind in trainer.learner.head.kl_kind.items())
+            + (f"\n{warning}" if warning else ""))
+
+
+def cpu_warning(cfg: Config, device: str, steps: int) -> str:
+    """A warning where a GPU recipe is about to train on a CPU, with its cost and a CPU recipe's flags; else "".
+
+    Args:
+        cfg: the run's Config, its recipe filled in.
+        device: the training device's type ("cpu", "cuda").
+        steps: the training steps left.
+    """
+    recipe = DATASET_DEFAULTS[cfg.dataset]
+    if device != "cpu" or cfg.dataset not in CPU_SECONDS_PER_IMAGE or (cfg.encoder, cfg.image_size) != (
+            recipe["encoder"], recipe["image_size"]):  # the cost was measured for the recipe's backbone and size
+        return ""
+    seconds = steps * cfg.batch_size * CPU_SECONDS_PER_IMAGE[cfg.dataset]
+    cost = (f"{seconds / 86400:.0f} days" if seconds >= 2 * 86400 else f"{seconds / 3600:.1f} hours"
+            if seconds >= 3600 else f"{max(seconds / 60, 1):.0f} min")
+    return (f"warning: {cfg.dataset}'s recipe is a GPU recipe ({describe_recipe(cfg.to_dict())}) and this run trains "
+            f"on the CPU: about {CPU_SECONDS_PER_IMAGE[cfg.dataset]} s an image on 2 CPU cores, so its {steps:,} steps "
+            f"of {cfg.batch_size} images take about {cost}; a CPU recipe: {CPU_RECIPE_FLAGS} (README.md, \"Training "
+            "on ImageNet-100 and other data\")")
 
 
 def export(trainer) -> int:
@@ -276,11 +325,12 @@ def export(trainer) -> int:
     return 0
 
 
-def outcome(results: dict) -> str:
+def outcome(results: dict, cfg: Config) -> str:
     """What the gates did, in words, from an eval dict.
 
     Empty for CL and NCL. The paper's consistency and the top-N one beside post-hoc TopK of the same features, then, on
-    generated data, which factor the dims follow.
+    generated data, which factor the dims follow, and last this run's comparison beside the ten-seed result
+    (``verdict.closing_sentence``; ``cfg``, the run's, says whether that result is of this run's recipe).
     """
     if "gates_open" not in results:
         return ""
@@ -308,58 +358,66 @@ def outcome(results: dict) -> str:
         lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
                   "images where they fire)", f"with the gates, {tracking('')}"]
     if posthoc and "semantic_consistency_topn" in posthoc:
-        lines.append(what_they_show(results, posthoc))
+        lines.append(closing_sentence(results, cfg))
     return "\n".join(lines)
 
 
-def what_they_show(results: dict, posthoc: dict) -> str:
-    """The closing sentence of the run's summary: the gates against post-hoc TopK.
-
-    The gates' choice of entries against post-hoc TopK's on the same features, on the top-N consistency (which sparsity
-    cannot game), and what sparsity alone does to the paper's.
-    """
-    diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
-    where = "above" if diff > 0.01 else "below" if diff < -0.01 else "level with"
-    rise = posthoc["semantic_consistency"] - results["semantic_consistency_ungated"]
-    return (f"so on this seed the gates' choice of entries is {where} keeping each image's largest ones ({diff:+.3f} "
-            f"on the top-{results['topn_n']} consistency), while sparsity alone moves the paper's consistency by "
-            f"{rise:+.3f} (post-hoc TopK against every gate open); docs/RESULTS.md pairs ten seeds")
-
-
 def next_steps(cfg: Config, argv: list[str]) -> str:
-    """The commands that look at the gates and train the NCL baseline on the same budget."""
+    """The commands that look at the gates and train the NCL baseline on the same budget.
+
+    Every path in them absolute, so that they run as printed from any folder. The NCL command leaves out the gates'
+    flags (:data:`config.GATE_FIELDS`): NCL builds no prior, and a baseline that recorded a prior of the user's own
+    would need its code (and --trust-run) to be opened.
+    """
     named = cfg.out == str(Path(RUNS) / run_name(cfg))  # no --out: the baseline is named by what it is, too
-    base = (str(Path(RUNS) / run_name(dataclasses.replace(cfg, method="ncl", gate_density=None))) if named
-            else cfg.out + "-ncl")
+    ncl = without_gates(cfg, "ncl")
+    base = os.path.abspath(Path(RUNS) / run_name(ncl) if named else cfg.out + "-ncl")
+    out = os.path.abspath(cfg.out)
     baseline = ["--baseline", base] if cfg.method == "bayesncl" else []
-    steps = [command(cfg, "inspect_gates.py", cfg.out, *baseline),
+    steps = [command(cfg, "inspect_gates.py", out, *baseline),
              f"    the gate posterior, class x feature inclusion, the optimisation conflict (figures in "
-             f"{shlex.quote(cfg.out)}/inspect/)",
-             command(cfg, "report.py", cfg.out, *baseline),
-             f"    a card per dimension, one page: {shlex.quote(cfg.out)}/report/index.html"]
+             f"{shlex.quote(out)}/inspect/)",
+             command(cfg, "report.py", out, *baseline),
+             f"    a card per dimension, one page: {shlex.quote(out)}/report/index.html"]
     if cfg.method == "bayesncl":
-        flags = _without(argv, "--method", "--out", "--overwrite", "--gate-density")  # NCL has no gates to target
-        steps[:0] = [command(cfg, "run_svi.py", *flags, "--method", "ncl", "--out", base),
+        gate_flags = ["--prior-arg" if f == "prior_args" else "--" + f.replace("_", "-") for f in GATE_FIELDS]
+        flags = _absolute(_without(argv, "--method", "--out", "--overwrite", *gate_flags), *PATH_FLAGS)
+        steps[:0] = [command(ncl, "run_svi.py", *flags, "--method", "ncl", "--out", base),
                      "    NCL on the same data and budget: the baseline the gates are judged against"]
     return "next:\n" + "\n".join("  " + line for line in steps)
+
+
+PATH_FLAGS = ("--data-dir", "--config")
+"""run_svi.py's flags whose value is a path (but --out, which the printed commands set)."""
 
 
 def command(cfg: Config, script: str, *args: str) -> str:
     """The command line that runs ``experiments/<script> args`` as this run was started.
 
     By this run's interpreter and, for code of the user's own (``package.module:name``), with its PYTHONPATH (and
-    --trust-run: the run is the user's own); paths as seen from the current folder.
+    --trust-run: the run is the user's own); paths absolute, so that it runs from any folder.
     """
-    env = os.environ.get("PYTHONPATH") if is_spec(cfg.encoder) or is_spec(cfg.prior) else None
+    env = os.environ.get("PYTHONPATH") if code_references(cfg) else None
+    if env:  # its folders as seen from here, so that they are the same from anywhere
+        env = os.pathsep.join(os.path.abspath(p) if p else p for p in env.split(os.pathsep))
     trust = ["--trust-run"] if code_references(cfg) and script != "run_svi.py" else []
-    words = [_near(sys.executable), _near(EXPERIMENTS / script), *args, *trust]
+    words = [os.path.abspath(sys.executable), str(EXPERIMENTS / script), *args, *trust]
     return (f"PYTHONPATH={shlex.quote(env)} " if env else "") + " ".join(shlex.quote(w) for w in words)
 
 
-def _near(path) -> str:
-    """``path`` relative to the current folder when it lies below it, else absolute."""
-    relative = os.path.relpath(path)
-    return relative if not relative.startswith("..") else os.path.abspath(path)
+def _absolute(argv: list[str], *flags: str) -> list[str]:
+    """Argv with the values of the given flags made absolute paths (``--flag value`` or ``--flag=value``)."""
+    out, path_next = [], False
+    for a in argv:
+        name, eq, value = a.partition("=")
+        if path_next:
+            out.append(os.path.abspath(a))
+        elif eq and name in flags:
+            out.append(f"{name}={os.path.abspath(value)}")
+        else:
+            out.append(a)
+        path_next = not path_next and not eq and a in flags
+    return out
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:

@@ -3,5 +3,5 @@
 Also the test split's features, the ArviZ export, load_learner and load_run, and the weights as plain state_dicts.
 
 Modules: arviz_export, comparison, dci, diagnostics, dimensions, figures, heldout, loading, matched, metrics, probe,
-report, run, weights.
+report, run, verdict, weights.
 """

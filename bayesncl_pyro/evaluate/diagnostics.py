@@ -28,7 +28,7 @@ import torch
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, partner_rows
-from bayesncl_pyro.rundir import CONFLICT, read_records
+from bayesncl_pyro.rundir import CONFLICT, read_log, read_records
 
 
 def nce_grad_parts(u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +141,24 @@ def conflict_by_factor(table: dict, tracking: dict) -> dict:
         if len(values):
             out[f"conflict_{name}"] = float(values.mean())
     return out
+
+
+def trained_steps(run_dir: str | os.PathLike) -> int | None:
+    """The last step a run's log.jsonl records, its length so far; None for a run without one."""
+    log = read_log(run_dir)
+    return int(log[-1]["step"]) if log else None
+
+
+def budget_note(name: str, steps: int | None, base_name: str, base_steps: int | None) -> str | None:
+    """A line saying that a run and its baseline trained for different numbers of steps; None when they did not.
+
+    ``name``, ``base_name``: what the two runs are (their methods); ``steps``, ``base_steps``: :func:`trained_steps`'s.
+    """
+    if steps is None or base_steps is None or steps == base_steps:
+        return None
+    return (f"note: the baseline ({base_name}) trained {base_steps} steps and this run ({name}) {steps}: they are "
+            "compared at different budgets; train the baseline for as many steps (run_svi.py prints its command under "
+            "next:)")
 
 
 def _median(x, mask=None) -> float:

@@ -18,7 +18,13 @@ import torch  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
-from bayesncl_pyro.evaluate.diagnostics import conflict_lines, conflict_table  # noqa: E402
+from bayesncl_pyro.evaluate.diagnostics import (  # noqa: E402
+    budget_note,
+    conflict_lines,
+    conflict_table,
+    read_conflict,
+    trained_steps,
+)
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
@@ -208,8 +214,28 @@ def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
         f"{k} ({share[k]:.0%} '{classes[dominant[k]]}', {int(active[k])} on)" for k in dims)
 
 
+_SUPERSCRIPT = str.maketrans("-0123456789", "\u207b\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079")
+
+
+def power_of_ten(value: float, position=None) -> str:
+    """A log axis' tick label as plain text: ``10⁴`` for 10,000, "" between the powers of ten.
+
+    matplotlib's own log labels are mathtext (``$`` and ``mathdefault`` around ``10^{4}``), which this module's
+    ``text.parse_math = False`` (class names are text) would print raw.
+    """
+    if value <= 0:
+        return ""
+    exponent = round(float(np.log10(value)))
+    return f"10{str(exponent).translate(_SUPERSCRIPT)}" if np.isclose(value, 10.0 ** exponent) else ""
+
+
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
-    """Plot a run's per-dimension gradient conflict beside a baseline's."""
+    """Plot a run's per-dimension gradient conflict beside a baseline's into ``path`` (:func:`conflict_figure`)."""
+    return _save(conflict_figure(main, name, baseline, baseline_name), path, tight=False, bbox_inches="tight")
+
+
+def conflict_figure(main: dict, name: str, baseline: dict | None, baseline_name: str):
+    """A run's per-dimension gradient conflict beside a baseline's, as a matplotlib figure (three panels)."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     panels = [("cancellation", "pull of positives vs push of negatives", "cancellation (1 = they cancel)",
                "linear"),
@@ -225,6 +251,9 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
         else:
             ax.scatter(main["freq"], main[key], s=18, c="tab:blue", label=name)
         ax.set(title=title, ylabel=ylabel, yscale=scale)
+        if scale == "log":
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(power_of_ten))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.title.set_fontsize(9.5)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.supxlabel("activation frequency of the dimension (share of rows in which it takes part in the loss)",
@@ -235,7 +264,7 @@ def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: s
     if "incl" in main:
         fig.colorbar(sc, ax=axes, label="mean inclusion probability of the dim's gate\non the logged training batches",
                      fraction=0.02, pad=0.01)
-    return _save(fig, path, tight=False, bbox_inches="tight")
+    return fig
 
 
 def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None, export: bool = False,
@@ -259,7 +288,7 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
     learner, cfg = load_learner(run_dir, **load)
     log, main = read_log(run_dir), conflict_table(run_dir)
     base = conflict_table(baseline) if main is not None and baseline is not None else None
-    base_name = load_learner(baseline, **load)[1].method if main is not None and baseline is not None else ""
+    base_name = load_learner(baseline, **load)[1].method if baseline is not None else ""
     out = output_folder(out, named=True) if out is not None else output_folder(run_folder(run_dir) / INSPECT_DIR)
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
     feats = test_features(learner, data)
@@ -270,6 +299,9 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
 
         print(f"wrote {export_gates(run_dir, learner, data, test=feats)}")
     summary = [f"run {run_dir}: {cfg.method} on {cfg.dataset}, K = {cfg.proj_dim}, {len(log)} log records"]
+    if baseline is not None:
+        note = budget_note(cfg.method, trained_steps(run_dir), base_name, trained_steps(baseline))
+        summary += [note] if note else []
     if log:
         last = log[-1]
         estimator = gate_class(cfg.gate) if learner.gated else None
@@ -307,6 +339,11 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
             f"the run is shorter than one conflict interval (--conflict-every {cfg.conflict_every} steps)"
             if cfg.conflict_every else "train with --conflict-every N > 0"))
     else:
+        if baseline is not None and base is None:  # said, never silently left out
+            records = read_conflict(baseline)
+            summary.append(f"the baseline {baseline} has {0 if records is None else len(records['step'])} conflict "
+                           "record(s), and its conflict needs 2: it is left out of conflict.png and of the lines below "
+                           "(train it with --conflict-every at most half its steps)")
         plot_conflict(main, cfg.method, base, base_name, out / "conflict.png")
         summary += conflict_lines(cfg.method, main, gated_off) + (conflict_lines(base_name, base) if base is not None
                                                                   else [])

@@ -253,18 +253,33 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
     return results
 
 
-def format_table(results: dict) -> str:
-    """An eval dict as a text table.
+COLUMN_NAMES = {"": "gated", "_ungated": "ungated", "_posterior_mean": "q's mean", "_q_draws": "q draws",
+                "_random_mask": "random mask"}
+"""The end-of-run table's column of each representation's suffix (``REPRESENTATIONS`` says what each is)."""
 
-    A gated run's ``*_ungated`` metrics go in a second column beside the gated ones.
+
+def format_table(results: dict) -> str:
+    """An eval dict as a text table: one row a metric, one column a representation.
+
+    A gated run's other representations (every gate open, q's mean, draws of q, random masks as sparse as F: the keys
+    of ``REPRESENTATIONS``) each get a column beside the gated one, so that a metric is one row however many of them
+    there are; ``random_mask_keep`` and the matched controls stay in eval.json.
     """
-    ungated = {k.removesuffix(UNGATED): v for k, v in results.items() if k.endswith(UNGATED)}
+    suffixes = sorted((s for s in REPRESENTATIONS if s), key=len, reverse=True)  # "_q_draws" before a shorter one
+    columns = {s: {} for s in REPRESENTATIONS}
+    for k, v in results.items():
+        if isinstance(v, dict) or k == "random_mask_keep":  # representations, controls: in eval.json
+            continue
+        if k.startswith("ungated_dims_tracking_"):  # the factor counts of u, named by a prefix: u's column
+            columns[UNGATED][k.removeprefix("ungated_")] = v
+            continue
+        suffix = next((s for s in suffixes if k.endswith(s)), "")
+        columns[suffix][k.removesuffix(suffix)] = v
+    shown = [s for s in REPRESENTATIONS if columns[s]]
     cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [(k, cell(v), cell(ungated.get(k))) for k, v in results.items()
-            if not k.endswith(UNGATED) and not isinstance(v, dict)]  # representations: in eval.json
-    width = max(len(k) for k, _, _ in rows)
-    if ungated:
-        rows.insert(0, ("", "gated", "ungated"))
-    line = "-" * (width + (24 if ungated else 12))
-    return "\n".join([line] + [f"{k:<{width}}  {a:>10}" + (f"  {b:>10}" if ungated else "") for k, a, b in rows]
-                     + [line])
+    rows = [(k, *(cell(columns[s].get(k)) for s in shown)) for k in columns[""]]
+    width = max(len(r[0]) for r in rows)
+    if len(shown) > 1:
+        rows.insert(0, ("", *(COLUMN_NAMES[s] for s in shown)))
+    line = "-" * (width + 12 * len(shown))
+    return "\n".join([line] + [f"{r[0]:<{width}}" + "".join(f"  {c:>10}" for c in r[1:]) for r in rows] + [line])

@@ -33,6 +33,7 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate.diagnostics import budget_note, trained_steps
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
 from bayesncl_pyro.rundir import (
@@ -251,7 +252,8 @@ def training_curves(log: list[dict], gate: str | None, kl_weight: float) -> dict
 
 def _run_info(run) -> dict:
     cfg = run.cfg
-    return dict(dir=str(run.dir), method=cfg.method, dataset=cfg.dataset, config=cfg.to_dict())
+    return dict(dir=str(run.dir), method=cfg.method, dataset=cfg.dataset, config=cfg.to_dict(),
+                steps=trained_steps(run.dir))
 
 
 def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, evaluation: dict | None = None,
@@ -282,7 +284,9 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
                 card["baseline_closest"] = [j, v]
         out["baseline"] = dict(run=baseline["run"], evaluation=baseline.get("evaluation"), dims=base_cards,
                                dims_not_in_use=base.features.shape[1] - len(base_cards),
-                               neighbours=dm.neighbours(base.features, NEIGHBOURS).tolist())
+                               neighbours=dm.neighbours(base.features, NEIGHBOURS).tolist(),
+                               note=budget_note(run["method"], run.get("steps"), baseline["run"]["method"],
+                                                baseline["run"].get("steps")))
     return out
 
 

@@ -86,6 +86,16 @@ class Trainer:
         self._lock = None  # rank 0's lock on the run folder, held while the trainer lives
         if self.rank == 0:
             self._lock = rundir.claim(self.out, cfg, overwrite)
+        try:
+            self._set_up(cfg, progress, data)
+        except BaseException:  # refused before it wrote a file: the corrected command finds no folder of this one
+            if self._lock is not None:
+                rundir.unclaim(self.out, self._lock)
+                self._lock = None
+            raise
+
+    def _set_up(self, cfg: Config, progress: bool | None, data: DataSpec | None):
+        """Everything of ``__init__`` after the claim of the run folder: data, learner, optimizer, checkpoint, log."""
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,

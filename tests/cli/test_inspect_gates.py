@@ -96,3 +96,44 @@ def test_the_summarys_mostly_gated_counts_come_from_one_split():
     probs = torch.tensor([[0.2, 0.3, 0.4, 0.6, 0.7, 0.8]]).repeat(10, 1)  # 3 of 6 gated on the test split
     lines = conflict_lines("bayesncl", table, dm.mostly_gated(probs).numpy())
     assert "  mostly gated on the test split: 3 dims" in [line.split(",")[0] for line in lines]
+
+
+def test_the_conflict_figures_log_axis_reads_as_text_and_no_panel_is_squeezed():
+    """Issue 53, item 3: the log axis printed raw mathtext (the module sets text.parse_math off), whose width pushed
+    the middle panel away from the first."""
+    rng = np.random.default_rng(0)
+
+    def table():
+        return dict(freq=rng.uniform(0, 1, 64), cancellation=rng.uniform(0.5, 1, 64),
+                    oscillation=10 ** rng.uniform(0, 5, 64), sign_flips=rng.uniform(0, 0.5, 64),
+                    incl=rng.uniform(0, 1, 64))
+
+    fig = figures.conflict_figure(table(), "bayesncl", table(), "ncl")
+    fig.canvas.draw()
+    panels = fig.axes[:3]
+    labels = [t.get_text() for ax in panels for t in ax.get_yticklabels() + ax.get_xticklabels() if t.get_visible()]
+    assert labels and not any("$" in t or "mathdefault" in t for t in labels)
+    assert {"10⁰", "10²", "10⁴"} <= {t.get_text() for t in panels[1].get_yticklabels()}
+    boxes = [ax.get_position() for ax in panels]
+    for left, right in zip(boxes, boxes[1:]):
+        assert right.x0 - left.x1 < 0.3 * boxes[0].width  # the gap between panels: 0.8 of a panel on main
+    matplotlib.pyplot.close(fig)
+
+
+def test_a_baseline_of_another_length_or_without_conflict_is_said(tmp_path, bayes_run, ncl_run):
+    """Issue 53, item 4: the summary compared runs of different lengths without a word, and silently left out a
+    baseline with one conflict record."""
+    import json
+    import shutil
+
+    base = tmp_path / "ncl"
+    shutil.copytree(ncl_run, base)
+    log = [json.loads(line) for line in (base / "log.jsonl").read_text().splitlines()]
+    log[-1]["step"] = 20
+    (base / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    first = (base / "conflict.jsonl").read_text().splitlines()[0]
+    (base / "conflict.jsonl").write_text(first + "\n")
+    summary = figures.inspect(bayes_run, tmp_path / "figures", baseline=base)
+    steps = json.loads((bayes_run / "log.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"note: the baseline (ncl) trained 20 steps and this run (bayesncl) {steps}" in summary[1]
+    assert any(f"the baseline {base} has 1 conflict record(s)" in line and "left out" in line for line in summary)

@@ -1,6 +1,7 @@
 """run_svi.py's end of a run: a failed gate export keeps the results, says why in one line, and can be redone."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -121,3 +122,72 @@ def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(
     assert trust == "--trust-run"  # the run is the user's own: its code may be imported
     line = run_svi.command(Config(encoder="cnn"), "inspect_gates.py", "runs/x")
     assert "PYTHONPATH" not in line and "--trust-run" not in line
+
+
+def test_help_lists_each_recipes_values():
+    """Issue 53, item 2: --help said "default: dataset" with no values, and left imagefolder out."""
+    text = run_svi.parser().format_help()
+    assert "default: dataset)" not in text
+    assert "imagefolder: 224 px, resnet18, K=256, batch 128, lars lr 0.3, 100 epochs" in text
+    assert "compositional: 32 px, cnn, K=64, batch 256, sgd lr 0.06, 15 epochs" in text
+    size = next(a for a in run_svi.parser()._actions if "--image-size" in a.option_strings)
+    assert "imagefolder 224" in size.help and "compositional 32" in size.help
+
+
+def test_the_first_line_states_the_image_size_and_optimizer(tmp_path, capsys):
+    assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "at 8 px, cnn, K=" in first and ", batch 64, sgd lr " in first and "warning" not in first
+
+
+def test_a_gpu_recipe_on_a_cpu_warns_with_its_cost_and_a_cpu_recipes_flags():
+    from bayesncl_pyro.config import CPU_RECIPE_FLAGS, Config, with_recipe
+
+    warning = run_svi.cpu_warning(with_recipe(Config(dataset="imagefolder")), "cpu", 6)
+    assert warning.startswith("warning: imagefolder's recipe is a GPU recipe (224 px, resnet18")
+    assert "its 6 steps of 128 images take about 5 min" in warning and CPU_RECIPE_FLAGS in warning
+    assert "39,000 steps" in run_svi.cpu_warning(with_recipe(Config(dataset="cifar10")), "cpu", 39_000)
+    assert run_svi.cpu_warning(with_recipe(Config(dataset="imagefolder")), "cuda", 6) == ""
+    assert run_svi.cpu_warning(with_recipe(Config()), "cpu", 225) == ""  # the first run is a CPU recipe
+    assert run_svi.cpu_warning(with_recipe(Config(dataset="cifar10", encoder="cnn")), "cpu", 100) == ""
+
+
+def _commands(text: str) -> list[list[str]]:
+    lines = text.split("next:\n")[1].splitlines()
+    return [shlex.split(line) for line in lines if not line.startswith("      ")]
+
+
+def test_the_ncl_command_of_a_run_with_a_prior_of_your_own_carries_no_prior(monkeypatch, tmp_path):
+    """Issue 53, item 5: the NCL baseline's command carried --prior module:Class --prior-arg ..., so that the baseline
+    recorded a prior it never builds and needed PYTHONPATH and --trust-run to be opened."""
+    from bayesncl_pyro.config import Config, with_recipe, without_gates
+    from bayesncl_pyro.rundir import code_references
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "code")
+    argv = ["--dataset", "digits", "--prior", "my_priors:SteppedPrior", "--prior-arg", "scale=0.25", "--kl-weight=0.01",
+            "--gate", "leg", "--epochs", "3"]
+    cfg = with_recipe(Config(dataset="digits", prior="my_priors:SteppedPrior", prior_args={"scale": 0.25},
+                             kl_weight=0.01, gate="leg", epochs=3, out="runs/mine"))
+    train, inspect, report = _commands(run_svi.next_steps(cfg, argv))
+    assert "--prior" not in train and "--prior-arg" not in train and "--gate" not in train
+    assert not any(w.startswith(("--kl-weight", "PYTHONPATH")) for w in train)
+    assert train[train.index("--epochs") + 1] == "3" and train[train.index("--method") + 1] == "ncl"
+    assert inspect[0] == f"PYTHONPATH={tmp_path / 'code'}" and inspect[-1] == "--trust-run"  # the gated run needs both
+    assert code_references(without_gates(cfg, "ncl")) == {}
+    assert code_references(Config(method="ncl", prior="my_priors:SteppedPrior")) == {}  # an NCL run saved before
+
+
+def test_the_next_commands_run_from_any_folder(monkeypatch, tmp_path):
+    """Issue 53, item 10: the commands named the run folders relative to the folder the run was started in."""
+    from bayesncl_pyro.config import Config, with_recipe
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--dataset", "cifar10", "--data-dir", "data/cifar", "--config=my.yaml"]
+    cfg = with_recipe(Config(dataset="cifar10", data_dir=str(tmp_path / "data" / "cifar"), out="runs/mine"))
+    commands = _commands(run_svi.next_steps(cfg, argv))
+    paths = [w.split("=", 1)[-1] for c in commands for w in c if "/" in w or w.endswith(".yaml")]
+    assert paths and all(os.path.isabs(p) for p in paths), paths
+    assert str(tmp_path / "runs" / "mine") in commands[1] and str(tmp_path / "runs" / "mine-ncl") in commands[0]
+    assert f"--config={tmp_path / 'my.yaml'}" in commands[0]
+    assert commands[0][commands[0].index("--data-dir") + 1] == str(tmp_path / "data" / "cifar")

@@ -56,11 +56,12 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path, ncl_run):
     assert f"writing to {run_dir}/" in first
     # the gated metrics beside the same model's ungated ones
     table = proc.stdout.splitlines()
-    assert next(line for line in table if "gated" in line).split() == ["gated", "ungated"]
+    assert next(line for line in table if "gated" in line).split() == ["gated", "ungated", "q's", "mean", "q", "draws",
+                                                                       "random", "mask"]
     consistency = next(line for line in table if line.startswith("semantic_consistency ")).split()
     results = json.loads((run_dir / "eval.json").read_text())
-    assert consistency[1:] == [f"{results['semantic_consistency']:.4f}",
-                               f"{results['semantic_consistency_ungated']:.4f}"]
+    assert consistency[1:3] == [f"{results['semantic_consistency']:.4f}",
+                                f"{results['semantic_consistency_ungated']:.4f}"]
     assert results["active_dims"] <= results["active_dims_ungated"] <= 16
     assert "with every gate open" in proc.stdout
     # the top-N consistency and its post-hoc TopK control beside the paper's, and what they show
@@ -70,8 +71,9 @@ def test_run_svi_writes_its_files_and_prints_the_table(tmp_path, ncl_run):
             and f"{results['semantic_consistency_topn']:.3f} with the gates" in proc.stdout
             and f"{posthoc['semantic_consistency_topn']:.3f} for post-hoc TopK" in proc.stdout)
     diff = results["semantic_consistency_topn"] - posthoc["semantic_consistency_topn"]
-    assert f"the gates' choice of entries is {'above' if diff > 0.01 else 'below' if diff < -0.01 else 'level with'} " \
-        f"keeping each image's largest ones ({diff:+.3f}" in proc.stdout
+    # one seed judged by the ten seeds of the default recipe, which this digits run is not (tests/evaluate/test_verdict)
+    assert f"one seed cannot carry a verdict: on this run the gates minus post-hoc TopK is {diff:+.3f}" in proc.stdout
+    assert "pairs 10 seeds of the default recipe, not this run's" in proc.stdout
     assert proc.stdout.rstrip().endswith(f"a card per dimension, one page: {run_dir}/report/index.html")
     # the next commands, as printed, run: by this interpreter (`python` may be another one, without the package)
     next_ncl = next(line for line in table if "--method ncl" in line).strip()

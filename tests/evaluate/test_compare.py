@@ -169,3 +169,30 @@ def test_topk_per_k_and_gates_per_density_in_one_table_and_ncl_reused_at_another
     # the published prior: NCL is the same run
     assert compare.main([*small, "--methods", "ncl", "--out", str(tmp_path / "b")]) == 0
     assert "ncl, seed 0: recorded in" in capsys.readouterr().out
+
+
+def test_compare_defaults_to_run_svis_dataset_and_takes_lists_either_way(capsys):
+    """Issue 53, item 9: compare.py defaulted to cifar10 where run_svi.py trains the compositional benchmark; --seeds
+    took spaces and --methods commas, each refusing the other's."""
+    from bayesncl_pyro.cli import run_svi
+
+    assert compare.parser().parse_args([]).dataset == run_svi.parser().parse_args([]).dataset == "compositional"
+    spaced = compare.lists(compare.parser().parse_args(["--seeds", "0", "1", "--methods", "ncl", "bayesncl-ste",
+                                                         "--topk", "2", "4", "--kl-weight", "3e-5"]))
+    commas = compare.lists(compare.parser().parse_args(["--seeds", "0,1", "--methods", "ncl,bayesncl-ste",
+                                                        "--topk", "2,4", "--kl-weight", "3e-5"]))
+    for args in (spaced, commas):
+        assert (args.seeds, args.methods, args.topk, args.kl_weight) == ([0, 1], ["ncl", "bayesncl-ste"], [2, 4],
+                                                                          [3e-5])
+    assert compare.main(["--seeds", "0,one"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seeds takes int values, got 'one'" in err
+
+
+def test_the_summary_says_which_limit_stopped_training():
+    """Issue 53, item 9: "training stopped after 20 steps" where the epochs ended the runs at 10."""
+    assert compare.steps_note({"max_steps": 20, "epochs": 1, "batch_size": 64}, 640, "digits") == (
+        "training ran its 10 steps (1 epoch of 10); --max-steps 20 stopped nothing")
+    assert compare.steps_note({"max_steps": 2, "epochs": 1, "batch_size": 64}, 640, "digits").startswith(
+        "training stopped after 2 of its 10 steps")
+    assert compare.steps_note({"epochs": 1}, 640, "digits") is None

@@ -289,3 +289,18 @@ def test_an_imagenet100_sized_report_opens_and_scrolls(imagenet100_sized, tab):
     text = tab.page.inner_text("body")
     assert "(--prior bernoulli)" in text and "undefined" not in text
     assert tab.errors == []
+
+
+def test_a_baseline_of_another_length_is_said_on_the_page():
+    """Issue 53, item 4: a 225-step BayesNCL was shown beside a 20-step NCL without a word."""
+    feats = bench_report.stand_in(200, 16, 4)
+    run, base = bench_report.stand_in_run(16), bench_report.stand_in_run(16)
+    base.update(method="ncl")
+    for steps, base_steps, note in ((225, 20, True), (225, 225, False)):
+        run["steps"], base["steps"] = steps, base_steps
+        data = report.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
+        assert (data["baseline"]["note"] is not None) == note
+    run["steps"], base["steps"] = 225, 20
+    data = report.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
+    assert data["baseline"]["note"].startswith("note: the baseline (ncl) trained 20 steps and this run (bayesncl) 225")
+    assert "D.baseline.note" in report.render(data, report.thumbnails(bench_report.stand_in_images(200)))

@@ -1,0 +1,39 @@
+"""The README and docs/RESULTS.md say what the code does today (issue 53, items 1 and 12)."""
+
+import json
+import re
+from pathlib import Path
+
+from bayesncl_pyro.evaluate import verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+RESULTS = (ROOT / "docs" / "RESULTS.md").read_text()
+
+
+def test_the_layout_lists_every_notebook():
+    layout = README.split("\n## Layout\n")[1].split("\n## ")[0]
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) > 1 and all(name in layout for name in notebooks)
+
+
+def test_the_first_runs_time_is_given_with_its_date_where_the_figures_differ():
+    times = set(re.findall(r"(\d+ min \d+ s) on 2 idle CPU cores", README))
+    assert len(times) == 1  # one figure in the README
+    default_run = RESULTS.split("### The default first run")[1].split("\n### ")[0]
+    assert times.pop() in default_run and "prints the same numbers" not in RESULTS
+
+
+def test_the_svi_step_s_loss_scale_is_said():
+    assert "2N times the head's loss per row" in README and "277,000" in README
+
+
+def test_the_readme_shows_the_spread_of_the_first_run_not_one_draw():
+    """Item 1: the README's first-run figures beside the ten seeds' spread and another thread count."""
+    setup = README.split("\n## Set-up: two commands\n")[1].split("\n## ")[0]
+    summary = json.loads(verdict.SUMMARY.read_text())
+    d = summary["gates_minus_posthoc_topn"]
+    assert f"[95 % interval {d['low']:+.3f}, {d['high']:+.3f}]" in setup
+    assert "OMP_NUM_THREADS=1" in setup and "OMP_NUM_THREADS=2" in setup
+    c = summary["semantic_consistency"]
+    assert f"{c['mean']:.3f} ± {c['sd']:.3f}" in setup
