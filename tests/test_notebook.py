@@ -2,7 +2,8 @@
 
 notebooks/inspect_gates.ipynb runs top to bottom (it trains its own two small digits runs),
 notebooks/your_own_prior.ipynb trains a few steps with a prior written in one of its cells and reads the run back, and
-both are kept in git without outputs."""
+both are kept in git without outputs. A notebook that passed its test is written executed to the documentation site's
+folder of executed notebooks (docs/_ext/bayesncl_docs.py, EXECUTED), whose build shows it as it ran here."""
 
 import json
 import math
@@ -10,18 +11,17 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from helpers import ROOT, docs_extension
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "inspect_gates.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "inspect_gates.ipynb"
 OWN_PRIOR = NOTEBOOK.with_name("your_own_prior.ipynb")
 
 
-def _executed(path: Path, tmp_path, monkeypatch) -> tuple[nbformat.NotebookNode, str]:
-    """The notebook at ``path`` run top to bottom in its folder, and the text its code cells printed."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks train their runs in a temporary folder
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb, "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+def _publish(nb: nbformat.NotebookNode, path: Path):
+    """The executed notebook, for the documentation site to show without running it again."""
+    folder = docs_extension().EXECUTED
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, folder / path.name)
 
 
 @pytest.mark.parametrize("notebook", [NOTEBOOK, OWN_PRIOR], ids=lambda p: p.stem)
@@ -32,8 +32,8 @@ def test_notebook_is_stored_without_outputs(notebook):
 
 
 @pytest.mark.slow
-def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    nb, text = _executed(NOTEBOOK, tmp_path, monkeypatch)
+def test_notebook_runs_top_to_bottom(executed_notebook):
+    nb, text, tmp_path = executed_notebook(NOTEBOOK)
     assert "dims most specific to one class" in text and "conflict (bayesncl)" in text and "conflict (ncl)" in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 5
@@ -43,10 +43,11 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
              if (html := o.get("data", {}).get("text/html", "")).startswith("<iframe srcdoc=")]
     assert len(pages) == 2 and "&quot;dim/" not in pages[0] and "&quot;dim/" in pages[1]
     assert len(list(tmp_path.glob("inspect_gates_*/bayesncl/report/index.html"))) == 1
+    _publish(nb, NOTEBOOK)
 
 
-def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(tmp_path, monkeypatch):
-    _, text = _executed(OWN_PRIOR, tmp_path, monkeypatch)
+def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(executed_notebook):
+    nb, text, tmp_path = executed_notebook(OWN_PRIOR)
     assert "p(g) for 3 rows: batch (3,), event (8,)" in text
     assert "posterior draws of the rates: {'chain': 1, 'draw': 10, 'feature': 64}" in text
     assert "q's parameters: ['rate_a', 'rate_b']" in text
@@ -55,3 +56,4 @@ def test_a_prior_written_in_a_notebook_cell_trains_exports_and_reports(tmp_path,
     assert (run / "gates.nc").exists() and (run / "report" / "index.html").exists()
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert log and all(math.isfinite(r["kl"]) and r["kl"] > 0 for r in log)  # the rates' KL a draw, the gates' exact
+    _publish(nb, OWN_PRIOR)
