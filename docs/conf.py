@@ -44,6 +44,9 @@ nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_merge_streams = True
 
+# a block without a language (sample output, the layout list) is shown as it is
+highlight_language = "none"
+
 html_theme = "furo"
 html_title = f"bayesncl-pyro {release}"
 html_static_path: list[str] = []
