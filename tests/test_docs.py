@@ -77,8 +77,9 @@ def test_every_public_name_has_an_entry_on_its_modules_page(site):
     modules = docs_extension().public_modules()
     assert sorted(n for names in modules.values() for n in names) == bayesncl_pyro.__all__
     for module, names in modules.items():
-        # exactly the module's public names, under their top-level path
+        # exactly the module's public names, under their top-level path; a docstring's example shown as written
         assert _ids(site / "api" / f"{module}.html") == {f"bayesncl_pyro.{n}" for n in names}, module
+        assert "<blockquote" not in (site / "api" / f"{module}.html").read_text(), module
         assert all(getattr(importlib.import_module(module), n) is getattr(bayesncl_pyro, n) for n in names)
     index = (site / "api" / "index.html").read_text()
     for name in bayesncl_pyro.__all__:
@@ -104,6 +105,19 @@ def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, mon
     assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
     assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
     assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules()}
+
+
+def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():
+    """The docstrings' code examples are indented blocks after a paragraph: reST wants ``::`` before them, or it runs
+    their lines together as a quote. Lists, fields (napoleon's Args), directives and marked blocks keep theirs."""
+    ext = docs_extension()
+    lines = ["Summary.", "", "    a = 1", "    b = 2", "", "Text."]
+    ext.literal_blocks(None, "module", "m", None, {}, lines)
+    assert lines == ["Summary.", "", "::", "", "    a = 1", "    b = 2", "", "Text."]
+    for kept in (["Layout::", "", "    x  y"], ["* an item", "", "    its paragraph"], [".. note::", "", "    a"],
+                 [":param x: the x", "    of the y"], ["Summary.", "", "  two spaces: a quote"]):
+        ext.literal_blocks(None, "module", "m", None, {}, lines := list(kept))
+        assert lines == kept
 
 
 def test_a_notebook_copy_whose_cells_changed_is_not_taken_as_executed(tmp_path):

@@ -11,17 +11,20 @@ page without an edit here:
   ``BAYESNCL_EXECUTED_NOTEBOOKS`` (default ``docs/_build/executed``, where tests/test_notebook.py writes the copies it
   ran) where a copy there has the same cells, else as it is stored (no outputs), for myst-nb to execute.
 
-A file is rewritten only when its text changes, so an unchanged page is not read again by an incremental build.
+The docstrings' indented blocks (code examples, layouts) are shown as written (:func:`literal_blocks`). A file is
+rewritten only when its text changes, so an unchanged page is not read again by an incremental build.
 """
 
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1]
 ROOT = DOCS.parent
 EXECUTED = Path(os.environ.get("BAYESNCL_EXECUTED_NOTEBOOKS") or DOCS / "_build" / "executed")
+LIST_ITEM = re.compile(r"([*+-]|\d+[.)]|#\.)\s")
 
 
 def public_modules() -> dict[str, list[str]]:
@@ -133,6 +136,23 @@ def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) ->
     return found
 
 
+def literal_blocks(app, what, name, obj, options, lines):
+    """Shows a docstring's indented block after a top-level paragraph as it is written (a code example, a layout).
+
+    docutils would take it for a block quote and run its lines together: the ``::`` that reST wants goes before it.
+    """
+    i = 1
+    while i < len(lines) - 1:
+        before, blank, block = lines[i - 1], lines[i], lines[i + 1]
+        if (not blank.strip() and before.strip() and not before[0].isspace() and not before.rstrip().endswith("::")
+                and not before.startswith((":", "..")) and not LIST_ITEM.match(before)
+                and block.startswith("    ") and block.strip()):
+            lines.insert(i, "")
+            lines.insert(i + 1, "::")
+            i += 3
+        i += 1
+
+
 def _generate(app, config):
     write_api_pages()
     for name, ran in copy_notebooks().items():
@@ -143,4 +163,5 @@ def _generate(app, config):
 def setup(app):
     """Writes the generated sources when the build starts."""
     app.connect("config-inited", _generate)
+    app.connect("autodoc-process-docstring", literal_blocks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
