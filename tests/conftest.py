@@ -47,6 +47,32 @@ def ncl_run(tmp_path_factory):
     return _tiny_run(tmp_path_factory, "ncl", "--method", "ncl")
 
 
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """A notebook run top to bottom in its folder, once a session for every test that reads it (the notebook tests
+    and the documentation site's): ``run(path)`` gives the executed notebook, the text its code cells printed and
+    the folder above its runs/ (its checkout's stand-in)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    done = {}
+
+    def run(path: Path):
+        if path not in done:
+            tmp = tmp_path_factory.mktemp(path.stem)
+            nb = nbformat.read(path, as_version=4)
+            # a notebook trains into runs/ of the checkout it sits in (the folder above notebooks/): run from
+            # tmp/notebooks/, its runs land in tmp/runs/, the installed package being the one tested
+            (tmp / "notebooks").mkdir()
+            NotebookClient(nb, timeout=600, kernel_name="python3",
+                           resources={"metadata": {"path": str(tmp / "notebooks")}}).execute()
+            text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+            done[path] = nb, text, tmp
+        return done[path]
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """Headless Debian Chromium with a fresh profile, launched once a module (seconds each time), or a skip that says

@@ -161,3 +161,13 @@ class Tab:
 
     def close(self):
         self.page.close()
+
+
+def docs_extension():
+    """The documentation site's extension (docs/_ext/bayesncl_docs.py): what the site generates, and from where."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bayesncl_docs", ROOT / "docs" / "_ext" / "bayesncl_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -8,7 +8,7 @@ versions write and read the file with xarray's own DataTree netCDF code (one net
 through h5netcdf), so a ``gates.nc`` written under either version reads under the other.
 
 Layout of the data (dims ``item``, ``feature``, ``class``, ``step``; every ``item`` coordinate also carries
-its ``class_label``):
+its ``class_label``)::
 
     posterior       g (chain, draw, item, feature)   0/1 gate draws from q(g | x) = Bernoulli(inclusion_prob)
                     dim_inclusion (chain, draw, feature)   share of test items whose gate is on

@@ -60,9 +60,9 @@ def _no_guide(z, h):
 class BayesNCLHead(nn.Module):
     """Backbone features of 2B view-rows -> (loss, monitoring values).
 
-    Args (named as the command-line flags of ``experiments/run_svi.py``; the defaults are the published CIFAR
-    recipe's):
-        in_dim: D, the backbone's feature width.
+    Args:
+        in_dim: D, the backbone's feature width. The arguments are named as the command-line flags of
+            ``experiments/run_svi.py``; the defaults are the published CIFAR recipe's.
         proj_dim: K, the number of features and gates; proj_hidden: the projector's and gating head's width.
         num_train: N, images in the training set (the ELBO's rows plate is 2N).
         prior: a registry name (``bernoulli``, ``learned``, ``beta-bernoulli``), ``package.module:Class``, a

@@ -1,0 +1,167 @@
+"""The site's generated sources: an API page per public module, and the notebooks as pages.
+
+Both are written into the source folder when the build starts (``config-inited``), from what the package and the
+repository hold, so that a name added to ``bayesncl_pyro._PUBLIC`` or a notebook added to ``notebooks/`` gets its
+page without an edit here:
+
+* ``api/<module>.rst``: one page per module that ``bayesncl_pyro._PUBLIC`` names, documenting exactly the public
+  names that live there, under their top-level path (``bayesncl_pyro.BayesNCLHead``); the priors' module also gets
+  every prior registered for ``--prior``. ``api/index.rst`` lists every public name with its page.
+* ``notebooks/<name>.ipynb``: each notebook of the repository's ``notebooks/``, taken executed from
+  ``BAYESNCL_EXECUTED_NOTEBOOKS`` (default ``docs/_build/executed``, where tests/test_notebook.py writes the copies it
+  ran) where a copy there has the same cells, else as it is stored (no outputs), for myst-nb to execute.
+
+The docstrings' indented blocks (code examples, layouts) are shown as written (:func:`literal_blocks`). A file is
+rewritten only when its text changes, so an unchanged page is not read again by an incremental build.
+"""
+
+import inspect
+import json
+import os
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1]
+ROOT = DOCS.parent
+EXECUTED = Path(os.environ.get("BAYESNCL_EXECUTED_NOTEBOOKS") or DOCS / "_build" / "executed")
+LIST_ITEM = re.compile(r"([*+-]|\d+[.)]|#\.)\s")
+
+
+def public_modules() -> dict[str, list[str]]:
+    """The modules that hold the public names, each with its names, in the order ``_PUBLIC`` lists them."""
+    import bayesncl_pyro
+
+    modules: dict[str, list[str]] = {}
+    for name, module in bayesncl_pyro._PUBLIC.items():
+        modules.setdefault(module, []).append(name)
+    return modules
+
+
+def _summary(obj) -> str:
+    """The first line of a class's or function's docstring; for a registry (a dict), the names it holds."""
+    if isinstance(obj, dict):
+        return "the registry of: " + ", ".join(f"``{key}``" for key in obj)
+    doc = inspect.getdoc(obj)
+    return doc.splitlines()[0] if doc else ""
+
+
+def _write(path: Path, text: str):
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _directive(name: str, obj) -> str:
+    if isinstance(obj, type):
+        return f".. autoclass:: {name}\n   :members:\n   :show-inheritance:\n"
+    if callable(obj):
+        return f".. autofunction:: {name}\n"
+    return f".. autodata:: {name}\n   :no-value:\n"
+
+
+def _title(text: str, mark: str = "=") -> str:
+    return f"{text}\n{mark * len(text)}\n"
+
+
+def _registered_priors() -> str:
+    """The priors that ``--prior NAME`` picks, each documented at its own module's path."""
+    from bayesncl_pyro.models.priors import PRIORS
+
+    lines = ["", _title("Registered priors", "-"), "The priors that ``--prior NAME`` picks from ``PRIORS``:", "",
+             ".. list-table::", "   :header-rows: 1", "", "   * - ``--prior``", "     - class"]
+    blocks = []
+    for key, cls in PRIORS.items():
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        lines += [f"   * - ``{key}``", f"     - :class:`{path}`"]
+        blocks.append(f".. autoclass:: {path}\n   :members:\n   :show-inheritance:\n")
+    return "\n".join(lines) + "\n\n" + "\n".join(blocks)
+
+
+def write_api_pages(out: Path = DOCS / "api"):
+    """``api/index.rst`` and a page per public module; pages of modules no longer public are removed."""
+    import bayesncl_pyro
+
+    modules = public_modules()
+    index = [_title("API reference"),
+             "The public names, importable from the top level (``from bayesncl_pyro import Config``); each stays",
+             "there when its module moves. A page per module that defines them:", "",
+             ".. list-table::", "   :header-rows: 1", "", "   * - name", "     - module", "     - what it is"]
+    pages = []
+    for module, names in modules.items():
+        for name in names:
+            obj = getattr(bayesncl_pyro, name)
+            index += [f"   * - :py:obj:`bayesncl_pyro.{name}`", f"     - :doc:`{module}`", f"     - {_summary(obj)}"]
+        pages.append(module)
+        body = [_title(module), f".. automodule:: {module}", "   :no-members:", "", ".. currentmodule:: bayesncl_pyro",
+                "", f"Public names defined here, imported as ``from bayesncl_pyro import {', '.join(names)}``.", ""]
+        for name in names:
+            body.append(_directive(name, getattr(bayesncl_pyro, name)))
+        text = "\n".join(body)
+        if module == "bayesncl_pyro.models.priors":
+            text += _registered_priors()
+        _write(out / f"{module}.rst", text)
+    index += ["", ".. toctree::", "   :maxdepth: 1", "", *(f"   {m}" for m in pages), ""]
+    _write(out / "index.rst", "\n".join(index))
+    for stale in out.glob("*.rst"):
+        if stale.stem not in {"index", *pages}:
+            stale.unlink()
+
+
+def _cells(nb: dict) -> list[tuple[str, str]]:
+    join = lambda s: "".join(s) if isinstance(s, list) else s  # noqa: E731 -- nbformat stores either
+    return [(c["cell_type"], join(c["source"])) for c in nb["cells"]]
+
+
+def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) -> dict[str, bool]:
+    """Each notebook of ``notebooks/`` into ``out``, executed where ``executed`` holds a copy with the same cells.
+
+    Returns:
+        Each notebook's name, and whether its copy came executed (myst-nb then leaves it as it is).
+    """
+    found = {}
+    for source in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = json.loads(source.read_text())
+        ran = executed / source.name
+        found[source.name] = False
+        if ran.exists():
+            ran_nb = json.loads(ran.read_text())
+            if _cells(ran_nb) == _cells(nb):
+                nb = ran_nb
+                nb["metadata"].setdefault("mystnb", {})["execution_mode"] = "off"
+                found[source.name] = True
+        _write(out / source.name, json.dumps(nb, indent=1) + "\n")
+    for stale in out.glob("*.ipynb"):
+        if stale.name not in found:
+            stale.unlink()
+    return found
+
+
+def literal_blocks(app, what, name, obj, options, lines):
+    """Shows a docstring's indented block after a top-level paragraph as it is written (a code example, a layout).
+
+    docutils would take it for a block quote and run its lines together: the ``::`` that reST wants goes before it.
+    """
+    i = 1
+    while i < len(lines) - 1:
+        before, blank, block = lines[i - 1], lines[i], lines[i + 1]
+        if (not blank.strip() and before.strip() and not before[0].isspace() and not before.rstrip().endswith("::")
+                and not before.startswith((":", "..")) and not LIST_ITEM.match(before)
+                and block.startswith("    ") and block.strip()):
+            lines.insert(i, "")
+            lines.insert(i + 1, "::")
+            i += 3
+        i += 1
+
+
+def _generate(app, config):
+    write_api_pages()
+    for name, ran in copy_notebooks().items():
+        how = "executed by the tests" if ran else f"to execute (mode {config.nb_execution_mode})"
+        print(f"notebook {name}: {how}")
+
+
+def setup(app):
+    """Writes the generated sources when the build starts."""
+    app.connect("config-inited", _generate)
+    app.connect("autodoc-process-docstring", literal_blocks)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

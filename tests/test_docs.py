@@ -1,0 +1,184 @@
+"""The documentation site (docs/): it builds with no warning (``sphinx-build -W``), every page is built, its API pages
+document every public name of bayesncl_pyro on the page of the module that defines it, a new public name gets its
+entry with no edit to the site, and in Chromium the index shows the navigation and a notebook page its figures."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import ROOT, docs_extension
+
+import bayesncl_pyro
+from bayesncl_pyro.models.priors import PRIORS
+
+DOCS = ROOT / "docs"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+OWN_PRIOR = ROOT / "notebooks" / "your_own_prior.ipynb"
+INSPECT = ROOT / "notebooks" / "inspect_gates.ipynb"
+
+
+def build_site(out: Path, executed: list[Path], executed_notebook) -> Path:
+    """``sphinx-build -W`` of docs/ into ``out/html``, the notebooks in ``executed`` shown as the tests ran them, the
+    others without outputs (not run: ``nb_execution_mode=off``). Fails on any warning."""
+    for module in ("sphinx", "myst_nb", "furo"):
+        pytest.importorskip(module, reason="the documentation site's packages: pip install -e '.[docs]'")
+    folder = out / "executed"
+    folder.mkdir(parents=True)
+    for path in executed:
+        nbformat.write(executed_notebook(path)[0], folder / path.name)
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-D", "nb_execution_mode=off",
+         str(DOCS), str(out / "html")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "BAYESNCL_EXECUTED_NOTEBOOKS": str(folder)})
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
+    assert "WARNING" not in build.stderr and "ERROR" not in build.stderr, build.stderr
+    for path in NOTEBOOKS:  # the build took the executed copies, and only those
+        state = "executed by the tests" if path in executed else "to execute (mode off)"
+        assert f"notebook {path.name}: {state}" in build.stdout
+    return out / "html"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, executed_notebook):
+    """The site as the default test run builds it: your_own_prior.ipynb executed (its test runs it anyway)."""
+    return build_site(tmp_path_factory.mktemp("site"), [OWN_PRIOR], executed_notebook)
+
+
+def _title(path: Path) -> str:
+    """A page's title: the first heading of a Markdown file or of a notebook's first cell."""
+    text = nbformat.read(path, as_version=4).cells[0].source if path.suffix == ".ipynb" else path.read_text()
+    return next(line[2:].strip() for line in text.splitlines() if line.startswith("# "))
+
+
+def _ids(page: Path) -> set[str]:
+    """The objects a page documents at the top level of the package: ``bayesncl_pyro.<name>``."""
+    return set(re.findall(r'id="(bayesncl_pyro\.[A-Za-z_]\w*)"', page.read_text()))
+
+
+def test_every_page_is_built_with_its_title(site):
+    modules = docs_extension().public_modules()
+    pages = {p.stem: _title(p) for p in DOCS.glob("*.md")}
+    pages |= {f"notebooks/{p.stem}": _title(p) for p in NOTEBOOKS}
+    pages |= {f"api/{m}": m for m in modules} | {"api/index": "API reference"}
+    assert {"index", "METHOD", "RESULTS", "PERFORMANCE", "RELIABILITY", "training", "gates", "own_code", "model",
+            "run_folder"} <= set(pages) and len(NOTEBOOKS) >= 2
+    for page, title in pages.items():
+        html = (site / f"{page}.html").read_text()
+        h1 = re.search(r"<h1>(.*?)<a class=\"headerlink\"", html, re.S)
+        assert h1 and re.sub(r"<[^>]+>", "", h1.group(1)).strip().replace("\u2019", "'") == title.replace("`", ""), page
+
+
+def test_every_public_name_has_an_entry_on_its_modules_page(site):
+    modules = docs_extension().public_modules()
+    assert sorted(n for names in modules.values() for n in names) == bayesncl_pyro.__all__
+    for module, names in modules.items():
+        # exactly the module's public names, under their top-level path; a docstring's example shown as written
+        assert _ids(site / "api" / f"{module}.html") == {f"bayesncl_pyro.{n}" for n in names}, module
+        assert "<blockquote" not in (site / "api" / f"{module}.html").read_text(), module
+        assert all(getattr(importlib.import_module(module), n) is getattr(bayesncl_pyro, n) for n in names)
+    index = (site / "api" / "index.html").read_text()
+    for name in bayesncl_pyro.__all__:
+        assert f'href="{bayesncl_pyro._PUBLIC[name]}.html#bayesncl_pyro.{name}"' in index, name
+    # the prior contract: the base class with what a prior writes, and every prior --prior can name
+    priors = (site / "api" / "bayesncl_pyro.models.priors.html").read_text()
+    for method in ("rate", "forward", "make_guide"):
+        assert f'id="bayesncl_pyro.Prior.{method}"' in priors, method
+    for name, cls in PRIORS.items():
+        assert f'id="{cls.__module__}.{cls.__qualname__}"' in priors and f'<span class="pre">{name}</span>' in priors
+
+
+def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, monkeypatch):
+    """The API pages come from ``bayesncl_pyro._PUBLIC``: a name added there (here in a module with no page yet) gets
+    an entry and its module a page; a module no longer public loses its page."""
+    ext = docs_extension()
+    monkeypatch.setitem(bayesncl_pyro._PUBLIC, "MeanFieldELBO", "bayesncl_pyro.infer.elbo")
+    (tmp_path / "bayesncl_pyro.gone.rst").write_text("a module that held public names once\n")
+    ext.write_api_pages(tmp_path)
+    page = (tmp_path / "bayesncl_pyro.infer.elbo.rst").read_text()
+    assert ".. currentmodule:: bayesncl_pyro" in page and ".. autoclass:: MeanFieldELBO" in page
+    index = (tmp_path / "index.rst").read_text()
+    assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
+    assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
+    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules()}
+
+
+def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():
+    """The docstrings' code examples are indented blocks after a paragraph: reST wants ``::`` before them, or it runs
+    their lines together as a quote. Lists, fields (napoleon's Args), directives and marked blocks keep theirs."""
+    ext = docs_extension()
+    lines = ["Summary.", "", "    a = 1", "    b = 2", "", "Text."]
+    ext.literal_blocks(None, "module", "m", None, {}, lines)
+    assert lines == ["Summary.", "", "::", "", "    a = 1", "    b = 2", "", "Text."]
+    for kept in (["Layout::", "", "    x  y"], ["* an item", "", "    its paragraph"], [".. note::", "", "    a"],
+                 [":param x: the x", "    of the y"], ["Summary.", "", "  two spaces: a quote"]):
+        ext.literal_blocks(None, "module", "m", None, {}, lines := list(kept))
+        assert lines == kept
+
+
+def test_a_notebook_copy_whose_cells_changed_is_not_taken_as_executed(tmp_path):
+    """An executed copy from before an edit of the notebook is stale: the site takes the notebook as stored."""
+    ext = docs_extension()
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nb = nbformat.read(OWN_PRIOR, as_version=4)
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="ran\n")]
+    nbformat.write(nb, executed / OWN_PRIOR.name)
+    stale = nbformat.read(INSPECT, as_version=4)
+    stale.cells[0].source += "\nan edit since the tests ran it"
+    nbformat.write(stale, executed / INSPECT.name)
+    found = ext.copy_notebooks(tmp_path / "out", executed)
+    assert found[OWN_PRIOR.name] and not found[INSPECT.name]
+    copied = nbformat.read(tmp_path / "out" / OWN_PRIOR.name, as_version=4)
+    assert copied.cells[1].outputs[0].text == "ran\n" and copied.metadata.mystnb.execution_mode == "off"
+    assert nbformat.read(tmp_path / "out" / INSPECT.name, as_version=4) == nbformat.read(INSPECT, as_version=4)
+
+
+# -- in a browser ----------------------------------------------------------------------------------------------
+
+
+def _open(tab, page: Path):
+    tab.page.goto(page.resolve().as_uri())
+    tab.page.wait_for_load_state("load")
+
+
+def test_in_chromium_the_index_shows_the_navigation(site, tab):
+    _open(tab, site / "index.html")
+    nav = tab.page.locator(".sidebar-drawer .sidebar-tree")
+    assert nav.is_visible()
+    links = {a.inner_text().strip(): a.get_attribute("href") for a in nav.locator("a.reference").all()}
+    expected = [_title(p) for p in DOCS.glob("*.md") if p.stem != "index"] + [_title(p) for p in NOTEBOOKS]
+    expected += ["API reference"]
+    for title in expected:
+        title = title.replace("`", "")
+        assert any(t.replace("\u2019", "'") == title for t in links), (title, sorted(links))
+    assert all((site / href).exists() for href in links.values())
+    for caption in ("Guide", "Notebooks", "Reference", "Background"):
+        assert tab.page.locator(".sidebar-tree p.caption", has_text=caption).is_visible()
+    # the API reference, one click away, lists every public name as a link to its entry
+    tab.page.click(".sidebar-tree a:text-is('API reference')")
+    tab.page.wait_for_url("**/api/index.html")
+    names = tab.page.locator("article table a.reference code").all_inner_texts()
+    assert sorted(n.removeprefix("bayesncl_pyro.") for n in names) == bayesncl_pyro.__all__
+    assert tab.errors == [] and all(url.startswith("file://") for url in tab.requests)  # nothing from the network
+
+
+@pytest.mark.slow
+def test_in_chromium_a_notebook_page_shows_its_figures_and_maths(executed_notebook, tmp_path, tab):
+    """inspect_gates.ipynb, as its test ran it: its five figures drawn, its report inline, its maths typeset by the
+    MathJax the site ships."""
+    html = build_site(tmp_path, [INSPECT], executed_notebook)
+    _open(tab, html / "notebooks" / "inspect_gates.html")
+    figures = tab.page.locator("article .cell_output img")
+    assert figures.count() == 5
+    for i in range(5):
+        figures.nth(i).scroll_into_view_if_needed()
+        assert figures.nth(i).is_visible()
+        assert figures.nth(i).evaluate("img => img.complete && img.naturalWidth > 100 && img.naturalHeight > 100")
+    assert tab.page.locator("article .cell_output iframe").count() == 2
+    tab.page.wait_for_selector("mjx-container")
+    assert tab.errors == [] and all(url.startswith(("file://", "about:", "data:")) for url in tab.requests)
