@@ -92,8 +92,15 @@ def same_recipe(cfg: Config, summary: dict) -> bool:
 
 
 def _where(figure: dict) -> str:
-    """Where a ten-seed interval lies, in words: only the interval decides, never one run's figure."""
-    return "above" if figure["low"] > 0 else "below" if figure["high"] < 0 else "level with"
+    """Where a ten-seed interval lies, in words: only the interval decides, never one run's figure.
+
+    An interval that holds zero is no equivalence: it is said as what it rules out.
+    """
+    if figure["low"] > 0 or figure["high"] < 0:
+        side = "above" if figure["low"] > 0 else "below"
+        return f"so the gates' choice of entries is {side} keeping each image's largest ones"
+    return (f"so the ten seeds do not separate the gates' choice of entries from keeping each image's largest ones "
+            f"(a gain above {figure['high']:+.3f} or a loss below {figure['low']:+.3f} is ruled out at 95 %)")
 
 
 def closing_sentence(results: dict, cfg: Config, summary: dict | None = None) -> str:
@@ -122,5 +129,5 @@ def closing_sentence(results: dict, cfg: Config, summary: dict | None = None) ->
     return (f"{mine}; over {len(summary['seeds'])} seeds of this recipe ({summary['records']}, docs/RESULTS.md "
             f"\"At matched sparsity\"): gates minus post-hoc TopK {d['mean']:+.3f} [95 % interval {d['low']:+.3f}, "
             f"{d['high']:+.3f}] on the top-{summary['topn_n']} consistency (seeds from {d['min']:+.3f} to "
-            f"{d['max']:+.3f}), so the gates' choice of entries is {_where(d)} keeping each image's largest ones; "
+            f"{d['max']:+.3f}), {_where(d)}; "
             f"sparsity alone {s['mean']:+.3f} [{s['low']:+.3f}, {s['high']:+.3f}] on the paper's")
