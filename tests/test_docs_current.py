@@ -25,7 +25,8 @@ def test_the_first_runs_time_is_given_with_its_date_where_the_figures_differ():
 
 
 def test_the_svi_step_s_loss_scale_is_said():
-    assert "2N times the head's loss per row" in README and "277,000" in README
+    own_code = (ROOT / "docs" / "own_code.md").read_text()  # the head in your own loop, in detail: the site's page
+    assert "2N times the head's loss per row" in own_code and "277,000" in own_code
 
 
 def test_the_readme_shows_the_spread_of_the_first_run_not_one_draw():
