@@ -1,4 +1,6 @@
+import gc
 import os
+import shutil
 from pathlib import Path
 
 import pyro
@@ -21,6 +23,9 @@ def pytest_configure(config):
 
 
 from fake_cuda import fake_cuda  # noqa: E402,F401 -- the fixture: a CPU stand-in for CUDA (tests/fake_cuda.py)
+from helpers import fast  # noqa: E402
+
+from bayesncl_pyro.train.trainer import Trainer  # noqa: E402
 
 
 def _tiny_run(tmp_path_factory, name: str, *args: str):
@@ -104,3 +109,22 @@ def tab(browser):
     t = Tab(browser)
     yield t
     t.close()
+
+
+# the run folder tests' resumable run (test_run_folder_files.py, test_run_folder_second_layer.py)
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> Path:
+    """A digits run stopped at step 2 of 4, with a checkpoint: a rerun resumes it."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    trainer = Trainer(fast(out, max_steps=4, conflict_every=1), progress=False)
+    trainer.train(2)
+    trainer.save()
+    del trainer  # its lock goes with it
+    gc.collect()
+    return out
+
+
+@pytest.fixture
+def unfinished(stopped, tmp_path) -> Path:
+    """A copy of the stopped run, for a test to resume."""
+    return shutil.copytree(stopped, tmp_path / "run")

@@ -326,10 +326,10 @@ def test_divergence_stops_naming_step_and_term_and_keeps_the_last_good_checkpoin
 
 
 def test_divergence_in_the_kl_term_is_named(tmp_path, monkeypatch):
-    import bayesncl_pyro.infer.elbo
+    import bayesncl_pyro.infer.kl  # where the ELBO takes the gates' KL
 
     trainer = Trainer(fast(tmp_path / "run"), progress=False)
-    monkeypatch.setattr(bayesncl_pyro.infer.elbo, "bernoulli_kl",
+    monkeypatch.setattr(bayesncl_pyro.infer.kl, "bernoulli_kl",
                         lambda q, p, clamp: torch.full_like(q, float("inf")))
     with pytest.raises(UserError, match="diverged at step 1: the KL term is (inf|nan); no checkpoint is kept"):
         trainer.train(3)

@@ -5,7 +5,6 @@ config.json. Each reader and writer meets a link to a file outside, a link to /d
 docs/RELIABILITY.md maps each to its test."""
 
 import errno
-import gc
 import json
 import os
 import re
@@ -222,24 +221,6 @@ def test_a_page_and_its_json_are_replaced_together_or_not_at_all(tmp_path):
         rundir.save_together([(b"new json", first), (full, second)])
     assert first.read_text() == "old json" and second.read_text() == "old page"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.html", "report.json"]
-
-
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """A digits run stopped at step 2 of 4, with a checkpoint: a rerun resumes it."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    trainer = Trainer(fast(out, max_steps=4, conflict_every=1), progress=False)
-    trainer.train(2)
-    trainer.save()
-    del trainer  # its lock goes with it
-    gc.collect()
-    return out
-
-
-@pytest.fixture
-def unfinished(stopped, tmp_path) -> Path:
-    """A copy of the stopped run, for a test to resume."""
-    return shutil.copytree(stopped, tmp_path / "run")
 
 
 @pytest.mark.parametrize("name, kind", [*(("log.jsonl", kind) for kind in KINDS), ("conflict.jsonl", "link")])

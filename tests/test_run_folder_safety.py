@@ -458,9 +458,9 @@ def test_a_head_larger_than_the_memory_is_one_line_before_anything_is_built(tmp_
                                                                            value):
     """Allocation tracebacks, or (--head-depth) layers allocated one at a time until the kernel killed the run; and
     refused before the prior is built: one of K = 10^10 values would need 40 GB."""
-    from bayesncl_pyro.infer import head
+    from bayesncl_pyro.infer import checks  # where the head's prior is built and checked
 
-    monkeypatch.setattr(head, "build_prior", lambda *args, **kw: pytest.fail("the prior was built"))
+    monkeypatch.setattr(checks, "build_prior", lambda *args, **kw: pytest.fail("the prior was built"))
     assert run_svi.main([*TINY_RUN, "--out", str(tmp_path / "run"), flag, value]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert re.fullmatch(r"error: the head's weights alone \(--proj-hidden=\d+, --proj-dim=\d+, --head-depth=\d+\) "

@@ -3,7 +3,6 @@ links, the names a foreign-file check skipped, every writer (compare.py, a late 
 code a --config from a run folder names, and readers whose memory is bounded. docs/RELIABILITY.md maps each to its
 test."""
 
-import gc
 import json
 import os
 import resource
@@ -41,24 +40,6 @@ def outside(tmp_path) -> Path:
     path = tmp_path / "secret.txt"
     path.write_text("keep\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> Path:
-    """A digits run stopped at step 2 of 4, with a checkpoint: a rerun resumes it."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    trainer = Trainer(fast(out, max_steps=4, conflict_every=1), progress=False)
-    trainer.train(2)
-    trainer.save()
-    del trainer  # its lock goes with it
-    gc.collect()
-    return out
-
-
-@pytest.fixture
-def unfinished(stopped, tmp_path) -> Path:
-    """A copy of the stopped run, for a test to resume."""
-    return shutil.copytree(stopped, tmp_path / "run")
 
 
 def _hard_linked(path: Path) -> str:
