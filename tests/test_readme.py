@@ -72,8 +72,9 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_the_priors_from_your_own_code_are_followed_as_written_and_train(tmp_path, monkeypatch, capsys):
-    """A new user's path through "Priors from your own code": the module written as shown, each command run as shown
-    (shortened to two steps) trains and evaluates, the correlated prior with no guide of its own (Pyro's AutoNormal)."""
+    """A new user's path through "Priors from your own code": the module written as shown, each command of a prior of
+    theirs run as shown (shortened to two steps) trains and evaluates, the correlated prior with no guide of its own
+    (Pyro's AutoNormal); a registered prior's command resolves."""
     text = (ROOT / "README.md").read_text()
     section = text.split("\n### Priors from your own code\n")[1].split("\n### ")[0]
     blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
@@ -87,6 +88,9 @@ def test_the_priors_from_your_own_code_are_followed_as_written_and_train(tmp_pat
     for i, line in enumerate(commands.splitlines()):
         command = shlex.split(line.removeprefix("PYTHONPATH=. "))
         assert command[:2] == ["python", "experiments/run_svi.py"], line
+        if not line.startswith("PYTHONPATH=. "):  # a registered prior: its configuration resolves (the prior built)
+            resolve(run_svi.config(command[2:])[0])
+            continue
         assert run_svi.main([*command[2:], *TINY, "--out", f"runs/{i}"]) == 0, line
         assert (tmp_path / "runs" / str(i) / "eval.json").is_file()
         said = capsys.readouterr()
