@@ -44,7 +44,7 @@ DATASET_DEFAULTS["imagefolder"] = dict(DATASET_DEFAULTS["in100"], proj_hidden=20
 
 # What a step of a GPU recipe costs on a CPU, measured on 2 idle CPU cores in float32: seconds per training image (its
 # two views, forward and backward). ResNet-18 with CIFAR's stem at 32 px: 2.4-2.6 s for 32 images (README.md, "Training
-# on ImageNet-100 and other data"); with ImageNet's stem at 224 px: 2.5 images/s (issue 53). Other recipes are CPU ones.
+# on ImageNet-100 and other data"); with ImageNet's stem at 224 px: 2.5 images/s. Other recipes are CPU ones.
 CPU_SECONDS_PER_IMAGE = {"cifar10": 0.075, "cifar100": 0.075, "in100": 0.4, "imagefolder": 0.4}
 # A recipe for a CPU on such data: the small CNN at 32 px, as the README's CIFAR-on-a-CPU example
 CPU_RECIPE_FLAGS = "--encoder cnn --image-size 32 --optimizer sgd --lr 0.1 --eval-protocol fast"

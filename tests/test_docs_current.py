@@ -1,4 +1,4 @@
-"""The README and docs/RESULTS.md say what the code does today (issue 53, items 1 and 12)."""
+"""The README and docs/RESULTS.md say what the code does today."""
 
 import json
 import re

@@ -325,7 +325,7 @@ def test_a_run_that_wrote_no_checkpoint_blocks_nothing(tmp_path, caplog):
     ([*TINY_RUN, "--batch-size", "100000"], "is larger than the training set"),
 ])
 def test_a_refused_run_leaves_no_claimed_folder(tmp_path, monkeypatch, capsys, flags, message):
-    """Issue 53, item 7: a run refused while it set up left its marker and run.lock in a folder of its own, which the
+    """a run refused while it set up left its marker and run.lock in a folder of its own, which the
     corrected command then met; a folder that held a run before keeps it."""
     monkeypatch.chdir(tmp_path)
     assert run_svi.main([*flags, "--out", "runs/new"]) == 2

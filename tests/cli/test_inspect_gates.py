@@ -99,7 +99,7 @@ def test_the_summarys_mostly_gated_counts_come_from_one_split():
 
 
 def test_the_conflict_figures_log_axis_reads_as_text_and_no_panel_is_squeezed():
-    """Issue 53, item 3: the log axis printed raw mathtext (the module sets text.parse_math off), whose width pushed
+    """the log axis printed raw mathtext (the module sets text.parse_math off), whose width pushed
     the middle panel away from the first."""
     rng = np.random.default_rng(0)
 
@@ -121,7 +121,7 @@ def test_the_conflict_figures_log_axis_reads_as_text_and_no_panel_is_squeezed():
 
 
 def test_a_baseline_of_another_length_or_without_conflict_is_said(tmp_path, bayes_run, ncl_run):
-    """Issue 53, item 4: the summary compared runs of different lengths without a word, and silently left out a
+    """the summary compared runs of different lengths without a word, and silently left out a
     baseline with one conflict record."""
     import json
     import shutil

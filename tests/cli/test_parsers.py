@@ -1,5 +1,4 @@
-"""Every script's command line: whole flag names only, and a typo is one line naming the flag meant (issue 53, item
-8)."""
+"""Every script's command line: whole flag names only, and a typo is one line naming the flag meant."""
 
 import pytest
 

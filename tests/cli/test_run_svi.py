@@ -125,7 +125,7 @@ def test_the_next_commands_name_the_interpreter_and_the_pythonpath_of_user_code(
 
 
 def test_help_lists_each_recipes_values():
-    """Issue 53, item 2: --help said "default: dataset" with no values, and left imagefolder out."""
+    """--help said "default: dataset" with no values, and left imagefolder out."""
     text = run_svi.parser().format_help()
     assert "default: dataset)" not in text
     assert "imagefolder: 224 px, resnet18, K=256, batch 128, lars lr 0.3, 100 epochs" in text
@@ -158,7 +158,7 @@ def _commands(text: str) -> list[list[str]]:
 
 
 def test_the_ncl_command_of_a_run_with_a_prior_of_your_own_carries_no_prior(monkeypatch, tmp_path):
-    """Issue 53, item 5: the NCL baseline's command carried --prior module:Class --prior-arg ..., so that the baseline
+    """the NCL baseline's command carried --prior module:Class --prior-arg ..., so that the baseline
     recorded a prior it never builds and needed PYTHONPATH and --trust-run to be opened."""
     from bayesncl_pyro.config import Config, with_recipe, without_gates
     from bayesncl_pyro.rundir import code_references
@@ -179,7 +179,7 @@ def test_the_ncl_command_of_a_run_with_a_prior_of_your_own_carries_no_prior(monk
 
 
 def test_the_next_commands_run_from_any_folder(monkeypatch, tmp_path):
-    """Issue 53, item 10: the commands named the run folders relative to the folder the run was started in."""
+    """the commands named the run folders relative to the folder the run was started in."""
     from bayesncl_pyro.config import Config, with_recipe
 
     monkeypatch.chdir(tmp_path)

@@ -172,7 +172,7 @@ def test_topk_per_k_and_gates_per_density_in_one_table_and_ncl_reused_at_another
 
 
 def test_compare_defaults_to_run_svis_dataset_and_takes_lists_either_way(capsys):
-    """Issue 53, item 9: compare.py defaulted to cifar10 where run_svi.py trains the compositional benchmark; --seeds
+    """compare.py defaulted to cifar10 where run_svi.py trains the compositional benchmark; --seeds
     took spaces and --methods commas, each refusing the other's."""
     from bayesncl_pyro.cli import run_svi
 
@@ -190,7 +190,7 @@ def test_compare_defaults_to_run_svis_dataset_and_takes_lists_either_way(capsys)
 
 
 def test_the_summary_says_which_limit_stopped_training():
-    """Issue 53, item 9: "training stopped after 20 steps" where the epochs ended the runs at 10."""
+    """"training stopped after 20 steps" where the epochs ended the runs at 10."""
     assert compare.steps_note({"max_steps": 20, "epochs": 1, "batch_size": 64}, 640, "digits") == (
         "training ran its 10 steps (1 epoch of 10); --max-steps 20 stopped nothing")
     assert compare.steps_note({"max_steps": 2, "epochs": 1, "batch_size": 64}, 640, "digits").startswith(

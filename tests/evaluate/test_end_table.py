@@ -1,4 +1,4 @@
-"""The end-of-run table: one row a metric, one column a representation (issue 53, item 6: about 60 rows, the
+"""The end-of-run table: one row a metric, one column a representation (it was about 60 rows, the
 controls' rows under the "gated" column)."""
 
 import json

@@ -292,7 +292,7 @@ def test_an_imagenet100_sized_report_opens_and_scrolls(imagenet100_sized, tab):
 
 
 def test_a_baseline_of_another_length_is_said_on_the_page():
-    """Issue 53, item 4: a 225-step BayesNCL was shown beside a 20-step NCL without a word."""
+    """a 225-step BayesNCL was shown beside a 20-step NCL without a word."""
     feats = bench_report.stand_in(200, 16, 4)
     run, base = bench_report.stand_in_run(16), bench_report.stand_in_run(16)
     base.update(method="ncl")

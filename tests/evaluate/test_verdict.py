@@ -1,5 +1,5 @@
 """The default run's closing sentence: this run's figures beside the shipped ten-seed result, the same words whatever
-this run's noise (issue 53, item 1)."""
+this run's noise."""
 
 import copy
 import fnmatch

@@ -115,7 +115,7 @@ def test_impossible_configs_are_rejected(tmp_path, bad, match):
 def test_batch_larger_than_the_data_is_rejected_and_leaves_nothing_that_blocks_the_corrected_run(tmp_path):
     with pytest.raises(UserError, match="larger than the training set"):
         Trainer(tiny(tmp_path, batch_size=5000), progress=False)
-    assert not (tmp_path / "run").exists()  # the refused run undid its claim (issue 53, item 7): no folder at all
+    assert not (tmp_path / "run").exists()  # the refused run undid its claim: no folder at all
     assert Trainer(tiny(tmp_path), progress=False).step == 0  # the corrected command is not "another configuration"
 
 
