@@ -1,6 +1,8 @@
 import gc
 import os
 import shutil
+import sys
+import textwrap
 from pathlib import Path
 
 import pyro
@@ -128,3 +130,23 @@ def stopped(tmp_path_factory) -> Path:
 def unfinished(stopped, tmp_path) -> Path:
     """A copy of the stopped run, for a test to resume."""
     return shutil.copytree(stopped, tmp_path / "run")
+
+
+# the run folder tests' code named by a run's config (test_run_folder_safety.py, test_run_folder_second_layer.py)
+@pytest.fixture
+def gadget_module(tmp_path, monkeypatch) -> Path:
+    """A module ``run_gadget`` on sys.path that writes ``imported`` when imported; ``small`` builds a small CNN, the
+    trained run's backbone, so a trusted load gets its weights."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "run_gadget.py").write_text(textwrap.dedent(f'''
+        from pathlib import Path
+        Path({str(tmp_path / "imported")!r}).touch()
+        from bayesncl_pyro.nn.encoders import SmallCNN
+
+        def small(in_channels):
+            return SmallCNN(in_channels)
+    '''))
+    monkeypatch.syspath_prepend(str(code))
+    monkeypatch.delitem(sys.modules, "run_gadget", raising=False)
+    return tmp_path / "imported"

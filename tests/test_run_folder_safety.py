@@ -8,14 +8,13 @@ import pickle
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, fast, make_tree, write_image
+from helpers import TINY_RUN, fast, make_tree, write_cifar_pickles, write_image
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import export as export_script
@@ -68,27 +67,8 @@ def _forged(trained: Path, folder: Path, **config) -> Path:
     return folder
 
 
-@pytest.fixture
-def gadget_module(tmp_path, monkeypatch) -> Path:
-    """A module ``t30_gadget`` on sys.path that writes ``imported`` when imported; ``small`` builds the trained run's
-    backbone, so a trusted load gets its weights."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "t30_gadget.py").write_text(textwrap.dedent(f'''
-        from pathlib import Path
-        Path({str(tmp_path / "imported")!r}).touch()
-        from bayesncl_pyro.nn.encoders import SmallCNN
-
-        def small(in_channels):
-            return SmallCNN(in_channels)
-    '''))
-    monkeypatch.syspath_prepend(str(code))
-    monkeypatch.delitem(sys.modules, "t30_gadget", raising=False)
-    return tmp_path / "imported"
-
-
-@pytest.mark.parametrize("field, spec", [("encoder", "t30_gadget:small"), ("encoder", "this:s"),
-                                         ("prior", "t30_gadget:Prior"),
+@pytest.mark.parametrize("field, spec", [("encoder", "run_gadget:small"), ("encoder", "this:s"),
+                                         ("prior", "run_gadget:Prior"),
                                          ("prior", "timm:Prior")])  # timm: is an encoder's form, a prior's no
 def test_code_a_run_names_is_refused_by_every_reader_unless_trusted(trained, tmp_path, gadget_module, capsys,
                                                                     monkeypatch, field, spec):
@@ -107,10 +87,10 @@ def test_code_a_run_names_is_refused_by_every_reader_unless_trusted(trained, tmp
 
 
 def test_trusting_a_run_names_what_it_imports_and_loads_it(trained, tmp_path, gadget_module, caplog):
-    run = _forged(trained, tmp_path / "theirs", encoder="t30_gadget:small")
+    run = _forged(trained, tmp_path / "theirs", encoder="run_gadget:small")
     loaded = load_run(run, trust_code=True)
     assert gadget_module.exists()  # the module ran: trusted
-    assert f"note: trusting {run / 'checkpoint.pt'}: importing its encoder t30_gadget:small (module t30_gadget)" \
+    assert f"note: trusting {run / 'checkpoint.pt'}: importing its encoder run_gadget:small (module run_gadget)" \
         in caplog.messages
     torch.testing.assert_close(loaded.learner.state_dict(), load_run(trained).learner.state_dict())
 
@@ -140,8 +120,6 @@ def test_a_data_folder_inside_the_run_is_not_read(trained, tmp_path, monkeypatch
 
 
 def test_cifar_batches_are_read_with_a_restricted_unpickler(tmp_path, monkeypatch):
-    from test_data import write_cifar_pickles
-
     folder = write_cifar_pickles(tmp_path / "good", "cifar10")
     assert len(load_dataset("cifar10", folder).train) == 20  # the arrays and lists CIFAR holds still load
     monkeypatch.chdir(tmp_path)
@@ -164,8 +142,6 @@ def test_cifar_batches_are_read_with_a_restricted_unpickler(tmp_path, monkeypatc
 ])
 def test_cifar_pickles_that_are_not_cifar_are_one_line_before_training(tmp_path, change, message):
     """Missing keys, short rows, labels out of range (which failed at the evaluation, after the whole training)."""
-    from test_data import write_cifar_pickles
-
     folder = write_cifar_pickles(tmp_path, "cifar10")
     meta, batch = (pickle.loads((folder / name).read_bytes()) for name in ("batches.meta", "data_batch_2"))
     change(meta, batch)
@@ -176,8 +152,6 @@ def test_cifar_pickles_that_are_not_cifar_are_one_line_before_training(tmp_path,
 
 
 def test_cifar_class_names_may_be_text(tmp_path):
-    from test_data import write_cifar_pickles
-
     folder = write_cifar_pickles(tmp_path, "cifar10")
     (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}" for i in range(10)]}))
     assert load_dataset("cifar10", folder).classes[:2] == ["c0", "c1"]

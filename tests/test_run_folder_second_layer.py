@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import textwrap
 import tracemalloc
 from pathlib import Path
 
@@ -145,25 +144,7 @@ def test_inspect_writes_nothing_through_an_inspect_folder_swapped_for_a_link_whi
     assert not list(elsewhere.iterdir()) and not list((tmp_path / "moved").iterdir())
 
 
-@pytest.fixture
-def gadget_module(tmp_path, monkeypatch) -> Path:
-    """A module ``t52_gadget`` on sys.path that writes ``imported`` when imported; ``small`` builds a small CNN."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "t52_gadget.py").write_text(textwrap.dedent(f'''
-        from pathlib import Path
-        Path({str(tmp_path / "imported")!r}).touch()
-        from bayesncl_pyro.nn.encoders import SmallCNN
-
-        def small(in_channels):
-            return SmallCNN(in_channels)
-    '''))
-    monkeypatch.syspath_prepend(str(code))
-    monkeypatch.delitem(sys.modules, "t52_gadget", raising=False)
-    return tmp_path / "imported"
-
-
-@pytest.mark.parametrize("field, spec", [("encoder", "t52_gadget:small"), ("prior", "t52_gadget:Prior")])
+@pytest.mark.parametrize("field, spec", [("encoder", "run_gadget:small"), ("prior", "run_gadget:Prior")])
 def test_a_config_from_a_run_folder_imports_no_code_unless_trusted(bayes_run, tmp_path, gadget_module, capsys, field,
                                                                    spec):
     """--config RUN/config.json (the README's way to rerun a run) ran the code its config named: "os:abort" aborted,
@@ -175,7 +156,7 @@ def test_a_config_from_a_run_folder_imports_no_code_unless_trusted(bayes_run, tm
     assert run_svi.main(args) == 2
     assert _one_error_line(capsys.readouterr().err) == (
         f"error: {run / 'config.json'} names code that opening it would import and run: {field} {spec} (module "
-        "t52_gadget); open it with --trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
+        "run_gadget); open it with --trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
     assert not gadget_module.exists() and not (tmp_path / "mine").exists()
     # trusted, or the same file outside a run folder (the user's own), or the code named on the command line: taken
     mine = shutil.copy(run / "config.json", tmp_path / "mine.json")

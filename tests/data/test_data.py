@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_tree, write_image
+from helpers import make_tree, write_cifar_pickles, write_image
 from PIL import Image
 
 from bayesncl_pyro.data import DATASETS, imagenet100_classes, load_dataset
@@ -147,31 +147,6 @@ def test_bad_image_raises_or_is_skipped(tmp_path, damage):
 
 
 # ---------------------------------------------------------------------------------------------- CIFAR
-
-
-def write_cifar_pickles(root: Path, name: str, rows: int = 4) -> Path:
-    """A few rows of the official python-version CIFAR files (Python 2 style byte-string keys)."""
-    rng = np.random.default_rng(0)
-
-    def dump(path, obj):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(pickle.dumps(obj))
-
-    def batch(label_key, num_classes):
-        return {b"data": rng.integers(0, 256, (rows, 3072), dtype=np.uint8),
-                label_key: [int(y) for y in rng.integers(0, num_classes, rows)]}
-
-    if name == "cifar10":
-        folder = root / "cifar-10-batches-py"
-        for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            dump(folder / f, batch(b"labels", 10))
-        dump(folder / "batches.meta", {b"label_names": [f"c{i}".encode() for i in range(10)]})
-    else:
-        folder = root / "cifar-100-python"
-        for f in ("train", "test"):
-            dump(folder / f, {**batch(b"fine_labels", 100), b"coarse_labels": [0] * rows})
-        dump(folder / "meta", {b"fine_label_names": [f"f{i}".encode() for i in range(100)]})
-    return folder
 
 
 @pytest.mark.parametrize("name, train_rows, classes", [("cifar10", 20, 10), ("cifar100", 4, 100)])
