@@ -38,3 +38,21 @@ def test_the_readme_shows_the_spread_of_the_first_run_not_one_draw():
     assert "OMP_NUM_THREADS=1" in setup and "OMP_NUM_THREADS=2" in setup
     c = summary["semantic_consistency"]
     assert f"{c['mean']:.3f} ± {c['sd']:.3f}" in setup
+
+
+def test_the_readme_is_a_landing_page_under_250_lines():
+    """What it leaves out lives on the site's pages (docs/), which the README links."""
+    assert len(README.splitlines()) < 250
+
+
+def test_the_fixed_rate_prior_on_the_own_code_page_builds_a_head(monkeypatch):
+    import torch
+
+    from bayesncl_pyro import BayesNCLHead
+
+    page = (ROOT / "docs" / "own_code.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", page, re.S) if "class HalfOpen" in c]
+    namespace: dict = {}
+    exec(compile(code, "docs/own_code.md", "exec"), namespace)
+    head = BayesNCLHead(6, 8, 16, num_train=100, prior=namespace["HalfOpen"](8, 0.8, scale=0.25))
+    torch.testing.assert_close(head.model.prior.rate(), torch.tensor([0.8] * 4 + [0.2] * 4))
