@@ -112,6 +112,8 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
                         "leave make_guide() out for the default guide (Pyro's AutoNormal)")
     if guide is not None:
         _check_guide_shapes(name, model_trace, guide_trace)
+    if prior.row_latents:
+        _check_amortized(name, prior, in_dim)
     gates = model_trace.nodes["_RETURN"]["value"]
     if not isinstance(gates, torch.distributions.Distribution) or (gates.batch_shape, gates.event_shape) != ((rows,),
                                                                                                            (k,)):
@@ -120,6 +122,26 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
         raise UserError(f"{name}({rows}) returned {what}; it must return the distribution of {rows} rows' gates, "
                         f"batch shape ({rows},) and event shape ({k},)")
     return guide
+
+
+def _check_amortized(name: str, prior: "Prior", in_dim: int, images: int = 7919):
+    """Refuse a guide of per-image latents that keeps parameters per image.
+
+    Training hands the program each batch's rows, not their indices in the data set (the images plate subsamples
+    ``arange(B)``), so such a guide would train its first B images' parameters on every batch. The probe: the guide run
+    on a plate of ``images`` (a prime no width is likely to equal) holding one image; a parameter with a dimension of
+    that size is per image.
+    """
+    with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
+        guide = prior.make_guide(in_dim)
+        plate = pyro.plate("images", images, subsample=torch.arange(1))
+        poutine.trace(guide).get_trace(torch.zeros(1, in_dim), plate)
+        shapes = [p.shape for p in guide.parameters()] + [p.shape for p in pyro.get_param_store().values()]
+    if any(images in shape for shape in shapes):
+        raise UserError(f"{name}'s guide keeps a parameter per image: training passes each batch's rows but not their "
+                        "indices in the data set, so it would train the first images' parameters on every batch; "
+                        "amortise it, its distribution a function of the images' backbone features h (as per-image's "
+                        "AmortizedBetaGuide is)")
 
 
 def describe(fn: torch.distributions.Distribution) -> str:

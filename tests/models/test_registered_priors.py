@@ -195,6 +195,28 @@ def test_a_prior_with_row_latents_is_checked_with_its_amortized_guide():
         BayesNCLHead(6, 8, 16, num_train=100, prior=_MisnamedPerImage(8, 0.8))
 
 
+class _PerImageLocs(PyroModule):
+    """A guide of per-image latents with a parameter per image, indexed by the plate's subsample."""
+
+    def forward(self, h, plate):
+        logit = pyro.param("image_logit", lambda: torch.zeros(plate.size))
+        with plate as index:
+            return pyro.sample("image_rate", dist.Beta(10 * logit[index].sigmoid() + 1, 2.0))
+
+
+class _PerImageByIndex(PerImagePrior):
+    def make_guide(self, in_dim):
+        return _PerImageLocs()
+
+
+def test_a_guide_with_a_parameter_per_image_is_refused():
+    """Training subsamples the images plate as arange(B): such a guide would train its first B images' parameters."""
+    with pytest.raises(UserError, match="_PerImageByIndex's guide keeps a parameter per image: training passes each "
+                                        "batch's rows but not their indices"):
+        BayesNCLHead(6, 8, 16, num_train=100, prior=_PerImageByIndex(8, 0.8))
+    BayesNCLHead(6, 8, 16, num_train=100, prior=PerImagePrior(8, 0.8))  # amortised: built
+
+
 @pytest.mark.parametrize("prior, site, dims", [("ibp", "stick", ("chain", "draw", "feature")),
                                               ("logit-normal", "logit_rate", ("chain", "draw", "feature")),
                                               ("per-image", "image_rate", ("chain", "draw", "item"))])
