@@ -258,16 +258,31 @@ rate of its live dims, each interpolated with NCL as a point of the curve and on
 measures can put it at different points of the curve."""
 
 BASELINES = {**{b: label for b, (_, _, label) in TOPK_BASELINES.items()}, **{c: f"{c} (control)" for c in CONTROLS},
-             "ungated": "ungated (same model)", "ncl": "NCL (same seed)"}
-"""What a gated run is compared with, seed by seed (:func:`baseline_value`)."""
+             "ungated": "ungated (same model)", "ncl": "NCL (same seed)",
+             "bernoulli": "the bernoulli prior (same seed, gate and settings)"}
+"""What a gated run is compared with, seed by seed (:func:`baseline_value`). ``bernoulli``: a run of another prior
+against the same method at the default prior, for "does the form of the prior change what the gates select?"."""
 
 
-def baseline_value(run: dict, baseline: str, key: str, ncl: dict) -> float | None:
+def default_prior_name(run: dict) -> str | None:
+    """The name of ``run``'s method with the same settings at the ``bernoulli`` prior; None if it is that already.
+
+    compare.py names a run of another prior ``<method>+<prior><settings>`` (``bayesncl-ste+ibp-d0.3``), its family
+    ``<method>+<prior>``.
+    """
+    _, plus, prior = run["family"].partition("+")
+    return run["name"].replace(f"+{prior}", "", 1) if plus and run["family"].startswith("bayesncl") else None
+
+
+def baseline_value(run: dict, baseline: str, key: str, ncl: dict, default: dict | None = None) -> float | None:
     """A baseline's value on one metric for a run, or None.
 
-    ``baseline``: a key of :data:`BASELINES`; ``ncl``: seed -> the NCL run of that seed. None where the run has no such
-    baseline.
+    ``baseline``: a key of :data:`BASELINES`; ``ncl``: seed -> the NCL run of that seed; ``default``: (seed, name) ->
+    the gated runs at the default prior. None where the run has no such baseline.
     """
+    if baseline == "bernoulli":
+        other = (default or {}).get((run.get("seed"), default_prior_name(run)))
+        return None if other is None else other.get(key)
     if baseline in TOPK_BASELINES:
         measure, ending, _ = TOPK_BASELINES[baseline]
         return run.get(f"topk_{key}_at_{measure}{ending}")
@@ -287,12 +302,14 @@ def paired(runs: list[dict], metrics: dict = METRICS, baselines: dict = BASELINE
     family of one table). ``runs``: as :func:`topk_at_rate` returns them (the TopK of each run's own seed).
     """
     ncl = {r.get("seed"): r for r in runs if r["family"] == "ncl"}
+    default = {(r.get("seed"), r["name"]): r for r in runs
+               if r["family"].startswith("bayesncl") and default_prior_name(r) is None}
     rows = []
     for name in dict.fromkeys(r["name"] for r in runs if r["family"].startswith("bayesncl")):
         mine = [r for r in runs if r["name"] == name]
         for baseline, key in itertools.product(baselines, metrics):
             pairs = [(r["seed"], r[key] - v) for r in mine
-                     if key in r and (v := baseline_value(r, baseline, key, ncl)) is not None]
+                     if key in r and (v := baseline_value(r, baseline, key, ncl, default)) is not None]
             if pairs:
                 rows.append(dict(method=name, baseline=BASELINES[baseline], metric=key, seeds=[s for s, _ in pairs],
                                  differences=[d for _, d in pairs], **interval([d for _, d in pairs])))
@@ -373,8 +390,9 @@ def paired_figure(rows: list[dict]):
     return fig
 
 
-MECHANISM_BASELINES = {b: BASELINES[b] for b in (*TOPK_BASELINES, "ncl")}
-"""The baselines :data:`MECHANISM` is paired against: trained TopK (each of its four matchings) and NCL."""
+MECHANISM_BASELINES = {b: BASELINES[b] for b in (*TOPK_BASELINES, "ncl", "bernoulli")}
+"""The baselines :data:`MECHANISM` is paired against: trained TopK (each of its four matchings), NCL, and for another
+prior the default one."""
 
 LABELS = {**METRICS, **MECHANISM}
 """Every metric a paired row can be on, by its eval key: what the tables and the figure call it."""

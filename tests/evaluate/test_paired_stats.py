@@ -141,3 +141,17 @@ def test_a_recorded_comparison_is_rebuilt_from_its_records_without_data_or_train
     assert "TOST p" in (tmp_path / "comparison-d0.3.md").read_text()
     assert compare.main(["--rebuild", str(tmp_path / "nothing.json")]) == 2
     assert "--rebuild takes a comparison's json" in capsys.readouterr().err
+
+
+def test_a_run_of_another_prior_is_paired_with_the_same_seeds_run_at_the_bernoulli_prior():
+    """"Does the form of the prior change what the gates select?": each seed's ibp run minus its bernoulli run of the
+    same method and settings; the bernoulli runs themselves get no such row, and a seed without one is left out."""
+    runs = [dict(name="bayesncl-ste-d0.3", family="bayesncl-ste", seed=s, semantic_consistency=0.20,
+                 semantic_consistency_topn=0.40) for s in (0, 1)]
+    runs += [dict(name="bayesncl-ste+logit-normal-d0.3", family="bayesncl-ste+logit-normal", seed=s,
+                  semantic_consistency=0.20 + 0.01 * (s + 1), semantic_consistency_topn=0.40) for s in (0, 1, 2)]
+    rows = [r for r in paired(runs) if r["baseline"] == BASELINES["bernoulli"]]
+    assert {(r["method"], r["metric"]) for r in rows} == {("bayesncl-ste+logit-normal-d0.3", m)
+                                                          for m in ("semantic_consistency", "semantic_consistency_topn")}
+    cons = next(r for r in rows if r["metric"] == "semantic_consistency")
+    assert cons["seeds"] == [0, 1] and cons["differences"] == pytest.approx([0.01, 0.02])
