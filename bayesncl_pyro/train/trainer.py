@@ -276,7 +276,9 @@ class Trainer:
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
-        missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"))
+        head = self.learner.head
+        missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"),
+                           learns_rates=bool(head.prior_parameters()) or set(head.kl_kind) != {"g"})
         if missed:
             logger.warning(missed)
         self._report_skipped()

@@ -151,7 +151,8 @@ def test_a_run_of_another_prior_is_paired_with_the_same_seeds_run_at_the_bernoul
     runs += [dict(name="bayesncl-ste+logit-normal-d0.3", family="bayesncl-ste+logit-normal", seed=s,
                   semantic_consistency=0.20 + 0.01 * (s + 1), semantic_consistency_topn=0.40) for s in (0, 1, 2)]
     rows = [r for r in paired(runs) if r["baseline"] == BASELINES["bernoulli"]]
-    assert {(r["method"], r["metric"]) for r in rows} == {("bayesncl-ste+logit-normal-d0.3", m)
-                                                          for m in ("semantic_consistency", "semantic_consistency_topn")}
+    method = "bayesncl-ste+logit-normal-d0.3"
+    assert {(r["method"], r["metric"]) for r in rows} == {(method, "semantic_consistency"),
+                                                          (method, "semantic_consistency_topn")}
     cons = next(r for r in rows if r["metric"] == "semantic_consistency")
     assert cons["seeds"] == [0, 1] and cons["differences"] == pytest.approx([0.01, 0.02])

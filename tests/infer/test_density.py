@@ -152,6 +152,15 @@ def test_a_run_that_ends_away_from_its_density_says_why_and_the_fix(density, pri
         assert says in line
 
 
+def test_a_prior_that_learns_its_rates_is_named_as_the_cause_not_too_few_steps():
+    """--prior ibp at D = 0.3 ended with 72 % of the gates open and lambda at 5: more steps would not have helped."""
+    line = shortfall(0.3, 0.2, 0.72, learns_rates=True)
+    assert "the prior learns its rates, which follow the gates' posterior" in line
+    assert "use a prior of fixed rates (bernoulli) with --gate-density" in line and "more steps" not in line
+    # the side the KL cannot reach is still said as such
+    assert "whose KL opens gates" in shortfall(0.81, 0.2, 0.40, learns_rates=True)
+
+
 def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, caplog):
     trainer = Trainer(tiny(tmp_path, gate_density=0.9, max_steps=2), progress=False)  # rho 0.2 cannot open gates
     trainer.train(2)
