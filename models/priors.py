@@ -112,7 +112,7 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
                         "leave make_guide() out for the default guide (Pyro's AutoNormal)")
     if guide is not None:
         _check_guide_shapes(name, model_trace, guide_trace)
-    if prior.row_latents:
+    if prior.row_latents and guide is not None:
         _check_amortized(name, prior, in_dim)
     gates = model_trace.nodes["_RETURN"]["value"]
     if not isinstance(gates, torch.distributions.Distribution) or (gates.batch_shape, gates.event_shape) != ((rows,),
@@ -130,7 +130,9 @@ def _check_amortized(name: str, prior: "Prior", in_dim: int, images: int = 7919)
     Training hands the program each batch's rows, not their indices in the data set (the images plate subsamples
     ``arange(B)``), so such a guide would train its first B images' parameters on every batch. The probe: the guide run
     on a plate of ``images`` (a prime no width is likely to equal) holding one image; a parameter with a dimension of
-    that size is per image.
+    that size is per image. It catches a guide that sizes its parameters by the plate it is given (``plate.size``), as
+    Pyro's autoguides do; one sized by a number of its own cannot be told from an amortised one, which is why the
+    contract asks for an amortised guide.
     """
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
         guide = prior.make_guide(in_dim)
@@ -465,10 +467,10 @@ class StickBreakingPrior(Prior):
     would be the prior's, not the data's. With the hyperprior (``shape``: 2 by default, a coefficient of variation
     of 0.71) alpha, and with it the speed of the decay, has a posterior of its own. The sticks and alpha are global
     latents ("stick", "alpha") with the default guide, Pyro's ``AutoNormal``: a log-normal alpha and a logit-normal
-    per stick, started at the prior's medians; the rates are the sticks' running products. A Beta q per stick has an
-    analytic KL but not a stable gradient: gates that want every rate near 1 grew its first stick's a twofold a step
-    until Beta's reparameterised gradient was NaN (step 36 of a compositional run at ``--gate-density 0.3``), where a
-    logit's location moves linearly and its sigmoid saturates.
+    per stick, their locations started at the prior's medians and their scales at AutoNormal's 0.1; the rates are the
+    sticks' running products. A Beta q per stick has an analytic KL but not a stable gradient: gates that want every
+    rate near 1 grew its first stick's a twofold a step until Beta's reparameterised gradient was NaN (step 36 of a
+    compositional run at ``--gate-density 0.3``), where a logit's location moves linearly and its sigmoid saturates.
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, shape: float = 2.0):
@@ -496,7 +498,7 @@ class StickBreakingPrior(Prior):
         Gauss-Hermite; under the prior, E_alpha[(alpha / (alpha + 1))^k], by Gauss-Laguerre over alpha. A guide of the
         user's own: the mean over ``num_draws`` draws (:meth:`Prior.mean_rate`).
         """
-        if isinstance(guide, AutoNormal):  # the default guide: a logit-normal per stick
+        if isinstance(guide, AutoNormal) and hasattr(guide, "locs"):  # the default guide, set up: logit-normal sticks
             return _mean_sigmoid(guide.locs.stick, guide.scales.stick).cumprod(-1)
         if guide is not None:
             return super().mean_rate(guide, num_draws)

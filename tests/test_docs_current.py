@@ -45,7 +45,7 @@ def test_the_readme_is_a_landing_page_under_250_lines():
     assert len(README.splitlines()) < 250
 
 
-def test_the_fixed_rate_prior_on_the_own_code_page_builds_a_head(monkeypatch):
+def test_the_fixed_rate_prior_on_the_own_code_page_builds_a_head():
     import torch
 
     from bayesncl_pyro import BayesNCLHead

@@ -276,9 +276,9 @@ class Trainer:
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
-        head = self.learner.head
+        head = self.learner.head  # a prior learns its rates if it has parameters or latents of its own
         missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"),
-                           learns_rates=bool(head.prior_parameters()) or set(head.kl_kind) != {"g"})
+                           learns_rates=head.gated and (bool(head.prior_parameters()) or set(head.kl_kind) != {"g"}))
         if missed:
             logger.warning(missed)
         self._report_skipped()

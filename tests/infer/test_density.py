@@ -152,13 +152,14 @@ def test_a_run_that_ends_away_from_its_density_says_why_and_the_fix(density, pri
         assert says in line
 
 
-def test_a_prior_that_learns_its_rates_is_named_as_the_cause_not_too_few_steps():
-    """--prior ibp at D = 0.3 ended with 72 % of the gates open and lambda at 5: more steps would not have helped."""
-    line = shortfall(0.3, 0.2, 0.72, learns_rates=True)
-    assert "the prior learns its rates, which follow the gates' posterior" in line
-    assert "use a prior of fixed rates (bernoulli) with --gate-density" in line and "more steps" not in line
-    # the side the KL cannot reach is still said as such
-    assert "whose KL opens gates" in shortfall(0.81, 0.2, 0.40, learns_rates=True)
+def test_a_prior_that_learns_its_rates_is_named_as_the_cause_on_either_side():
+    """--prior ibp at D = 0.3 ended with 71 % of the test gates open (seed 0, lambda 38) or 16 % (seed 1): neither
+    "train for more steps" nor "lambda fell towards 0" holds for rates that move with q."""
+    for share in (0.71, 0.16):
+        line = shortfall(0.3, 0.2, share, learns_rates=True)
+        assert "the prior learns its rates, which move with the gates' posterior" in line
+        assert "use a prior of fixed rates (bernoulli) with --gate-density" in line
+        assert "more steps" not in line and "fell towards 0" not in line
 
 
 def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, caplog):

@@ -80,6 +80,7 @@ def test_ibp_sticks_pulled_towards_one_stay_finite():
 def test_ibp_mean_rate_under_q_is_the_mean_of_the_sticks_running_products():
     prior = build_prior("ibp", 16, 0.8)
     guide = prior.make_guide()
+    assert prior.mean_rate(prior.make_guide(), num_draws=8).shape == (16,)  # a guide not yet run: by draws
     guide()  # an autoguide's parameters exist from its first call
     with torch.no_grad():
         guide.locs.stick = torch.linspace(0.5, 4.0, 16)
