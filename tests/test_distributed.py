@@ -322,7 +322,7 @@ def test_two_nodes_on_localhost_train_exactly_as_one(reference, tmp_path, rendez
     assert_same_params(state(out)["learner"], reference["params"])
 
 
-@pytest.mark.slow  # one torchrun fault sequence (SIGUSR1, below) runs by default
+@pytest.mark.slow  # torchrun's fault sequences run once, in CI's slow tests (34 s each with the reference run)
 def test_a_worker_killed_mid_epoch_is_restarted_and_resumes_exactly(reference, tmp_path):
     """torchrun --max-restarts 1: SIGKILL of rank 1 after step 6 (checkpoints every 4 steps); torchrun stops
     rank 0, starts both again, they resume from the last checkpoint and end with the uninterrupted run's
@@ -339,6 +339,7 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_resumes_exactly(reference, t
     assert_same_params(state(out)["learner"], reference["params"])
 
 
+@pytest.mark.slow
 def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_and_the_rerun_resumes_exactly(reference, tmp_path):
     """The pre-emption warning reaches rank 1 only: both ranks stop at the same step, rank 0 saves there, each
     says so and exits 75 (requeue me); the same command resumes and ends with the uninterrupted run's weights."""

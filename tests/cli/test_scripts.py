@@ -38,7 +38,9 @@ def test_every_script_is_smoke_tested():
     assert sorted(p.name for p in EXPERIMENTS.glob("*.py")) == sorted(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", sorted(s for s, args in SCRIPTS.items() if args))
+# bench_step.py's smoke run (10 s) is slow: test_bench_step_compares_workers_and_device_augmentation_on_jpegs runs it
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s == "bench_step.py" else s
+                                    for s in sorted(s for s, args in SCRIPTS.items() if args)])
 def test_script_runs(script, tmp_path, bayes_run):
     proc = run(script, *SCRIPTS[script](tmp_path, str(bayes_run)))
     assert proc.returncode == 0, proc.stderr
