@@ -211,7 +211,7 @@ def read_records(path: Path) -> list[dict]:
     """
     if not os.path.lexists(path):
         return []
-    records, bad = [], []
+    records, bad, first_bad = [], 0, None
     with open_file(path, TEXT_LIMIT) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -221,14 +221,14 @@ def read_records(path: Path) -> list[dict]:
             except (ValueError, RecursionError):
                 record = None
             if not (isinstance(record, dict) and type(record.get("step")) is int):
-                bad.append(number)
+                bad, first_bad = bad + 1, first_bad or number  # a count: a file of bad lines costs no memory
             elif len(records) < MAX_RECORDS:
                 records.append(record)
             else:
                 raise UserError(f"{path} holds more than {MAX_RECORDS:,} records, more than a run writes (one every "
                                 "--log-every steps); it is not what a run writes: move it away")
     if bad:
-        logger.warning(f"note: {path}: {len(bad)} line(s) are not records of a run (the first: line {bad[0]}; a run "
+        logger.warning(f"note: {path}: {bad} line(s) are not records of a run (the first: line {first_bad}; a run "
                        "killed while writing one leaves it cut short); they are left out")
     return records
 

@@ -355,6 +355,20 @@ def test_a_log_of_tiny_records_is_read_in_bounded_memory(tmp_path):
     assert len(records) == 100_000 and peak - held < 2**20
 
 
+def test_a_log_of_lines_that_are_no_records_is_read_in_bounded_memory(tmp_path, caplog):
+    """Each such line's number was kept, about 35 bytes a line: a 1 GiB log of them some 18 GiB. Now a count."""
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(b'{"step":1}\n' + b"x\n" * 200_000)
+    tracemalloc.start()
+    try:
+        records = rundir.read_log(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert records == [{"step": 1}] and peak < 2**20
+    assert f"note: {log}: 200000 line(s) are not records of a run (the first: line 2;" in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["fifo", "socket"])
 def test_export_replaces_no_file_that_is_not_a_regular_one(ncl_run, tmp_path, capsys, kind):
     """export.py --out onto a device or any non-regular file replaced it by a rename."""
