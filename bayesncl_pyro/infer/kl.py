@@ -97,9 +97,11 @@ def site_kl(q: Distribution, p: Distribution, value: torch.Tensor, kl_probs=None
 def _enumerated(probs: torch.Tensor, factor: Distribution, kl_clamp: float | None) -> torch.Tensor:
     """Each gate's KL(Bernoulli(probs) || factor), summed over its two values."""
     on, off = (factor.log_prob(torch.full_like(probs, v)) for v in (1.0, 0.0))
-    if torch.allclose(on.exp() + off.exp(), torch.ones_like(on), atol=1e-5):  # a Bernoulli in law: the analytic KL
-        return bernoulli_kl(probs, on.exp(), kl_clamp or 0.0)
-    return probs * (probs.log() - on) + (1 - probs) * ((1 - probs).log() - off)
+    # per gate, without a host sync (torch.allclose would read the device at every step): where the factor is a
+    # Bernoulli in law, the analytic KL with the clamp
+    bernoulli = torch.isclose(on.exp() + off.exp(), torch.ones_like(on), atol=1e-5)
+    return torch.where(bernoulli, bernoulli_kl(probs, on.exp(), kl_clamp or 0.0),
+                       probs * (probs.log() - on) + (1 - probs) * ((1 - probs).log() - off))
 
 
 def _local_expectation(probs: torch.Tensor, p: Distribution, dims: int) -> torch.Tensor:
