@@ -117,8 +117,7 @@ class BayesNCLHead(nn.Module):
             check_gate_density(gate_density, "bayesncl", prior.prior_prob)
             self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
         self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook): infer.prior_gradients
-        unweight_prior_gradients(self)
-        self.kl_kind = self._kl_kinds(in_dim)
+        self.kl_kind = self._kl_kinds(in_dim)  # its run of the program hooks the prior's parameters
         for site, kind in self.kl_kind.items():  # run_svi.py says them in its first lines
             logger.debug(f"the KL of latent site {site!r}: {kind}")
 
