@@ -432,9 +432,15 @@ def _mean_sigmoid(loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ((loc[..., None] + scale[..., None] * nodes).sigmoid() @ weights / math.sqrt(2 * math.pi)).detach()
 
 
+@functools.lru_cache(maxsize=8)
+def _laguerre(nodes: int, shape: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised Gauss-Laguerre nodes and weights: ibp_alpha_mean's bisection asks for the same ones 100 times."""
+    return scipy.special.roots_genlaguerre(nodes, shape - 1)
+
+
 def _gamma_expectation(f, shape: float, rate: float, nodes: int = 96) -> np.ndarray:
     """E[f(alpha)] for alpha ~ Gamma(shape, rate), by generalised Gauss-Laguerre quadrature (no draws)."""
-    x, w = scipy.special.roots_genlaguerre(nodes, shape - 1)
+    x, w = _laguerre(nodes, shape)
     values = np.stack([np.asarray(f(xi / rate), dtype=np.float64) for xi in x])
     return np.tensordot(w, values, axes=1) / math.gamma(shape)
 
