@@ -25,9 +25,6 @@ def pytest_configure(config):
 
 
 from fake_cuda import fake_cuda  # noqa: E402,F401 -- the fixture: a CPU stand-in for CUDA (tests/fake_cuda.py)
-from helpers import fast  # noqa: E402
-
-from bayesncl_pyro.train.trainer import Trainer  # noqa: E402
 
 
 def _tiny_run(tmp_path_factory, name: str, *args: str):
@@ -117,6 +114,10 @@ def tab(browser):
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory) -> Path:
     """A digits run stopped at step 2 of 4, with a checkpoint: a rerun resumes it."""
+    from helpers import fast  # here, as the other fixtures' imports: the trainer's import is no session's start-up cost
+
+    from bayesncl_pyro.train.trainer import Trainer
+
     out = tmp_path_factory.mktemp("stopped") / "run"
     trainer = Trainer(fast(out, max_steps=4, conflict_every=1), progress=False)
     trainer.train(2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.evaluate.matched import interval
+from bayesncl_pyro.evaluate.stats import interval
 
 SUMMARY = Path(__file__).with_name("verdict_comp.json")
 """The shipped summary of the ten-seed records (package data)."""
