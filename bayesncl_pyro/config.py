@@ -80,6 +80,7 @@ class Config:
     workers: int = 2
     augment: str = "auto"  # where views are drawn: "workers" (CPU, per image), "device" (batched), auto: see Trainer
     skip_bad_images: bool = False
+    holdout_cells: str | None = None  # compositional: shape:background cells never trained on (a novel set)
     # method
     method: str = "bayesncl"
     nonneg: str | None = None
@@ -95,6 +96,7 @@ class Config:
     gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: estimators.py, GATES
     gate_temperature: float = 1.0
     head_depth: int = 2
+    gate_head: str = "mlp"  # "bayesian": a posterior over the gating head's weights (guides/gates.py)
     logit_bound: float = 5.0
     # encoder
     encoder: str | None = None  # a name in encoders.ENCODERS, a torchvision model, timm:NAME or package.module:callable
@@ -293,7 +295,7 @@ def with_recipe(cfg: Config) -> Config:
 
 
 GATE_FIELDS = ("prior", "prior_prob", "prior_args", "kl_weight", "gate_density", "kl_clamp", "gate", "gate_temperature",
-               "head_depth", "logit_bound", "gate_lr")
+               "gate_head", "head_depth", "logit_bound", "gate_lr")
 """The fields only BayesNCL's gates use: NCL and CL build no prior, guide or gating head from them."""
 
 

@@ -40,8 +40,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.nn import PyroModule
+from pyro.infer import Predictive
+from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide.initialization import init_to_sample
+from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
+from torch import nn
 
 from bayesncl_pyro.models.bayesncl import image_features, images_plate, rows_plate
 from bayesncl_pyro.nn.encoders import mlp
@@ -109,6 +113,62 @@ class GumbelSigmoidGates(BernoulliGates):
         return (y > 0.5).to(y) + (y - y.detach())  # exact 0/1 values
 
 
+GATE_HEADS = ("mlp", "bayesian")
+"""The gating heads: ``mlp``, weights as point estimates (the reference's); ``bayesian``, :class:`BayesianHead`."""
+
+
+class BayesianHead(PyroModule):
+    """The gating MLP with latent weights: a prior p(W) on each layer's weights and biases, q(W) mean-field Normal.
+
+    The prior is ``PyroSample(Normal(0, 1 / sqrt(fan_in)))`` on every weight and bias (the scale of PyTorch's default
+    initialisation); the posterior is Pyro's ``AutoNormal`` over those sites (:attr:`q`), whose locations start at a
+    draw from the prior and whose scales start at ``init_scale``. The model samples W from :meth:`prior` (under the
+    same lambda as the gates: lambda is the temperature of the Gibbs posterior, ``models/bayesncl.py``), the guide
+    from :attr:`q`, so the ELBO holds KL(q(W) || p(W)) once per data set: per row, lambda * KL / 2N. Each training step
+    draws W from q, then the gates from q(g | x, W): q(g | x) is a mixture over W, whose spread across draws
+    (:meth:`weight_draws`) is the head's epistemic uncertainty. The evaluation's q(g | x) is at W's posterior mean.
+
+    Args:
+        in_dim, hidden, out_dim, depth: the MLP's shape (``nn.encoders.mlp``).
+        init_scale: q(W)'s starting standard deviation.
+    """
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, depth: int = 2, init_scale: float = 0.01):
+        super().__init__()
+        net = mlp(in_dim, hidden, out_dim, depth)
+        to_pyro_module_(net)
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                scale = layer.in_features ** -0.5
+                layer.weight = PyroSample(dist.Normal(0.0, scale).expand(layer.weight.shape).to_event(2))
+                layer.bias = PyroSample(dist.Normal(0.0, scale).expand(layer.bias.shape).to_event(1))
+        self.net = net
+        self.q = AutoNormal(self.prior, init_loc_fn=init_to_sample, init_scale=init_scale)
+
+    def _linears(self):
+        return [layer for layer in self.net if isinstance(layer, nn.Linear)]
+
+    def prior(self):
+        """The model's statement of W ~ p(W): each weight and bias sampled from its prior."""
+        with self._pyro_context:  # a PyroSample attribute is a sample site only inside its module's context
+            return [(layer.weight, layer.bias) for layer in self._linears()]
+
+    def forward(self, h: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The MLP's output at ``weights`` (site name -> value), by default a draw from :attr:`q` (its sites traced)."""
+        weights = self.q() if weights is None else weights
+        with poutine.block(), poutine.condition(data=weights):
+            return self.net(h)
+
+    def mean_weights(self) -> dict[str, torch.Tensor]:
+        """W at q's mean (its location): the evaluation's point."""
+        return self.q.median()
+
+    @torch.no_grad()
+    def weight_draws(self, num_draws: int) -> dict[str, torch.Tensor]:
+        """``num_draws`` draws of W from q (``pyro.infer.Predictive``): site name -> S x shape."""
+        return Predictive(self.prior, guide=self.q, num_samples=num_draws, return_sites=list(self.mean_weights()))()
+
+
 class GateGuide(PyroModule):
     """q(rate) q(g | h): the prior's own posterior for global latents (if any) and amortized gates.
 
@@ -123,44 +183,74 @@ class GateGuide(PyroModule):
         rate_guide: the prior's variational posterior for its latents, or None.
         row_latents: the prior's ``row_latents``: its guide is called as ``rate_guide(h, plate)``, with each image's
             backbone features (``models.bayesncl.image_features``, from its two views) and the images plate.
+        gate_head: ``mlp`` or ``bayesian`` (:class:`BayesianHead`: the model then also samples its weights, through
+            :meth:`head_prior`).
     """
 
     def __init__(self, in_dim: int, hidden: int, num_features: int, num_rows: int, *, depth: int = 2,
                  family: type[BernoulliGates] = BernoulliGates, temperature: float = 1.0, logit_bound: float = 5.0,
-                 kl_weight: float = 3e-5, rate_guide: PyroModule | None = None, row_latents: bool = False):
+                 kl_weight: float = 3e-5, rate_guide: PyroModule | None = None, row_latents: bool = False,
+                 gate_head: str = "mlp"):
         super().__init__()
-        # a PyroModule itself: read here as a plain module, each step would register its parameters in Pyro's param
-        # store (pyro.module, a param statement per tensor) for nothing, the caller's optimizer training them
-        self.head = mlp(in_dim, hidden, num_features, depth)
-        to_pyro_module_(self.head, recurse=False)
+        if gate_head == "bayesian":
+            self.head = BayesianHead(in_dim, hidden, num_features, depth)
+        else:
+            # a PyroModule itself: read here as a plain module, each step would register its parameters in Pyro's
+            # param store (pyro.module, a param statement per tensor) for nothing, the caller's optimizer training them
+            self.head = mlp(in_dim, hidden, num_features, depth)
+            to_pyro_module_(self.head, recurse=False)
         self.family = family
         self.num_rows = num_rows
         self.register_buffer("temperature", torch.tensor(float(temperature)))
         self.logit_bound, self.kl_weight = logit_bound, kl_weight
         self.rate_guide, self.row_latents = rate_guide, row_latents
 
-    def logits(self, h: torch.Tensor, mlp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    @property
+    def bayesian(self) -> bool:
+        """Whether the gating head's weights are latent (:class:`BayesianHead`)."""
+        return isinstance(self.head, BayesianHead)
+
+    def head_prior(self):
+        """The model's W ~ p(W) of a Bayesian gating head (nothing for a plain one)."""
+        if self.bayesian:
+            self.head.prior()
+
+    def logits(self, h: torch.Tensor, mlp_dtype: torch.dtype | None = None, weights="mean") -> torch.Tensor:
         """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone.
 
         ``mlp_dtype``: None, or the dtype in which the MLP's matmuls run under autocast (the logits and all after them
         in h's dtype): ``BayesNCLHead.forward`` passes its caller's autocast, as the backbone's and projector's.
+        ``weights`` (a Bayesian head's): ``"mean"``, q(W)'s mean; None, a draw from q(W) as a traced site (the
+        guide's); or a dict of site values (one of :meth:`BayesianHead.weight_draws`).
         """
         b = self.logit_bound
+        if self.bayesian:
+            head = lambda x: self.head(x, self.head.mean_weights() if weights == "mean" else weights)  # noqa: E731
+        else:
+            head = self.head
         if mlp_dtype is None:
-            raw = self.head(h.detach())
+            raw = head(h.detach())
         else:
             with torch.autocast(h.device.type, dtype=mlp_dtype):
-                raw = self.head(h.detach()).to(h.dtype)
+                raw = head(h.detach()).to(h.dtype)
         return b * torch.tanh(raw / b)
 
     def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None,
-                  mlp_dtype: torch.dtype | None = None) -> BernoulliGates:
+                  mlp_dtype: torch.dtype | None = None, weights="mean") -> BernoulliGates:
         """q(g | x) for backbone features h (R x D).
 
         Its ``.probs`` are the inclusion probabilities and ``.sample()`` draws; ``family``: another family on the
-        same logits (default the guide's); ``mlp_dtype``: :meth:`logits`'.
+        same logits (default the guide's); ``mlp_dtype``, ``weights``: :meth:`logits`' (a Bayesian head's q at its
+        weights' posterior mean by default).
         """
-        return (family or self.family)(self.logits(h, mlp_dtype), self.temperature)
+        return (family or self.family)(self.logits(h, mlp_dtype, weights), self.temperature)
+
+    @torch.no_grad()
+    def weight_probs(self, h: torch.Tensor, num_draws: int) -> torch.Tensor:
+        """S x R x K: q(g = 1 | x, W) at ``num_draws`` draws of a Bayesian head's weights from q(W)."""
+        draws = self.head.weight_draws(num_draws)
+        return torch.stack([self.posterior(h, weights={k: v[s] for k, v in draws.items()}).probs
+                            for s in range(num_draws)])
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,
                 family: type[BernoulliGates] | None = None, mlp_dtype: torch.dtype | None = None) -> BernoulliGates:
@@ -176,7 +266,7 @@ class GateGuide(PyroModule):
                     self.rate_guide(image_features(h), images_plate(self.num_rows, h.shape[0], h.device))
                 else:
                     self.rate_guide()
-            q = self.posterior(h, family, mlp_dtype)
+            q = self.posterior(h, family, mlp_dtype, weights=None)  # a Bayesian head: W drawn from q(W) here
             with plate:
                 pyro.sample("g", q.to_event(1))
         return q

@@ -76,6 +76,9 @@ class ContrastiveModel(PyroModule):
         topk: if > 0, keep only the k largest features per row (the NCL+TopK baseline).
         prior: a :class:`bayesncl_pyro.models.priors.Prior` for BayesNCL, None for NCL / CL (no gate site).
         kl_weight: lambda.
+
+    ``head_prior``: None, or a callable that samples the latent weights of a Bayesian gating head from their prior
+    (``guides.gates.GateGuide.head_prior``), called under lambda beside the prior's global latents.
     """
 
     def __init__(self, num_rows: int, temperature: float = 0.2, nonneg: str = "relu", topk: int = 0,
@@ -84,6 +87,7 @@ class ContrastiveModel(PyroModule):
         self.num_rows, self.temperature = num_rows, temperature
         self.nonneg, self.topk = nonneg, topk
         self.prior, self.kl_weight = prior, kl_weight
+        self.head_prior = None
 
     def features(self, z: torch.Tensor) -> torch.Tensor:
         """Projector output (R x K) -> the L2-normalised (non-negative, top-k) features, before gating."""
@@ -110,6 +114,8 @@ class ContrastiveModel(PyroModule):
         rows = u.shape[0]
         if self.prior is not None:
             with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
+                if self.head_prior is not None:
+                    self.head_prior()
                 plate = rows_plate(self.num_rows, rows, u.device)
                 # global latents outside the plate, each row's gates inside it; a prior's latents per image in a plate
                 # over the images, whose two views share them

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     for name in names:
         if name != SCORE:
             gate_class(name)  # before the data loads
-    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
     x = first_batch(cfg, data, min(args.batch_size or cfg.batch_size, len(data.train)))
     torch.manual_seed(args.seed)
     results = gate_gradient_bias(learner, x, names, args.draws, args.reference_draws)

@@ -81,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                    "imagefolder: {train,val|test}/<class>/; in100: ImageNet or ImageNet-100 train/ and val/)")
     g.add_argument("--image-size", type=int, help="training resolution in pixels " + _recipe("image_size"))
     g.add_argument("--train-subset", type=int, help="train on this many random training images (default: all)")
+    g.add_argument("--holdout-cells", metavar="SHAPE:BACKGROUND,...", help="compositional: leave these (shape, "
+                   "background) cells out of training and testing; their test images are the novel set "
+                   "unseen-combinations of the run's novelty scores (docs/novelty.md; default: none)")
     g.add_argument("--workers", type=int, default=d.workers, help="data-loading processes (default: %(default)s)")
     g.add_argument("--augment", default=d.augment, choices=AUGMENT, help="where the two views are drawn: workers "
                    "(CPU, one image at a time), device (in whole batches on the training device, from the training "
@@ -125,6 +128,10 @@ def parser() -> argparse.ArgumentParser:
                    help="relaxation temperature of the gates (default: %(default)s)")
     g.add_argument("--head-depth", type=int, default=d.head_depth, help="Linear layers in the gating head "
                    "(default: %(default)s)")
+    g.add_argument("--gate-head", default=d.gate_head, choices=("mlp", "bayesian"),
+                   help="the gating head: mlp (its weights point estimates, as the reference) or bayesian (a Normal "
+                   "prior on its weights and a mean-field Normal posterior, trained in the same SVI: q(g | x) then "
+                   "varies over weight draws, docs/novelty.md) (default: %(default)s)")
     g.add_argument("--logit-bound", type=float, default=d.logit_bound,
                    help="gate logits are squashed into (-b, b) so no gate saturates (default: %(default)s)")
 

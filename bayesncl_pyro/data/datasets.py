@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-from bayesncl_pyro.data.compositional import load_compositional
+from bayesncl_pyro.data.compositional import load_compositional, parse_cells
 from bayesncl_pyro.data.images import IMAGE_EXTENSIONS, DataSpec, ImageFiles, TensorImages
 from bayesncl_pyro.errors import UserError
 
@@ -29,7 +29,7 @@ _HELD_OUT_SPLITS = ("val", "test")
 
 def load_dataset(
     name: str, data_dir: str | os.PathLike | None = None, *, seed: int = 0, skip_bad: bool = False,
-    train_subset: int | None = None,
+    train_subset: int | None = None, holdout: str | None = None,
 ) -> DataSpec:
     """Load ``name`` (one of ``DATASETS``) from ``data_dir``.
 
@@ -37,8 +37,14 @@ def load_dataset(
     datasets have official splits), and which images a ``train_subset`` keeps.
     ``skip_bad`` makes image-file datasets skip unreadable files instead of raising.
     ``train_subset``: keep only this many training images, drawn at random (the test split is kept whole).
+    ``holdout``: compositional only, ``shape:background`` cells left out of training and testing, whose test images
+    become the novel set ``unseen-combinations`` (``compositional.load_compositional``).
     """
-    spec = _load(name, data_dir, seed, skip_bad)
+    if holdout and name != "compositional":
+        raise UserError(f"--holdout-cells holds out (shape, background) cells of the compositional benchmark; "
+                        f"{name!r} has no such cells: drop --holdout-cells or use --dataset compositional")
+    spec = load_compositional(seed, holdout=parse_cells(holdout)) if name == "compositional" else _load(
+        name, data_dir, seed, skip_bad)
     if train_subset is not None:
         if not 0 < train_subset <= len(spec.train):
             raise UserError(f"--train-subset must lie in [1, {len(spec.train)}] (the size of {name}'s training "
@@ -53,8 +59,6 @@ def _load(name: str, data_dir: str | os.PathLike | None, seed: int, skip_bad: bo
         raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     if name == "digits":
         return _load_digits(seed)
-    if name == "compositional":
-        return load_compositional(seed)
     root = _existing_dir(name, data_dir)
     if name in ("cifar10", "cifar100"):
         return _load_cifar(name, root, skip_bad)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ class DataSpec:
     test: Dataset  # the held-out split (test or val)
     classes: list[str]  # class names, index = label
     channels: int  # 1 for digits, else 3
+    # images unlike the training split's, by name (generated data): what novelty scores are judged on
+    novel: dict[str, Dataset] = field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:

@@ -387,7 +387,8 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
     if num_draws < 0:
         raise UserError(f"the number of gate draws must not be negative, got {num_draws}")
     if test is None:
-        test = test_features(learner, data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed), device)
+        data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
+        test = test_features(learner, data, device)
     post = GatePosterior(probs=test.probs, features=test.features, labels=test.labels, classes=test.classes)
     if num_draws:
         # sample(), not the guide's pyro.sample (rsample: the value training uses, the mode for ste)

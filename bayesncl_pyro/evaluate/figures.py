@@ -290,7 +290,7 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
     base = conflict_table(baseline) if main is not None and baseline is not None else None
     base_name = load_learner(baseline, **load)[1].method if baseline is not None else ""
     out = output_folder(out, named=True) if out is not None else output_folder(run_folder(run_dir) / INSPECT_DIR)
-    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
     feats = test_features(learner, data)
     if export:
         if not learner.gated:

@@ -14,7 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data.compositional import NOVEL_KINDS
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
+from bayesncl_pyro.evaluate import novelty
 from bayesncl_pyro.evaluate.dci import dci
 from bayesncl_pyro.evaluate.diagnostics import conflict_by_factor, conflict_table
 from bayesncl_pyro.evaluate.matched import (
@@ -175,6 +177,40 @@ def test_objective(learner, dataset, cfg: Config, channels: int, device, draws: 
     return {f"test_{k}": total[k] / batches for k in terms}
 
 
+@torch.no_grad()
+def view_pairs(learner, dataset, cfg: Config, channels: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """N x D backbone features of two augmented views of each image (the training augmentation, the run's seed)."""
+    learner.eval()
+    views = TwoViews(dataset, simclr_transform(cfg.image_size, channels), cfg.seed)
+    loader = DataLoader(views, batch_size=max(cfg.batch_size, 256), num_workers=cfg.workers, collate_fn=collate_views)
+    first, second = [], []
+    for x in loader:
+        h = learner.backbone(x.to(device)).float().cpu()
+        first.append(h[:len(h) // 2])
+        second.append(h[len(h) // 2:])
+    return torch.cat(first), torch.cat(second)
+
+
+def novelty_evaluation(learner, data, cfg: Config, device, train_h: torch.Tensor, train_y: torch.Tensor,
+                       test_h: torch.Tensor, progress: Progress | None = None) -> dict:
+    """eval.json's ``novelty``: every novelty score of the run judged on each of ``data.novel``'s sets.
+
+    The in-distribution images are the test split; the scores are ``evaluate.novelty``'s, fitted on the training split
+    (``train_h``, ``train_y``: its backbone features and labels), with the control gating heads of a gated run trained
+    on its frozen backbone for as many steps as the run's epochs have (``novelty.fit_control_heads``).
+    """
+    controls = None
+    if learner.gated:
+        first, second = view_pairs(learner, data.train, cfg, data.channels, device)
+        steps = cfg.epochs * max(1, len(data.train) // cfg.batch_size)
+        with torch.enable_grad():
+            controls = novelty.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
+    scorer = novelty.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, controls)
+    novel = {name: scorer(extract(learner, images, cfg, data.channels, device, progress)[0])
+             for name, images in data.novel.items()}
+    return novelty.report(scorer(test_h), novel, NOVEL_KINDS)
+
+
 def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None,
              test: TestFeatures | None = None) -> dict:
     """Evaluate a trained learner on the test split: probes, interpretability metrics, objective.
@@ -195,7 +231,9 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     ``controls.mask_jaccard``, and of random masks, ``controls.mask_jaccard_random``; ``control_definitions`` says what
     each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
     (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
-    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). ``progress``
+    ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). Where the data
+    has novel sets (``DataSpec.novel``: the generated ones), ``novelty``: each novelty score's detection figures per
+    set (:func:`novelty_evaluation`). ``progress``
     (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs. ``test``:
     the test split's :func:`test_features`, when the caller has them (else they are computed here).
     """
@@ -227,6 +265,8 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
         results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
         results.update(controls=count_matched_controls(ungated, f_te, y_te, factors, cfg.seed),
                        control_definitions={**CONTROLS, **MASK_OVERLAP})
+    if data.novel:
+        results["novelty"] = novelty_evaluation(learner, data, cfg, device, h_tr, y_tr, h_te, progress)
     suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,
                 representations={s or "(no suffix)": REPRESENTATIONS[s] for s in suffixes})

@@ -58,12 +58,12 @@ def train_linear(train_x, train_y, num_classes, recipe: ProbeRecipe = FAST_PROBE
 
     ``seed`` drives all the randomness (the batch order and, unless ``recipe.zero_init``, the initial
     weights) through private generators: the result is deterministic and leaves the global RNG alone.
-    With ``recipe.standardise`` the returned layer expects standardised inputs (``_standardise``).
+    With ``recipe.standardise`` the returned layer expects standardised inputs (``standardised``).
     ``progress`` (``progress.reporter``) shows the epochs go by.
     """
     train_x = train_x.float()
     if recipe.standardise:
-        train_x = _standardise(train_x, train_x)
+        train_x = standardised(train_x, train_x)
     with torch.random.fork_rng(devices=[]):  # torch's initialisation, drawn from the seed alone
         torch.manual_seed(seed)
         head = torch.nn.Linear(train_x.shape[1], num_classes)
@@ -105,14 +105,14 @@ def linear_probe(train_x, train_y, test_x, test_y, num_classes, recipe: ProbeRec
     head = train_linear(train_x, train_y, num_classes, recipe, seed=seed, progress=progress)
     test_x = test_x.float()
     if recipe.standardise:
-        test_x = _standardise(test_x, train_x.float())
+        test_x = standardised(test_x, train_x.float())
     with torch.no_grad():
         top = head(test_x).topk(min(5, num_classes), dim=1).indices
     hits = top == test_y[:, None]
     return {"top1": float(hits[:, 0].float().mean()), "top5": float(hits.any(dim=1).float().mean())}
 
 
-def _standardise(x, train_x):
+def standardised(x, train_x):
     """X shifted and scaled by the mean and std of the train features."""
     std = train_x.std(dim=0).clamp_min(1e-6)  # constant dims would otherwise divide by 0
     return (x - train_x.mean(dim=0)) / std

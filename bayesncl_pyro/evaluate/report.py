@@ -358,7 +358,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
     if other is not None and other.cfg.dataset != cfg.dataset:
         raise UserError(f"the baseline {baseline} was trained on {other.cfg.dataset}, {run_dir} on {cfg.dataset}: "
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
-    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+    data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
     feats = test_features(learner, data)
     gates = kl = None
     if learner.gated:
@@ -367,9 +367,10 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
         gates = gate_summary(feats, kl, GateEstimator.kl_label(cfg.kl_clamp), float(rate.mean()))
     base = None
     if other is not None:
-        other_data = data if (other.cfg.dataset, other.cfg.data_dir, other.cfg.seed) == (
-            cfg.dataset, cfg.data_dir, cfg.seed) else load_dataset(other.cfg.dataset, other.cfg.data_dir,
-                                                                   seed=other.cfg.seed)
+        same = (other.cfg.dataset, other.cfg.data_dir, other.cfg.seed, other.cfg.holdout_cells) == (
+            cfg.dataset, cfg.data_dir, cfg.seed, cfg.holdout_cells)
+        other_data = data if same else load_dataset(other.cfg.dataset, other.cfg.data_dir, seed=other.cfg.seed,
+                                                    holdout=other.cfg.holdout_cells)
         base_feats = test_features(other.learner, other_data)
         if not torch.equal(base_feats.labels, feats.labels):
             raise UserError(f"the baseline {baseline} was evaluated on another test split ({other.cfg.dataset}, seed "

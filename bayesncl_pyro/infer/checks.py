@@ -11,6 +11,7 @@ import torch
 from pyro.nn import PyroModule
 
 from bayesncl_pyro.errors import UserError, quoted
+from bayesncl_pyro.guides.gates import GATE_HEADS
 from bayesncl_pyro.infer.estimators import GATES, GateEstimator, LocalExpectation
 from bayesncl_pyro.models.priors import Prior, build_prior, checked_guide
 from bayesncl_pyro.nn.losses import NONNEG
@@ -31,7 +32,7 @@ def check_arguments(flags: bool = False, **args):
     the fix.
     """
     name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)  # noqa: E731
-    for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG)):
+    for arg, valid in (("gate", tuple(GATES)), ("nonneg", NONNEG), ("gate_head", GATE_HEADS)):
         if args[arg] not in valid:
             raise UserError(f"unknown {name(arg)} {quoted(args[arg])}; choose one of: {', '.join(valid)}")
     for arg, example in _POSITIVE.items():
@@ -43,6 +44,9 @@ def check_arguments(flags: bool = False, **args):
     if not 0 <= args["topk"] <= args["proj_dim"]:
         raise UserError(f"{name('topk')} must lie in [0, {name('proj_dim')}={args['proj_dim']}], got {args['topk']} "
                         "(0 keeps every feature)")
+    if args["gate_head"] != "mlp" and args["prior"] is None:
+        raise UserError(f"{name('gate_head')} {args['gate_head']} is a head of the gates, and a head without a prior "
+                        f"(NCL, CL) has none: drop {name('gate_head')} or give a prior (--method bayesncl)")
     _check_size(args, name)
 
 

@@ -75,7 +75,8 @@ class BayesNCLHead(nn.Module):
             (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the
             gates, a name in ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``,
             ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``; it also picks q's family); gate_temperature,
-            head_depth, logit_bound: the guide's.
+            head_depth, logit_bound: the guide's; gate_head: ``mlp`` (the reference's) or ``bayesian`` (latent
+            weights, ``guides.gates.BayesianHead``).
         temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
             largest features per row (0: all).
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
@@ -93,7 +94,7 @@ class BayesNCLHead(nn.Module):
                  kl_weight: float = 3e-5, kl_clamp: float = REFERENCE_KL_CLAMP, gate: str = "ste",
                  gate_temperature: float = 1.0, head_depth: int = 2,
                  logit_bound: float = 5.0, temperature: float = 0.2, nonneg: str = "rep_relu", topk: int = 0,
-                 gather_distributed: bool = False, gate_density: float | None = None):
+                 gather_distributed: bool = False, gate_density: float | None = None, gate_head: str = "mlp"):
         check_arguments(**locals())  # every argument, by its name in this signature
         super().__init__()
         if not num_train >= 2:
@@ -106,8 +107,10 @@ class BayesNCLHead(nn.Module):
         self.guide = GateGuide(
             in_dim, proj_hidden, proj_dim, num_rows, depth=head_depth, family=self.estimator.family,
             temperature=gate_temperature, logit_bound=logit_bound, kl_weight=kl_weight, rate_guide=rate_guide,
-            row_latents=prior.row_latents,
+            row_latents=prior.row_latents, gate_head=gate_head,
         ) if prior is not None else None
+        if self.guide is not None and self.guide.bayesian:
+            self.model.head_prior = self.guide.head_prior
         self.gather_distributed = gather_distributed
         self.density = None
         if gate_density is not None:

@@ -99,7 +99,7 @@ class Trainer:
         distributed.barrier()
         pyro.set_rng_seed(cfg.seed)
         self.data = data or load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, skip_bad=cfg.skip_bad_images,
-                                         train_subset=cfg.train_subset)
+                                         train_subset=cfg.train_subset, holdout=cfg.holdout_cells)
         # the rows every rank gathers each step follow from these, and the steps and checkpoints of all
         distributed.check_agreement(dict(cfg.identity(), max_steps=cfg.max_steps, ckpt_every=cfg.ckpt_every,
                                          training_images=len(self.data.train)))
