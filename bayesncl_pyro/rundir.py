@@ -61,13 +61,14 @@ CHECKPOINT = "checkpoint.pt"
 LOG = "log.jsonl"
 CONFLICT = "conflict.jsonl"
 EVAL = "eval.json"
+NOVELTY, NOVELTY_ROC = "novelty.json", "novelty-roc.png"  # experiments/novelty.py's
 GATES_FILE = "gates.nc"
 BAD_IMAGES = "bad_images.txt"
 LOCK = "run.lock"
 REPORT_DIR, INSPECT_DIR, WANDB_DIR = "report", "inspect", "wandb"
 PREVIOUS = "previous-"  # prefix of the subfolders that --overwrite moves earlier runs into
 _RUN_FILES = {MARKER, CONFIG, CHECKPOINT, LOG, CONFLICT, EVAL, GATES_FILE, BAD_IMAGES, LOCK, REPORT_DIR, INSPECT_DIR,
-              WANDB_DIR}
+              WANDB_DIR, NOVELTY, NOVELTY_ROC}
 _MARK = b"bayesncl-pyro run folder"
 # names that no run writes, which make a marker beside them suspect: a repository, source files
 _PROJECT = {".git", ".hg", ".svn", "pyproject.toml", "setup.py", "Makefile", "package.json"}

@@ -36,18 +36,20 @@ def load_compositional(seed: int, size: int = 32, holdout: tuple[tuple[str, str]
     (``{"class": N, "background": N}`` long tensors). Deterministic given ``seed``.
 
     ``holdout``: (shape, background) cells (:func:`parse_cells`) left out of both splits; their test images are the
-    novel set ``unseen-combinations`` (``DataSpec.novel``). The other images are those of the full benchmark, drawn
-    in the same order, so the remaining cells' images are the same with or without a holdout.
+    novel set ``unseen-combinations`` (``DataSpec.novel``, beside :func:`novel_sets`). The other images are those of
+    the full benchmark, drawn in the same order, so the remaining cells' images are the same with or without a
+    holdout.
     """
     cells = {(SHAPES.index(s), BACKGROUNDS.index(b)) for s, b in holdout}
     train, test = (_compositional_split(np.random.default_rng([seed, i]), n, size)
                    for i, n in enumerate(COMPOSITIONAL_SIZES.values()))
-    novel = novel_sets(seed, size)
+    unseen = {}
     if cells:
         held = [_in_cells(split, cells) for split in (train, test)]
-        novel = {"unseen-combinations": _subset(test, held[1]), **novel}
+        unseen = {"unseen-combinations": _subset(test, held[1])}
         train, test = (_subset(split, ~h) for split, h in zip((train, test), held))
-    return DataSpec(train, test, classes=list(SHAPES), channels=3, novel=novel)
+    return DataSpec(train, test, classes=list(SHAPES), channels=3,
+                    novel_sets=lambda: {**unseen, **novel_sets(seed, size)})
 
 
 def parse_cells(text: str | None) -> tuple[tuple[str, str], ...]:

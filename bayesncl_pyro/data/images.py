@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,15 @@ class DataSpec:
     test: Dataset  # the held-out split (test or val)
     classes: list[str]  # class names, index = label
     channels: int  # 1 for digits, else 3
-    # images unlike the training split's, by name (generated data): what novelty scores are judged on
-    novel: dict[str, Dataset] = field(default_factory=dict)
+    # images unlike the training split's (generated data), made when asked: :meth:`novel`
+    novel_sets: Callable[[], dict[str, Dataset]] | None = None
+
+    def novel(self) -> dict[str, Dataset]:
+        """The novel sets by name (images unlike the training split's, that novelty scores are judged on); {} if none.
+
+        Made at each call: generating them costs as much as a split, and only an evaluation reads them.
+        """
+        return self.novel_sets() if self.novel_sets is not None else {}
 
     @property
     def num_classes(self) -> int:

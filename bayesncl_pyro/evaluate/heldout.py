@@ -191,23 +191,35 @@ def view_pairs(learner, dataset, cfg: Config, channels: int, device) -> tuple[to
     return torch.cat(first), torch.cat(second)
 
 
+def novelty_scorer(learner, data, cfg: Config, device, train_h: torch.Tensor | None = None,
+                   train_y: torch.Tensor | None = None, controls: bool = True) -> novelty.NoveltyScorer:
+    """The run's ``novelty.NoveltyScorer``, fitted on its training split.
+
+    ``train_h``, ``train_y``: the split's backbone features and labels (extracted here when not given). With
+    ``controls`` and gates, the control gating heads too, trained on the frozen backbone for as many steps as the run's
+    epochs have (``novelty.fit_control_heads``).
+    """
+    if train_h is None:
+        train_h, _, train_y = extract(learner, data.train, cfg, data.channels, device)
+    fitted = None
+    if controls and learner.gated:
+        first, second = view_pairs(learner, data.train, cfg, data.channels, device)
+        steps = cfg.epochs * max(1, len(data.train) // cfg.batch_size)
+        with torch.enable_grad():
+            fitted = novelty.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
+    return novelty.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, fitted)
+
+
 def novelty_evaluation(learner, data, cfg: Config, device, train_h: torch.Tensor, train_y: torch.Tensor,
                        test_h: torch.Tensor, progress: Progress | None = None) -> dict:
     """eval.json's ``novelty``: every novelty score of the run judged on each of ``data.novel``'s sets.
 
-    The in-distribution images are the test split; the scores are ``evaluate.novelty``'s, fitted on the training split
-    (``train_h``, ``train_y``: its backbone features and labels), with the control gating heads of a gated run trained
-    on its frozen backbone for as many steps as the run's epochs have (``novelty.fit_control_heads``).
+    The in-distribution images are the test split; the scores are those of :func:`novelty_scorer` (``train_h``,
+    ``train_y``: the training split's backbone features and labels).
     """
-    controls = None
-    if learner.gated:
-        first, second = view_pairs(learner, data.train, cfg, data.channels, device)
-        steps = cfg.epochs * max(1, len(data.train) // cfg.batch_size)
-        with torch.enable_grad():
-            controls = novelty.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
-    scorer = novelty.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, controls)
+    scorer = novelty_scorer(learner, data, cfg, device, train_h, train_y)
     novel = {name: scorer(extract(learner, images, cfg, data.channels, device, progress)[0])
-             for name, images in data.novel.items()}
+             for name, images in data.novel().items()}
     return novelty.report(scorer(test_h), novel, NOVEL_KINDS)
 
 
@@ -232,7 +244,7 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     each is). ``representations`` says what each suffix is a figure of. Consistency is given twice: the paper's
     (``semantic_consistency``) and the top-N one that sparsity cannot game (``semantic_consistency_topn``, judged on
     ``topn_n`` samples a dim, with its coverage and ``topn_chance``, its value for a class-blind dim). Where the data
-    has novel sets (``DataSpec.novel``: the generated ones), ``novelty``: each novelty score's detection figures per
+    has novel sets (``DataSpec.novel``: the generated data's), ``novelty``: each novelty score's detection figures per
     set (:func:`novelty_evaluation`). ``progress``
     (``progress.reporter``) shows the long parts go by: the features of each split, the linear probe's epochs. ``test``:
     the test split's :func:`test_features`, when the caller has them (else they are computed here).
@@ -265,7 +277,7 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
         results.update(posterior_representations(ungated, probs, y_te, factors, cfg.seed))
         results.update(controls=count_matched_controls(ungated, f_te, y_te, factors, cfg.seed),
                        control_definitions={**CONTROLS, **MASK_OVERLAP})
-    if data.novel:
+    if data.novel_sets is not None:
         results["novelty"] = novelty_evaluation(learner, data, cfg, device, h_tr, y_tr, h_te, progress)
     suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,

@@ -83,6 +83,62 @@ class TrainedRun:
 
         return gate_posterior(self.learner, data, num_draws=num_draws)
 
+    def novelty(self, images, *, controls: bool = True, batch_size: int = 256) -> dict[str, torch.Tensor]:
+        """Every novelty score of ``images``: score name -> N values on the CPU, larger for an image less like training.
+
+        The scores are ``evaluate.novelty.SCORES`` (what each is, in a line): the deterministic ones (``msp_*``,
+        ``energy_*``, ``knn_*``, ``mahalanobis_*`` on the backbone's features and on the representation; ``topk_*``
+        for a run that selects features) for every run, the posterior's (``kl_prior``, ``gate_entropy``, ``bald``,
+        ``predictive_entropy``; ``weight_mi`` and ``q_spread`` for a Bayesian gating head) for a gated one, and with
+        ``controls`` the control heads' (``control_*``, trained on the frozen backbone first: about a minute on a CPU
+        for the compositional recipe). The scorer is fitted once on the run's training split (its data loaded as the
+        run did) and kept. Below 64 px, images must be the run's size: the scores compare them with the training
+        images, and a resize would be a shift of its own.
+        """
+        items = list(_items(images))
+        if not items:
+            raise UserError("got no images: novelty scores need at least one image")
+        if self.cfg.image_size < 64:
+            self._check_size(items)
+        h = self._apply(items, batch_size, lambda h: h)
+        return self.novelty_scorer(controls)(h)
+
+    @property
+    def data(self):
+        """The run's data (``DataSpec``), loaded as the run loaded it, at the first read."""
+        if "_data" not in self.__dict__:
+            from bayesncl_pyro.data import load_dataset  # late: only novelty scores read the data here
+
+            cfg = self.cfg
+            self._data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
+        return self._data
+
+    def novelty_scorer(self, controls: bool = True):
+        """The run's ``evaluate.novelty.NoveltyScorer``, fitted on its training split at the first call, then kept.
+
+        Called with backbone features h (N x D) it gives every score; ``controls``: with the control gating heads.
+        """
+        scorers = self.__dict__.setdefault("_scorers", {})
+        if controls not in scorers:
+            from bayesncl_pyro.evaluate.heldout import novelty_scorer  # late: it loads the evaluation code
+
+            scorers[controls] = novelty_scorer(self.learner, self.data, self.cfg, self.device, controls=controls)
+        return scorers[controls]
+
+    def _check_size(self, items: list):
+        """Refuse images that are not ``image_size`` square (files and PIL images by their size, tensors by shape)."""
+        size = self.cfg.image_size
+        for item in items:
+            if isinstance(item, (str, os.PathLike)):
+                with Image.open(item) as image:
+                    shape = image.size[::-1]
+            else:
+                shape = tuple(item.size[::-1]) if isinstance(item, Image.Image) else tuple(item.shape[-2:])
+            if shape != (size, size):
+                raise UserError(f"got a {shape[0]} x {shape[1]} image; this run's novelty scores take {size} x {size} "
+                                f"images (its --image-size): the scores compare them with the training images, and a "
+                                f"resize is a shift of its own; resize or crop them to {size} x {size} first")
+
     def inputs(self, images) -> torch.Tensor:
         """``images`` (any of the forms in the module docstring) as the model's input, N x C x S x S."""
         return torch.stack([self.transform(self._one(image)) for image in _items(images)])
