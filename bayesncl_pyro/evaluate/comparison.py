@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.evaluate import novelty
 from bayesncl_pyro.evaluate.heldout import describe_protocol
 from bayesncl_pyro.evaluate.matched import (
     MATCHED_COLUMNS,
@@ -168,7 +169,8 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
 
     Each run (``runs``: its name, family, seed, folder and eval.json's figures, each given NCL+TopK's at its sparsity),
     each method's means over ``seeds``, the paired rows on the consistencies (``paired``) and, where the runs have them,
-    on :data:`matched.MECHANISM` (``paired_mechanism``: another table, another family for Holm), and ``settings``
+    on :data:`matched.MECHANISM` (``paired_mechanism``: another table, another family for Holm), the novelty scores'
+    means (``novelty``) and the declared novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings``
     (:func:`shared_settings`).
     """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
@@ -177,7 +179,8 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
                 summary=summarise(runs, keys), paired=paired(runs),
-                paired_mechanism=paired(runs, MECHANISM, MECHANISM_BASELINES), runs=runs,
+                paired_mechanism=paired(runs, MECHANISM, MECHANISM_BASELINES),
+                novelty=novelty.summary(runs), paired_novelty=novelty.paired(runs), runs=runs,
                 paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
 
 
@@ -304,6 +307,8 @@ def markdown(report: dict) -> str:
         md += ["", f"The same, on what the gates do ({stem_name('paired_mechanism', report)}): DCI and the gradient "
                "conflict, against NCL and trained TopK (values x 100; TOST at the same margin); a family of its own "
                "for Holm.", "", paired_table(report["paired_mechanism"])]
+    if report.get("novelty"):
+        md += novelty.markdown(report["novelty"], report.get("paired_novelty", []))
     paper = paper_table(dataset, summary, protocol)
     if paper:
         caveat = "" if protocol == "reference" else (", so our LP@1 is not measured as the paper's is (--eval-protocol "

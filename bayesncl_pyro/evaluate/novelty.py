@@ -369,3 +369,100 @@ def report(in_scores: dict[str, torch.Tensor], novel: dict[str, dict[str, torch.
         positive = {k: torch.cat([novel[n][k] for n in semantic]) for k in in_scores}
         out["full_spectrum"] = dict(semantic=semantic, nuisance=nuisance, scores=detection(known, positive))
     return out
+
+
+def paired(runs: list[dict], primary: dict = PRIMARY) -> list[dict]:
+    """The declared comparisons of :data:`PRIMARY`, paired by seed within each gated method's runs.
+
+    ``runs``: eval dicts with ``name`` (the method's), ``seed`` and ``novelty``. For each method, each baseline: the
+    primary score's metric minus the baseline's on the primary novel set, one difference a seed (the same run's images
+    scored both ways), with ``stats.interval``'s mean, intervals, bounds and TOST at ``primary["margin"]``; then Holm's
+    adjustment over the family of every difference's p and every TOST p of that method together (``holm_p``,
+    ``holm_tost_p``).
+    """
+    from bayesncl_pyro.evaluate.stats import holm, interval  # late: scipy, only a comparison needs it
+
+    rows = []
+    methods = dict.fromkeys(r["name"] for r in runs if primary["score"] in _scores(r, primary))
+    for method in methods:
+        mine = [r for r in runs if r["name"] == method and primary["score"] in _scores(r, primary)]
+        family = []
+        for baseline in primary["baselines"]:
+            pairs = [(_scores(r, primary)[primary["score"]], _scores(r, primary).get(baseline)) for r in mine]
+            diffs = [a[primary["metric"]] - b[primary["metric"]] for a, b in pairs if b is not None]
+            if diffs:
+                family.append(dict(method=method, score=primary["score"], baseline=baseline,
+                                   novel_set=primary["novel_set"], metric=primary["metric"],
+                                   **interval(diffs, margin=primary["margin"])))
+        ps = [row.get("p", math.nan) for row in family] + [row.get("tost_p", math.nan) for row in family]
+        if family and not any(math.isnan(p) for p in ps):
+            adjusted = holm(ps)
+            for i, row in enumerate(family):
+                row.update(holm_p=adjusted[i], holm_tost_p=adjusted[len(family) + i])
+        rows += family
+    return rows
+
+
+def _scores(run: dict, primary: dict) -> dict:
+    return run.get("novelty", {}).get("sets", {}).get(primary["novel_set"], {}).get("scores", {})
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per method, per novel set and score: the mean and sd over seeds of AUROC, FPR95 and the share flagged."""
+    out = {}
+    for method in dict.fromkeys(r["name"] for r in runs if "novelty" in r):
+        mine = [r["novelty"] for r in runs if r["name"] == method and "novelty" in r]
+        sets = {}
+        for name in mine[0]["sets"]:
+            scores = {}
+            for score in mine[0]["sets"][name]["scores"]:
+                values = {m: [n["sets"][name]["scores"][score][m] for n in mine if score in n["sets"].get(name, {}).get(
+                    "scores", {})] for m in ("auroc", "fpr95", "flagged")}
+                scores[score] = {m: _mean_sd(v) for m, v in values.items()}
+            sets[name] = dict(kind=mine[0]["sets"][name]["kind"], scores=scores)
+        out[method] = dict(seeds=len(mine), sets=sets)
+    return out
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return float(t.mean()), float(t.std()) if len(t) > 1 else 0.0
+
+
+def markdown(summary_: dict, rows: list[dict]) -> list[str]:
+    """comparison.md's novelty section: each method's AUROC per score and set, then the declared paired comparisons."""
+    md = []
+    for method, s in summary_.items():
+        sets = list(s["sets"])
+        head = ["score"] + [f"{n} ({s['sets'][n]['kind']})" for n in sets]
+        md += ["", f"Novelty, {method} ({s['seeds']} seeds): AUROC against the in-distribution test split, mean ± sd "
+               "over seeds (a semantic set is to be flagged: 1 is perfect; a nuisance set changes no class: a score "
+               "that follows the class stays near 0.5, and the share it flags at the test split's 95th percentile, "
+               "in brackets, near 0.05).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for score in s["sets"][sets[0]]["scores"]:
+            cells = [score]
+            for n in sets:
+                m = s["sets"][n]["scores"].get(score)
+                if m is None:
+                    cells.append("")
+                    continue
+                (a, sd), (f, _) = m["auroc"], m["flagged"]
+                cells.append(f"{a:.3f} ± {sd:.3f}" + (f" [{f:.2f}]" if s["sets"][n]["kind"] == "nuisance" else ""))
+            md.append("| " + " | ".join(cells) + " |")
+    if rows:
+        p = rows[0]
+        md += ["", f"The declared question (evaluate/novelty.py, PRIMARY): on {p['novel_set']}, the {p['metric']} of "
+               f"{p['score']} minus each baseline's, paired by seed; 95 % t interval, one-sided 95 % bounds, TOST "
+               f"within ± {PRIMARY['margin']:g}, the minimum detectable difference at 80 % power, and Holm's "
+               "adjustment over the differences' and the equivalence tests' p values together.", "",
+               "| method | baseline | n | mean | 95 % interval | bounds | TOST p | MDD | p | Holm p | Holm TOST p |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "t_low" not in r:
+                md.append(f"| {r['method']} | {r['baseline']} | {r['n']} | {r['mean']:+.3f} | | | | | | | |")
+                continue
+            md.append(f"| {r['method']} | {r['baseline']} | {r['n']} | {r['mean']:+.3f} | [{r['t_low']:+.3f}, "
+                      f"{r['t_high']:+.3f}] | {r['bound_low']:+.3f}, {r['bound_high']:+.3f} | {r['tost_p']:.3f} | "
+                      f"{r['mdd']:.3f} | {r['p']:.3f} | {r.get('holm_p', math.nan):.3f} | "
+                      f"{r.get('holm_tost_p', math.nan):.3f} |")
+    return md
