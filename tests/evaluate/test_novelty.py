@@ -233,3 +233,30 @@ def test_novelty_script_asks_for_folders_where_the_data_has_no_novel_sets(ncl_ru
     assert novelty_cli.main([str(ncl_run), "--novel", "justaname"]) == 2
     assert "NAME=FOLDER" in capsys.readouterr().err
 
+
+
+def _run(name, seed, primary_auroc, baseline_auroc):
+    scores = {novelty.PRIMARY["score"]: dict(auroc=primary_auroc, fpr95=0.5, aupr=0.5, flagged=0.1),
+              **{b: dict(auroc=baseline_auroc, fpr95=0.6, aupr=0.4, flagged=0.1) for b in novelty.PRIMARY["baselines"]}}
+    sets = {novelty.PRIMARY["novel_set"]: dict(kind="semantic", n=10, scores=scores),
+            "new-colours": dict(kind="nuisance", n=10, scores=scores)}
+    return dict(name=name, seed=seed, novelty=dict(sets=sets))
+
+
+def test_the_declared_comparison_pairs_seeds_and_holds_one_holm_family():
+    runs = [_run("bayesncl-ste", s, 0.70 + 0.01 * s, 0.60 + 0.012 * s) for s in range(6)] + [
+        dict(name="ncl", seed=0, novelty=dict(sets={}))]
+    rows = novelty.paired(runs)
+    assert [r["baseline"] for r in rows] == list(novelty.PRIMARY["baselines"])
+    first = rows[0]
+    assert first["n"] == 6 and abs(first["mean"] - (0.10 - 0.002 * 2.5)) < 1e-9
+    # Holm over 5 differences and 5 equivalence tests: the smallest p is multiplied by 10
+    smallest = min(min(r["p"] for r in rows), min(r["tost_p"] for r in rows))
+    assert min(min(r["holm_p"] for r in rows), min(r["holm_tost_p"] for r in rows)) == pytest.approx(
+        min(1.0, 10 * smallest))
+    summary = novelty.summary(runs[:6])
+    assert summary["bayesncl-ste"]["seeds"] == 6
+    mean, sd = summary["bayesncl-ste"]["sets"]["new-shapes"]["scores"]["kl_prior"]["auroc"]
+    assert mean == pytest.approx(0.725) and sd > 0
+    text = "\n".join(novelty.markdown(summary, rows))
+    assert "knn_backbone" in text and "Holm" in text and "[0.10]" in text  # a nuisance set shows its share flagged
