@@ -126,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("shared settings (override the recipe; default: recipe)")
     for flag, kind in (("encoder", str), ("train-subset", int), ("epochs", int), ("batch-size", int),
                        ("optimizer", str), ("lr", float), ("warmup-epochs", float), ("proj-hidden", int),
-                       ("proj-dim", int), ("image-size", int), ("max-steps", int), ("prior-prob", float)):
+                       ("proj-dim", int), ("image-size", int), ("max-steps", int), ("prior-prob", float),
+                       ("holdout-cells", str)):
         g.add_argument(f"--{flag}", type=kind)
     g.add_argument("--kl-weight", nargs="+", help="lambda; several values run each BayesNCL method "
                    "once per value, named <method>-lambda<value>")
@@ -134,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
     g.add_argument("--gate-density", nargs="+", help="a target share of open gates (lambda follows "
                    "it from --kl-weight); each BayesNCL method runs once per value, named <method>-d<D>")
+    g.add_argument("--gate-heads", nargs="+", help="mlp and/or bayesian (docs/novelty.md); each BayesNCL method runs "
+                   "once per head, a bayesian one named <method>-bayesian (default: mlp)")
     g.add_argument("--topk", nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "
                    "NCL+TopK once per k, named ncl+topk-k<k>")
     g.add_argument("--workers", type=int, default=2)
@@ -205,7 +208,7 @@ def compare(args) -> dict:
     shared, notes = shared_config(args, train_size)
     proj_dim = shared.get("proj_dim") or DATASET_DEFAULTS[args.dataset]["proj_dim"]
     configs = method_configs(methods, args.priors, args.topk or max(1, proj_dim // 8), args.kl_weight,
-                             args.gate_density)
+                             args.gate_density, args.gate_heads)
     plan = None
     if args.budget_minutes is not None:
         plan = plan_budget(args.budget_minutes, args.epochs or recipe(args)["epochs"], shared, configs, args.seeds,
@@ -277,7 +280,8 @@ def main(argv=None) -> int:
     return 0
 
 
-LISTS = {"methods": str, "priors": str, "seeds": int, "kl_weight": float, "gate_density": float, "topk": int}
+LISTS = {"methods": str, "priors": str, "seeds": int, "kl_weight": float, "gate_density": float, "topk": int,
+         "gate_heads": str}
 """The flags that take a list, and the type of its values."""
 
 

@@ -82,24 +82,28 @@ RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a ru
 
 
 def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
-                   kl_weights: list[float] | None = None, densities: list[float] | None = None) -> dict[str, dict]:
+                   kl_weights: list[float] | None = None, densities: list[float] | None = None,
+                   gate_heads: list[str] | None = None) -> dict[str, dict]:
     """Run name -> the Config fields that make that method.
 
-    BayesNCL once per prior and, given several ``kl_weights``, once per lambda (one lambda is a shared setting), and
-    once per density in ``densities`` (named <method>-d<D> even for one: a density target makes another method than a
-    fixed lambda); NCL+TopK once per k given several.
+    BayesNCL once per prior and, given several ``kl_weights``, once per lambda (one lambda is a shared setting), once
+    per density in ``densities`` (named <method>-d<D> even for one: a density target makes another method than a
+    fixed lambda), and once per gating head in ``gate_heads`` (a Bayesian one named <method>-bayesian); NCL+TopK once
+    per k given several.
     """
     made = {}
     several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
     topks = topk if isinstance(topk, list) else [topk]
     for m in methods:
         if m.startswith("bayesncl-"):
-            for prior, lam, d in itertools.product(priors, several(kl_weights), densities or [None]):
+            for prior, lam, d, head in itertools.product(priors, several(kl_weights), densities or [None],
+                                                         gate_heads or ["mlp"]):
                 name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
-                    + ("" if d is None else f"-d{d:g}")
+                    + ("" if d is None else f"-d{d:g}") + ("" if head == "mlp" else f"-{head}")
                 made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
                                   **({} if lam is None else {"kl_weight": lam}),
-                                  **({} if d is None else {"gate_density": d}))
+                                  **({} if d is None else {"gate_density": d}),
+                                  **({} if head == "mlp" else {"gate_head": head}))
         elif m == "ncl+topk" and len(topks) > 1:
             made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
         else:

@@ -457,7 +457,9 @@ def family(fields: dict) -> str:
     """
     if fields.get("method") == "bayesncl":
         prior = fields.get("prior", "bernoulli")
-        return f"bayesncl-{fields.get('gate', 'ste')}" + ("" if prior == "bernoulli" else f"+{prior}")
+        head = fields.get("gate_head", "mlp")
+        return f"bayesncl-{fields.get('gate', 'ste')}" + ("" if prior == "bernoulli" else f"+{prior}") + (
+            "" if head == "mlp" else f"-{head}")
     if fields.get("method") == "ncl":
         return "ncl+topk" if fields.get("topk") else "ncl"
     return fields.get("method", "?")
