@@ -196,8 +196,8 @@ def novelty_scorer(learner, data, cfg: Config, device, train_h: torch.Tensor | N
     """The run's ``novelty.NoveltyScorer``, fitted on its training split.
 
     ``train_h``, ``train_y``: the split's backbone features and labels (extracted here when not given). With
-    ``controls`` and gates, the control gating heads too, trained on the frozen backbone for as many steps as the run's
-    epochs have (``novelty.fit_control_heads``).
+    ``controls`` and gates, the control gating heads too, trained on the frozen backbone for as many steps as the run
+    trained (``novelty.fit_control_heads``).
     """
     if train_h is None:
         train_h, _, train_y = extract(learner, data.train, cfg, data.channels, device)
@@ -205,6 +205,7 @@ def novelty_scorer(learner, data, cfg: Config, device, train_h: torch.Tensor | N
     if controls and learner.gated:
         first, second = view_pairs(learner, data.train, cfg, data.channels, device)
         steps = cfg.epochs * max(1, len(data.train) // cfg.batch_size)
+        steps = steps if cfg.max_steps is None else min(steps, cfg.max_steps)  # the run's own steps
         with torch.enable_grad():
             fitted = novelty.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
     return novelty.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, fitted)

@@ -35,7 +35,9 @@ from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate.diagnostics import budget_note, trained_steps
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
+from bayesncl_pyro.evaluate.novelty import binary_entropy
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
+from bayesncl_pyro.nn.losses import bernoulli_kl
 from bayesncl_pyro.rundir import (
     EVAL,
     REPORT_DIR,
@@ -157,12 +159,13 @@ def _tracked(feats: TestFeatures, scores: dict | None) -> dict[int, str]:
     return {k: name for name, s in scores.items() for k in s["tracks"].nonzero().flatten().tolist()}
 
 
-def image_table(feats: TestFeatures) -> dict:
+def image_table(feats: TestFeatures, rate: torch.Tensor | None = None) -> dict:
     """Per test image: its class, the dimensions it uses, its nearest neighbours and how stable its mask is.
 
     Its class (and factors), its ``IMAGE_DIMS`` dimensions of largest activation in F as ``[dim, activation, q]`` with
     the number it uses, its nearest neighbours in F and with every gate open, and how stable its mask is under draws
-    from q (``dimensions.mask_flip_share``).
+    from q (``dimensions.mask_flip_share``); with the prior's ``rate`` (K, or N x K), its uncertainty: the posterior's
+    novelty scores ``kl_prior`` and ``gate_entropy`` (``evaluate.novelty``) and each one's percentile in the test split.
     """
     f = feats.features
     values, dims = f.topk(min(IMAGE_DIMS, f.shape[1]), dim=1)
@@ -176,6 +179,12 @@ def image_table(feats: TestFeatures) -> dict:
     if feats.gated:
         out["neighbours_ungated"] = dm.neighbours(feats.ungated, NEIGHBOURS).tolist()
         out["mask_flip_share"] = _nums(dm.mask_flip_share(feats.probs, feats.mask))
+        if rate is not None:
+            p = feats.probs
+            for name, v in (("kl_prior", bernoulli_kl(p, rate.expand_as(p), 0.0).sum(1)),
+                            ("gate_entropy", binary_entropy(p).sum(1))):
+                out[name] = _nums(v)
+                out[name + "_percentile"] = _nums(v.argsort().argsort().double() / max(1, len(v) - 1))
     return out
 
 
@@ -257,12 +266,14 @@ def _run_info(run) -> dict:
 
 
 def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, evaluation: dict | None = None,
-                gates: dict | None = None, kl: torch.Tensor | None = None, baseline: dict | None = None) -> dict:
+                gates: dict | None = None, kl: torch.Tensor | None = None, baseline: dict | None = None,
+                rate: torch.Tensor | None = None) -> dict:
     """Everything the page shows (report.json).
 
     ``run``: the run's ``dir``, ``method``, ``dataset`` and ``config``; ``gates``: :func:`gate_summary`'s, ``kl``:
-    :func:`dimensions.kl_per_dim`'s (gated runs); ``baseline``: another run's ``run`` dict with its ``features`` (a
-    TestFeatures of the same test split) and ``evaluation``.
+    :func:`dimensions.kl_per_dim`'s, ``rate``: the prior's inclusion rate (K or N x K: each image's uncertainty,
+    :func:`image_table`) (gated runs); ``baseline``: another run's ``run`` dict with its ``features`` (a TestFeatures of
+    the same test split) and ``evaluation``.
     """
     n, k = feats.features.shape
     scores = dm.factor_scores(feats) if feats.factors else None
@@ -273,7 +284,8 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
                           top_images=TOP_IMAGES, thumbnail_px=THUMBNAIL_PX),
                quantiles=list(dm.QUANTILES), training=training_curves(log or [], run["config"]["gate"] if feats.gated
                                                                       else None, run["config"].get("kl_weight", 0.0)),
-               dims=cards, images=image_table(feats), factors=factor_table(feats, scores) if feats.factors else None)
+               dims=cards, images=image_table(feats, rate),
+               factors=factor_table(feats, scores) if feats.factors else None)
     if baseline is not None:
         base = baseline["features"]
         base_cards = dimension_cards(base)
@@ -360,7 +372,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
                         "the report puts both on one test split; pass a baseline trained on the same --dataset")
     data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
     feats = test_features(learner, data)
-    gates = kl = None
+    gates = kl = rate = None
     if learner.gated:
         rate = dm.prior_rate(learner, feats)
         kl = dm.kl_per_dim(feats.probs, rate, cfg.kl_clamp)
@@ -377,7 +389,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
                             f"{other.cfg.seed}) than {run_dir} ({cfg.dataset}, seed {cfg.seed}); train the baseline "
                             "with the same --dataset, --data-dir and --seed")
         base = dict(run=_run_info(other), features=base_feats, evaluation=base_evaluation)
-    out = report_data(feats, _run_info(run), log, evaluation, gates, kl, base)
+    out = report_data(feats, _run_info(run), log, evaluation, gates, kl, base, rate)
     return out, thumbnails(data.test)
 
 

@@ -89,6 +89,11 @@ def test_report_json_invariants_and_eval_json(runs):
         assert i not in near and i not in open_near and all(0 <= j < n for j in near + open_near)
     assert all(0 <= d < k and 0 <= q <= 1 for row in images["top_dims"] for d, _, q in row)
     assert all(0 <= s <= 1 for s in images["mask_flip_share"])
+    # each image's uncertainty: the posterior's novelty scores and their percentiles in the split
+    assert len(images["kl_prior"]) == len(images["gate_entropy"]) == n
+    assert min(images["kl_prior_percentile"]) == 0 and max(images["kl_prior_percentile"]) == 1
+    top = max(range(n), key=images["gate_entropy"].__getitem__)
+    assert images["gate_entropy_percentile"][top] == 1
     # the baseline: its own list, the same split; its eval beside
     base = data["baseline"]
     assert len(base["dims"]) == read_eval(ncl)["active_dims"] and base["run"]["method"] == "ncl"
@@ -213,6 +218,7 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     assert tab.dims("#view-card") == [j]
     tab.follow("#view-card figure.thumb >> nth=0")
     assert tab.page.locator("#view-image h2").inner_text().startswith("Test image")
+    assert "its uncertainty" in tab.page.locator("#view-image").inner_text()
     assert tab.page.locator("#view-image figure.thumb").count() == 3 * report.NEIGHBOURS  # F, open, baseline
     tab.open(folder / "index.html", f"#dim/{cards[0]['dim']}")
     tab.follow("#view-card a[href^='#baseline-dim/']")  # the baseline's closest dimension, beside
