@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import EXPERIMENTS, TINY_COMPARE, TINY_RUN, make_tree, run, write_photo
+from PIL import Image
 
 from bayesncl_pyro.cli import inspect_gates, run_svi
 
@@ -31,7 +33,19 @@ SCRIPTS = {
     "report.py": lambda tmp, run: [run, "--out", str(tmp / "report")],
     "bench_report.py": lambda tmp, run: ["--images", "64", "--dims", "32", "--classes", "4"],
     "bench_pyro_parts.py": lambda tmp, run: ["--repeats", "1", "--calls", "2", "--steps", "1"],
+    # it writes novelty.json into the run folder: into a copy of the session's run
+    "novelty.py": lambda tmp, run: [shutil.copytree(run, tmp / "run"), "--no-controls", "--novel",
+                                    f"noise={_noise_images(tmp / 'noise')}"],
+    "bench_novelty.py": lambda tmp, run: ["--images", "64", "--draws", "2"],
 }
+
+
+def _noise_images(folder: Path) -> Path:
+    """Five 8 x 8 grayscale images of noise: digits-sized novel images."""
+    folder.mkdir()
+    for i in range(5):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (8, 8), dtype=np.uint8), "L").save(folder / f"{i}.png")
+    return folder
 
 
 def test_every_script_is_smoke_tested():
