@@ -71,9 +71,9 @@ class RunLog:
     record.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True, step: int = 0):
         self.path, self.batch_size, self.show_bar = Path(run_dir) / LOG, cfg.batch_size, bar
-        self.trackers = [] if not trackers else ([TensorBoardLog(run_dir)] if cfg.tensorboard else []) + (
+        self.trackers = [] if not trackers else ([TensorBoardLog(run_dir, step)] if cfg.tensorboard else []) + (
             [WandbLog(run_dir, cfg.to_dict())] if cfg.wandb else [])
         self.bar, self.last_step, self.estimated = None, 0, False
         self.tic, self.seen = time.perf_counter(), 0
@@ -140,13 +140,15 @@ INCLUSION = "gates/inclusion_per_dim"
 
 class TensorBoardLog:
     """A run's records and evaluation as TensorBoard events in its run folder."""
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, step: int = 0):
+        """Events of the run in ``run_dir`` that resumes from its checkpoint at ``step``."""
         try:
             from torch.utils.tensorboard import SummaryWriter  # late: an optional extra
         except ImportError:  # torch's writer needs the tensorboard package, an optional extra
             raise UserError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
                             "(or pip install tensorboard), or leave --tensorboard out") from None
-        self.writer = SummaryWriter(str(run_dir))
+        # a killed run's events past its checkpoint are hidden, as its log.jsonl records are cut (rundir.cut_records)
+        self.writer = SummaryWriter(str(run_dir), purge_step=step + 1 if step else None)
 
     def record(self, rec: dict, inclusion: torch.Tensor | None = None):
         """One log.jsonl record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""

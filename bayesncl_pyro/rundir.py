@@ -4,7 +4,8 @@
                     version before it, a checkpoint of ours) is taken for a run, resumed or moved aside
     config.json     the resolved Config (what was actually run)
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
-    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
+    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate); a
+                    resume cuts it, and conflict.jsonl, back to its checkpoint's step (:func:`cut_records`)
     conflict.jsonl  the per-dimension InfoNCE gradient conflict every ``conflict_every`` steps (diagnostics.py)
     eval.json       the evaluation of the final model
     gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
@@ -661,6 +662,43 @@ def append_line(line: str | bytes, path: Path):
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data
             os.write(fd, data + b"\n")  # one write: whole lines across processes (loader workers)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UserError(cannot_write(path, e)) from None
+
+
+def cut_records(path: Path, step: int):
+    """Cut a run's ``.jsonl`` file back to its records up to ``step``, the step of the checkpoint a run resumes from.
+
+    A run killed after its checkpoint had logged the steps it then takes again: kept, they would stand twice, and what
+    reads them (eval.json's ``conflict_*``) would differ from an uninterrupted run's. The file ends after the last
+    record up to ``step`` before the first one past it; what follows, a line that a kill cut short too, goes. Called
+    under the run's lock, before the run appends.
+    """
+    if not os.path.lexists(path):
+        return
+    try:
+        fd = _open(path, os.O_RDWR)
+        try:
+            keep = end = 0
+            with os.fdopen(os.dup(fd), "rb") as f:
+                for line in f:
+                    end += len(line)
+                    if end > TEXT_LIMIT:
+                        raise UserError(f"{path} holds more than {TEXT_LIMIT:,} bytes, more than a run writes; it "
+                                        "is not what a run writes: move it away")
+                    try:
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):
+                        continue  # a line that is no record: it goes with what follows, or stays with what precedes
+                    if isinstance(record, dict) and type(record.get("step")) is int:
+                        if record["step"] > step:
+                            break
+                        keep = end
+            if keep < os.fstat(fd).st_size:
+                os.ftruncate(fd, keep)
+                os.fsync(fd)
         finally:
             os.close(fd)
     except OSError as e:
