@@ -799,14 +799,36 @@ def code_references(cfg: Config) -> dict[str, str]:
 def check_config_code(path: str | os.PathLike, values: dict, trust: bool):
     """Refuse (or, trusted, announce) the code that a config file of a run folder names, as :func:`check_code`.
 
-    ``values``: the fields the run takes from the file (``run_svi.py --config``). A file that lies beside our marker
-    or a checkpoint (named so, or as a link's target) is a run's, perhaps from elsewhere: the encoder and prior it
-    names are its writer's code. Another file is the user's own.
+    ``values``: the fields the run takes from the file (``run_svi.py --config``). Whose file it is follows from where
+    it lies (:func:`written_elsewhere`), never from what stands beside it only: a run's, a record's or another user's
+    file names its writer's code. Another file is the user's own.
     """
     path = Path(path)
-    if any(os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)
-           for folder in (path.parent, path.resolve().parent)):
+    if written_elsewhere(path):
         check_code(Config(**{k: values[k] for k in ("encoder", "prior") if k in values}), path, trust)
+
+
+# the files that a run, or a record of one (compare.py --record keeps config.json, eval.json and log.jsonl), writes:
+# a folder that holds one of them, or lies in one that does, is no place of the user's own configuration
+_WRITTEN = (MARKER, CHECKPOINT, EVAL, LOG, CONFLICT, GATES_FILE)
+
+
+def written_elsewhere(path: Path) -> bool:
+    """Whether the file at ``path`` is its writer's, not the user's own.
+
+    As git trusts a repository by where it lies and whose it is (``safe.directory``), not by what it holds: a file in a
+    run folder or a record of one (a folder that holds a file a run writes, at any depth above the file, by the path
+    named and by the link's target), or one owned by another user.
+    """
+    path = Path(os.path.abspath(path))
+    for named in (path, path.resolve()):
+        for folder in named.parents:
+            if any(os.path.lexists(folder / name) for name in _WRITTEN):
+                return True
+    try:
+        return os.stat(path).st_uid != os.geteuid()
+    except OSError:
+        return False
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

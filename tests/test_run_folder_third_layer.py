@@ -1,0 +1,51 @@
+"""The run-folder rule (bayesncl_pyro/rundir.py), its third layer: trust by where a file lies, a folder inside a run
+folder however it is named, the records a resume takes back, and what compare.py --rebuild reads. docs/RELIABILITY.md
+maps each to its test."""
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers import one_error_line
+
+from bayesncl_pyro.cli import run_svi
+
+REFUSED = ("names code that opening it would import and run: prior run_gadget:Prior (module run_gadget); open it with "
+           "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
+
+
+def _naming_code(config: dict) -> bytes:
+    return json.dumps({**config, "prior": "run_gadget:Prior"}).encode()
+
+
+@pytest.mark.parametrize("where", ["record", "below a run", "another user's"])
+def test_a_config_is_trusted_by_where_it_lies(bayes_run, tmp_path, gadget_module, capsys, where):
+    """run_svi.py --config REC/run/config.json of a recorded run (config.json, eval.json, log.jsonl: no marker, no
+    checkpoint) imported the code it named: trust came from a marker beside the file, not from where it lies."""
+    config = json.loads((bayes_run / "config.json").read_text())
+    if where == "record":  # what compare.py --record keeps of a run
+        folder = tmp_path / "record" / "bayesncl-seed0"
+        folder.mkdir(parents=True)
+        for name in ("eval.json", "log.jsonl"):
+            shutil.copy(bayes_run / name, folder / name)
+    elif where == "below a run":  # an earlier run that --overwrite moved aside, in a run folder
+        run = shutil.copytree(bayes_run, tmp_path / "theirs")
+        folder = run / "previous-20240101-000000-x"
+        folder.mkdir()
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        folder = tmp_path / "shared"
+        folder.mkdir()
+    path = folder / "config.json"
+    path.write_bytes(_naming_code(config))
+    if where == "another user's":
+        os.chown(path, 4242, 4242)
+    assert run_svi.main(["--config", str(path), "--max-steps", "2", "--out", str(tmp_path / "mine")]) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {path} {REFUSED}"
+    assert not gadget_module.exists() and not (tmp_path / "mine").exists()
+    assert run_svi.config(["--config", str(path), "--trust-run"])[0].prior == "run_gadget:Prior"
+    mine = tmp_path / "mine.json"  # the user's own copy, in a folder of the user's
+    mine.write_bytes(path.read_bytes())
+    assert run_svi.config(["--config", str(mine)])[0].prior == "run_gadget:Prior"
