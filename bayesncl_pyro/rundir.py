@@ -459,16 +459,34 @@ def lock(out: Path) -> RunLock:
     return held
 
 
-@contextlib.contextmanager
-def held(out: Path):
-    """Hold the lock of run folder ``out`` meanwhile, as every writer into a run folder does.
+def run_holding(folder: Path) -> Path | None:
+    """The run folder that is or holds ``folder``, or None.
 
-    The lock this process holds already (a trainer's, which exports its gates) stays held after; one taken here is let
-    go. While another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it.
-    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder
-    that holds no run (no marker, no checkpoint: ``export_gates`` into a folder of one's own) gets no lock file.
+    That is the outermost folder at or above it that holds our marker or a checkpoint, by the path as named or else
+    by its target (a link named by the user that leads into a run). A folder inside a run folder is the run's,
+    however it is named (``RUN/report``, ``--out RUN/inspect``, a link to one): its writers take the run's lock and
+    reach it from the run folder without following a link.
     """
-    if not (os.path.lexists(out / MARKER) or os.path.lexists(out / CHECKPOINT)):
+    named = Path(os.path.abspath(folder))
+    for path in (named, named.resolve()):
+        runs = [f for f in (path, *path.parents) if os.path.lexists(f / MARKER) or os.path.lexists(f / CHECKPOINT)]
+        if runs:
+            return runs[-1]
+    return None
+
+
+@contextlib.contextmanager
+def held(folder: Path):
+    """Hold the lock of the run folder that is or holds ``folder`` (:func:`run_holding`) meanwhile.
+
+    The one decision every writer into a run folder takes, :func:`save_together` at each write. The lock this
+    process holds already (a trainer's, which exports its gates) stays held after; one taken here is let go. While
+    another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it. With the
+    lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder in no run
+    (``export_gates`` into a folder of one's own, ``--out`` elsewhere) gets no lock file; None is yielded.
+    """
+    out = run_holding(folder)
+    if out is None:
         yield None
         return
     mine = out.resolve() not in _HELD
@@ -517,10 +535,46 @@ def _remember(folder: Path, named: bool):
     _CHECKED[os.path.abspath(folder)] = (st.st_dev, st.st_ino)
 
 
+def _below_run(folder: Path) -> tuple[Path, tuple[str, ...]] | None:
+    """The run folder that holds ``folder`` (:func:`run_holding`) and the names that lead from it to ``folder``."""
+    run = run_holding(folder)
+    if run is None:
+        return None
+    named = Path(os.path.abspath(folder))
+    path = named if run in (named, *named.parents) else named.resolve()
+    return run, path.relative_to(run).parts
+
+
+def _linked_inside(folder: Path, run: Path) -> UserError:
+    """The refusal of ``folder``, a folder inside the run folder ``run`` that is a symbolic link (or no folder)."""
+    if not os.path.islink(folder):
+        return UserError(f"{folder} is a file, not a folder; move it away, or pass another --out")
+    return UserError(f"{folder} is a symbolic link, to {os.readlink(folder)}; a folder inside the run folder {run} is "
+                     "the run's however it is named, and nothing is written through a link into a run folder (it may "
+                     "point anywhere): move it away, or pass another --out")
+
+
 def _open_folder(folder: Path) -> int:
-    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    st = os.fstat(fd)
+    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked.
+
+    Inside a run folder it is reached from the run folder, a name at a time, never through a link.
+    """
+    place = _below_run(folder)
+    fd = os.open(place[0] if place else folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, name in enumerate(place[1] if place else ()):
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise _linked_inside(place[0].joinpath(*place[1][:i + 1]), place[0]) from None
+            os.close(fd)
+            fd = inner
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
     checked = _CHECKED.get(os.path.abspath(folder))
     if checked is not None and checked != (st.st_dev, st.st_ino):
         os.close(fd)
@@ -542,18 +596,29 @@ def output_folder(path: Path, named: bool = False) -> Path:
     """Return ``path``, a folder to write into, created if missing.
 
     It must be a real folder, not a symbolic link, which could point anywhere (``named``: a folder the user named,
-    ``--out``, may be one). The folder is remembered: :func:`save_together` writes into it only while it is the same.
+    ``--out``, may be one, unless it lies in a run folder: a folder inside a run folder is the run's, however it is
+    named). The folder is remembered: :func:`save_together` writes into it only while it is the same.
     """
-    if not named and path.is_symlink():
+    place = _below_run(path)
+    if place is not None:  # checked before anything is created: mkdir would create through a link
+        run, names = place
+        for i in range(1, len(names) + 1):
+            inner = run.joinpath(*names[:i])
+            if not os.path.lexists(inner):
+                break
+            if not stat.S_ISDIR(os.lstat(inner).st_mode):
+                raise _linked_inside(inner, run)
+    elif not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
                         "run folder (it may point anywhere): move it away, or pass --out")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        with held(path) if place is not None else contextlib.nullcontext():  # created in a run only under its lock
+            path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UserError(f"{path} is a file, not a folder; move it away, or pass another --out") from None
     except OSError as e:
         raise UserError(f"cannot create the folder {path}: {e.strerror}; pass another --out") from None
-    _remember(path, named)
+    _remember(path, named and place is None)
     return path
 
 
@@ -581,14 +646,18 @@ def save_together(items: list[tuple[Content, Path]]):
     ``obj`` is bytes, a function that writes into a binary file, or else what ``torch.save`` takes. All go first to
     temporary files of this process beside them (created afresh, never through a link), each fsynced, then each is
     renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. Each folder is opened once and
-    written by its descriptor, and only if it is still the folder :func:`output_folder` checked. A crash, a full disk
+    written by its descriptor, and only if it is still the folder :func:`output_folder` checked; one in a run folder
+    under the run's lock (:func:`held`), reached from the run folder without following a link. A crash, a full disk
     or a signal leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too,
     removes them. A failed write (disk full, read-only) raises ``UserError``.
     """
-    folders, temporaries, path = {}, [], None
+    folders, locked, temporaries, path = {}, set(), [], None
+    locks = contextlib.ExitStack()
     try:
         for obj, path in items:
             if path.parent not in folders:
+                if locks.enter_context(held(path.parent)) is not None:
+                    locked.add(path.parent)
                 folders[path.parent] = _open_folder(path.parent)
             folder = folders[path.parent]
             with contextlib.suppress(FileNotFoundError):
@@ -602,7 +671,7 @@ def save_together(items: list[tuple[Content, Path]]):
             # left by a killed process: one that had this pid, or under the run's lock (which no other writer holds)
             # any process's
             stale = [name for name in os.listdir(folder) if re.fullmatch(re.escape(path.name) + r"\.\d+\.tmp", name)] \
-                if _locked_here(path.parent) else [tmp]
+                if path.parent in locked else [tmp]
             for name in stale:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=folder)
@@ -617,12 +686,12 @@ def save_together(items: list[tuple[Content, Path]]):
                     torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
         try:
             for (folder, tmp), (_, path) in zip(temporaries, items):
                 os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except BaseException as e:
         for folder, tmp in temporaries:
             with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
@@ -640,12 +709,7 @@ def save_together(items: list[tuple[Content, Path]]):
     finally:
         for folder in folders.values():
             os.close(folder)
-
-
-def _locked_here(folder: Path) -> bool:
-    """Whether this process holds the lock of the run folder that is ``folder`` or holds it (report/, inspect/)."""
-    real = folder.resolve()
-    return real in _HELD or real.parent in _HELD
+        locks.close()
 
 
 def append_line(line: str | bytes, path: Path):

@@ -5,11 +5,14 @@ maps each to its test."""
 import json
 import os
 import shutil
+import socket
 
 import pytest
 from helpers import one_error_line
 
-from bayesncl_pyro.cli import run_svi
+from bayesncl_pyro.cli import export, inspect_gates, report, run_svi
+from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate.figures import inspect
 
 REFUSED = ("names code that opening it would import and run: prior run_gadget:Prior (module run_gadget); open it with "
            "--trust-run (trust_code=True in Python) only if you trust whoever wrote the run")
@@ -49,3 +52,40 @@ def test_a_config_is_trusted_by_where_it_lies(bayes_run, tmp_path, gadget_module
     mine = tmp_path / "mine.json"  # the user's own copy, in a folder of the user's
     mine.write_bytes(path.read_bytes())
     assert run_svi.config(["--config", str(mine)])[0].prior == "run_gadget:Prior"
+
+
+def _writers(run, name):
+    """Each writer with --out ``RUN/<name>`` (a folder inside the run folder, named by the user)."""
+    return [(report.main, [str(run), "--out", str(run / name)]),
+            (inspect_gates.main, [str(run), "--out", str(run / name)]),
+            (export.main, [str(run), "--out", str(run / name / "backbone.pt")])]
+
+
+def test_a_linked_folder_inside_a_run_folder_is_refused_however_it_is_named(bayes_run, tmp_path, capsys):
+    """--out RUN/report (report.py, inspect_gates.py, export.py) and the notebook's inspect(RUN, RUN / "inspect") wrote
+    through a link that the default path refused: a typed path counted as the user's."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "sub").symlink_to(elsewhere, target_is_directory=True)
+    refused = (f"{run / 'sub'} is a symbolic link, to {elsewhere}; a folder inside the run folder {run} is the run's "
+               "however it is named, and nothing is written through a link into a run folder (it may point anywhere): "
+               "move it away, or pass another --out")
+    for main, argv in _writers(run, "sub"):
+        assert main(argv) == 2, argv
+        assert one_error_line(capsys.readouterr().err) == f"error: {refused}"
+    with pytest.raises(UserError, match="is a symbolic link"):
+        inspect(run, run / "sub" / "inspect")  # below the link: nothing is created through it either
+    assert not list(elsewhere.iterdir())
+
+
+def test_a_folder_inside_a_run_folder_is_written_under_the_runs_lock(bayes_run, tmp_path, capsys, holder):
+    """--out RUN/report wrote into a folder whose training held the lock: the writers decided each for itself."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    process = holder(run)
+    for main, argv in _writers(run, "mine"):
+        assert main(argv) == 2, argv
+        assert one_error_line(capsys.readouterr().err) == (
+            f"error: {run} is in use by another run (process {process.pid} on {socket.gethostname()}); wait for it to "
+            "end, or pass another --out")
+    assert not (run / "mine").exists()
