@@ -10,8 +10,9 @@ import socket
 import pytest
 from helpers import one_error_line
 
-from bayesncl_pyro.cli import export, inspect_gates, report, run_svi
+from bayesncl_pyro.cli import compare, export, inspect_gates, report, run_svi
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate import comparison
 from bayesncl_pyro.evaluate.figures import inspect
 
 REFUSED = ("names code that opening it would import and run: prior run_gadget:Prior (module run_gadget); open it with "
@@ -89,3 +90,47 @@ def test_a_folder_inside_a_run_folder_is_written_under_the_runs_lock(bayes_run, 
             f"error: {run} is in use by another run (process {process.pid} on {socket.gethostname()}); wait for it to "
             "end, or pass another --out")
     assert not (run / "mine").exists()
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "linked"])
+def test_compare_rebuild_reads_no_run_folder_outside_its_record(compared, tmp_path, capsys, how):
+    """compare.py --rebuild followed "folder": "../../../../home/private-run", an absolute folder and a record folder
+    that is a link: the outside eval.json (with a private key) went whole into the rebuilt comparison.json."""
+    record = shutil.copytree(compared[1] / "record", tmp_path / "record")
+    private = shutil.copytree(record / "ncl-seed0", tmp_path / "private-run")
+    (private / "eval.json").write_text(json.dumps({**json.loads((private / "eval.json").read_text()), "key": "secret"}))
+    saved = json.loads((record / "comparison.json").read_text())
+    name = {"relative": "../private-run", "absolute": str(private), "linked": "ncl-seed0"}[how]
+    if how == "linked":
+        shutil.rmtree(record / "ncl-seed0")
+        (record / "ncl-seed0").symlink_to(private, target_is_directory=True)
+    runs = [{**r, "folder": name} for r in saved["runs"]]
+    (record / "comparison.json").write_text(json.dumps({**saved, "runs": runs}))
+    before = (record / "comparison.json").read_bytes()
+    assert compare.main(["--rebuild", str(record / "comparison.json")]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert err == (f"error: {record / 'ncl-seed0'} is a symbolic link, to {private}; a folder inside a run folder or a "
+                   "record is never read or written through one (it may point anywhere): move it away"
+                   if how == "linked" else
+                   f"error: {record / 'comparison.json'} names the run folder {name!r}, which is not a folder of the "
+                   f"record (a name in {record}, as --record writes it); it is not what compare.py writes: move it "
+                   "away")
+    assert (record / "comparison.json").read_bytes() == before
+    assert "secret" not in (record / "comparison.md").read_text()
+
+
+def test_compare_rebuild_reads_each_run_once_and_at_most_a_cap(compared, tmp_path, capsys, monkeypatch):
+    """1,000 entries naming one run folder (120 KB) took 43 s and 0.95 GB: no cap, and each read again."""
+    record = shutil.copytree(compared[1] / "record", tmp_path / "record")
+    saved = json.loads((record / "comparison.json").read_text())
+    (record / "comparison.json").write_text(json.dumps({**saved, "runs": saved["runs"] * 2}))
+    assert compare.main(["--rebuild", str(record / "comparison.json")]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: {record / 'comparison.json'} names the run folder 'ncl-seed0' twice; it is not what compare.py "
+        "writes: move it away")
+    monkeypatch.setattr(comparison, "MAX_RUNS", 1)
+    (record / "comparison.json").write_text(json.dumps({**saved, "runs": [*saved["runs"], saved["runs"][0]]}))
+    assert compare.main(["--rebuild", str(record / "comparison.json")]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: {record / 'comparison.json'} names 2 runs, more than the 1 a comparison holds; it is not what "
+        "compare.py writes: move it away")
