@@ -191,6 +191,10 @@ class WandbLog:
             raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
                             "leave --wandb out") from None
         self.wandb = wandb
+        hidden = Path(run_dir) / ".wandb"  # W&B writes its run there, not into wandb/, where the name exists
+        if os.path.lexists(hidden):
+            raise UserError(f"{hidden} is not what a run writes, and W&B would write its run into it (it may be a "
+                            f"link to anywhere) rather than into {Path(run_dir) / WANDB_DIR}: move it away")
         id_file = output_folder(Path(run_dir) / WANDB_DIR) / "run_id"
         run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if id_file.exists() else uuid.uuid4().hex[:8]
         if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):  # refused by W&B, whose message would ask for a login

@@ -409,6 +409,16 @@ class RunLock:
         self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
         self.created = False  # whether the claim that took it created the folder (claim sets it)
+        # the run folder, opened once: every write into it starts from this descriptor, so that the folder swapped
+        # for a link later (in a shared parent) sends nothing elsewhere
+        self.named = Path(os.path.abspath(out))
+        self.dir = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.identity = _identity(out)
+        weakref.finalize(self, os.close, self.dir)
+
+    def close(self):
+        """Let the lock go (it goes with the last copy of its file: a forked worker's too)."""
+        self.file.close()
 
 
 def unclaim(out: Path, held: RunLock):
@@ -422,15 +432,16 @@ def unclaim(out: Path, held: RunLock):
         with contextlib.suppress(FileNotFoundError):
             (out / MARKER).unlink()
         (out / LOCK).unlink()  # while still holding it: a run that opens it now finds no file to wait on
-        held.file.close()
+        held.close()
         if held.created:
             with contextlib.suppress(OSError):  # a folder someone wrote into meanwhile stays
                 out.rmdir()
     else:
-        held.file.close()
+        held.close()
 
 
-_HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionary()
+# the locks this process holds, by their run folder's device and inode (however the folder is named)
+_HELD: "weakref.WeakValueDictionary[tuple[int, int], RunLock]" = weakref.WeakValueDictionary()
 
 
 def _forget_locks():
@@ -440,7 +451,7 @@ def _forget_locks():
     behind by a SIGKILL.
     """
     for held in list(_HELD.values()):
-        held.file.close()
+        held.close()
     _HELD.clear()
 
 
@@ -452,10 +463,10 @@ def lock(out: Path) -> RunLock:
 
     A second Trainer in one process resumes there, as a rerun would; a UserError where the lock can be neither.
     """
-    key = out.resolve()
-    held = _HELD.get(key)
+    held = _HELD.get(_identity(out))
     if held is None:
-        held = _HELD[key] = RunLock(out)
+        held = RunLock(out)
+        _HELD[held.identity] = held
     return held
 
 
@@ -489,14 +500,14 @@ def held(folder: Path):
     if out is None:
         yield None
         return
-    mine = out.resolve() not in _HELD
+    mine = _identity(out) not in _HELD
     taken = lock(out)
     try:
         yield taken
     finally:
         if mine:
-            _HELD.pop(out.resolve(), None)
-            taken.file.close()
+            _HELD.pop(taken.identity, None)
+            taken.close()
 
 
 def move_aside(out: Path):
@@ -559,8 +570,14 @@ def _open_folder(folder: Path) -> int:
 
     Inside a run folder it is reached from the run folder, a name at a time, never through a link.
     """
-    place = _below_run(folder)
-    fd = os.open(place[0] if place else folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    named = Path(os.path.abspath(folder))
+    mine = next((held for held in list(_HELD.values()) if held.named in (named, *named.parents)), None)
+    if mine is not None:  # a run folder this process locked: from the folder it locked, even if since replaced
+        place = mine.named, named.relative_to(mine.named).parts
+        fd = os.dup(mine.dir)
+    else:
+        place = _below_run(folder)
+        fd = os.open(place[0] if place else folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for i, name in enumerate(place[1] if place else ()):
             try:

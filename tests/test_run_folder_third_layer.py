@@ -10,9 +10,10 @@ import socket
 import pytest
 from helpers import one_error_line
 
+from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import compare, export, inspect_gates, report, run_svi
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import comparison
+from bayesncl_pyro.evaluate import comparison, figures
 from bayesncl_pyro.evaluate.figures import inspect
 
 REFUSED = ("names code that opening it would import and run: prior run_gadget:Prior (module run_gadget); open it with "
@@ -134,3 +135,61 @@ def test_compare_rebuild_reads_each_run_once_and_at_most_a_cap(compared, tmp_pat
     assert one_error_line(capsys.readouterr().err) == (
         f"error: {record / 'comparison.json'} names 2 runs, more than the 1 a comparison holds; it is not what "
         "compare.py writes: move it away")
+
+
+def test_a_run_folder_swapped_for_a_link_during_an_export_sends_nothing_to_the_links_target(bayes_run, tmp_path,
+                                                                                             monkeypatch):
+    """During inspect_gates.py RUN --export, RUN swapped for a link (in a shared parent) sent gates.nc over the link's
+    target's own file: the run folder was named again at each write."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "gates.nc").write_text("the user's")
+    real = figures.test_features
+
+    def then_swap(*args, **kwargs):
+        features = real(*args, **kwargs)
+        run.rename(tmp_path / "moved")
+        run.symlink_to(elsewhere, target_is_directory=True)
+        return features
+
+    monkeypatch.setattr(figures, "test_features", then_swap)
+    inspect_gates.main([str(run), "--export"])
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["gates.nc"]
+    assert (elsewhere / "gates.nc").read_text() == "the user's"
+    assert (tmp_path / "moved" / "gates.nc").read_bytes()[:4] == b"\x89HDF"  # written into the folder it locked
+
+
+def test_a_write_below_a_run_folder_never_goes_through_a_link(bayes_run, tmp_path):
+    """rundir's writers called below a run folder that never went through output_folder (write_json(RUN/notes/x))
+    wrote through a linked notes/."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "notes").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError, match=f"^{run / 'notes'} is a symbolic link"):
+        rundir.write_json({"a": 1}, run / "notes" / "x.json")
+    assert not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["link", "folder"])
+def test_wandb_writes_no_run_through_a_hidden_wandb_folder(tmp_path, monkeypatch, kind):
+    """W&B prefers RUN/.wandb where it exists: a resumed run from elsewhere wrote its whole W&B run through it (and
+    replaced an outside debug.log with a symlink); only RUN/wandb was checked."""
+    pytest.importorskip("wandb", reason="wandb is an optional extra: pip install -e '.[wandb]'")
+    from bayesncl_pyro.loggers import WandbLog
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "debug.log").write_text("the user's")
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "link":
+        (run / ".wandb").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (run / ".wandb").mkdir()
+    with pytest.raises(UserError, match=f"^{run / '.wandb'} is not what a run writes, and W&B would write its run"):
+        WandbLog(run, {})
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["debug.log"] and not (run / "wandb").exists()
