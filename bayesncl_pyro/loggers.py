@@ -71,9 +71,9 @@ class RunLog:
     record.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True, step: int = 0):
         self.path, self.batch_size, self.show_bar = Path(run_dir) / LOG, cfg.batch_size, bar
-        self.trackers = [] if not trackers else ([TensorBoardLog(run_dir)] if cfg.tensorboard else []) + (
+        self.trackers = [] if not trackers else ([TensorBoardLog(run_dir, step)] if cfg.tensorboard else []) + (
             [WandbLog(run_dir, cfg.to_dict())] if cfg.wandb else [])
         self.bar, self.last_step, self.estimated = None, 0, False
         self.tic, self.seen = time.perf_counter(), 0
@@ -140,13 +140,15 @@ INCLUSION = "gates/inclusion_per_dim"
 
 class TensorBoardLog:
     """A run's records and evaluation as TensorBoard events in its run folder."""
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, step: int = 0):
+        """Events of the run in ``run_dir`` that resumes from its checkpoint at ``step``."""
         try:
             from torch.utils.tensorboard import SummaryWriter  # late: an optional extra
         except ImportError:  # torch's writer needs the tensorboard package, an optional extra
             raise UserError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
                             "(or pip install tensorboard), or leave --tensorboard out") from None
-        self.writer = SummaryWriter(str(run_dir))
+        # a killed run's events past its checkpoint are hidden, as its log.jsonl records are cut (rundir.cut_records)
+        self.writer = SummaryWriter(str(run_dir), purge_step=step + 1 if step else None)
 
     def record(self, rec: dict, inclusion: torch.Tensor | None = None):
         """One log.jsonl record; ``inclusion``: the K per-dimension mean inclusion probabilities of its step."""
@@ -189,6 +191,10 @@ class WandbLog:
             raise UserError("--wandb needs the wandb package: pip install -e '.[wandb]' (or pip install wandb), or "
                             "leave --wandb out") from None
         self.wandb = wandb
+        hidden = Path(run_dir) / ".wandb"  # W&B writes its run there, not into wandb/, where the name exists
+        if os.path.lexists(hidden):
+            raise UserError(f"{hidden} is not what a run writes, and W&B would write its run into it (it may be a "
+                            f"link to anywhere) rather than into {Path(run_dir) / WANDB_DIR}: move it away")
         id_file = output_folder(Path(run_dir) / WANDB_DIR) / "run_id"
         run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if id_file.exists() else uuid.uuid4().hex[:8]
         if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):  # refused by W&B, whose message would ask for a login

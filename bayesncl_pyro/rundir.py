@@ -4,7 +4,8 @@
                     version before it, a checkpoint of ours) is taken for a run, resumed or moved aside
     config.json     the resolved Config (what was actually run)
     checkpoint.pt   state_dicts, optimizer, scheduler, RNG states, step; replaced atomically
-    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate)
+    log.jsonl       one JSON object every ``log_every`` steps (with ``warnings`` when the gates degenerate); a
+                    resume cuts it, and conflict.jsonl, back to its checkpoint's step (:func:`cut_records`)
     conflict.jsonl  the per-dimension InfoNCE gradient conflict every ``conflict_every`` steps (diagnostics.py)
     eval.json       the evaluation of the final model
     gates.nc        BayesNCL only: the gate posterior on the test split, as ArviZ data (arviz_export.py)
@@ -409,6 +410,16 @@ class RunLock:
         self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
         self.created = False  # whether the claim that took it created the folder (claim sets it)
+        # the run folder, opened once: every write into it starts from this descriptor, so that the folder swapped
+        # for a link later (in a shared parent) sends nothing elsewhere
+        self.named = Path(os.path.abspath(out))
+        self.dir = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.identity = _identity(out)
+        weakref.finalize(self, os.close, self.dir)
+
+    def close(self):
+        """Let the lock go (it goes with the last copy of its file: a forked worker's too)."""
+        self.file.close()
 
 
 def unclaim(out: Path, held: RunLock):
@@ -422,15 +433,16 @@ def unclaim(out: Path, held: RunLock):
         with contextlib.suppress(FileNotFoundError):
             (out / MARKER).unlink()
         (out / LOCK).unlink()  # while still holding it: a run that opens it now finds no file to wait on
-        held.file.close()
+        held.close()
         if held.created:
             with contextlib.suppress(OSError):  # a folder someone wrote into meanwhile stays
                 out.rmdir()
     else:
-        held.file.close()
+        held.close()
 
 
-_HELD: "weakref.WeakValueDictionary[Path, RunLock]" = weakref.WeakValueDictionary()
+# the locks this process holds, by their run folder's device and inode (however the folder is named)
+_HELD: "weakref.WeakValueDictionary[tuple[int, int], RunLock]" = weakref.WeakValueDictionary()
 
 
 def _forget_locks():
@@ -440,7 +452,7 @@ def _forget_locks():
     behind by a SIGKILL.
     """
     for held in list(_HELD.values()):
-        held.file.close()
+        held.close()
     _HELD.clear()
 
 
@@ -452,33 +464,51 @@ def lock(out: Path) -> RunLock:
 
     A second Trainer in one process resumes there, as a rerun would; a UserError where the lock can be neither.
     """
-    key = out.resolve()
-    held = _HELD.get(key)
+    held = _HELD.get(_identity(out))
     if held is None:
-        held = _HELD[key] = RunLock(out)
+        held = RunLock(out)
+        _HELD[held.identity] = held
     return held
 
 
-@contextlib.contextmanager
-def held(out: Path):
-    """Hold the lock of run folder ``out`` meanwhile, as every writer into a run folder does.
+def run_holding(folder: Path) -> Path | None:
+    """The run folder that is or holds ``folder``, or None.
 
-    The lock this process holds already (a trainer's, which exports its gates) stays held after; one taken here is let
-    go. While another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it.
-    With the lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder
-    that holds no run (no marker, no checkpoint: ``export_gates`` into a folder of one's own) gets no lock file.
+    That is the outermost folder at or above it that holds our marker or a checkpoint, by the path as named or else
+    by its target (a link named by the user that leads into a run). A folder inside a run folder is the run's,
+    however it is named (``RUN/report``, ``--out RUN/inspect``, a link to one): its writers take the run's lock and
+    reach it from the run folder without following a link.
     """
-    if not (os.path.lexists(out / MARKER) or os.path.lexists(out / CHECKPOINT)):
+    named = Path(os.path.abspath(folder))
+    for path in (named, named.resolve()):
+        runs = [f for f in (path, *path.parents) if os.path.lexists(f / MARKER) or os.path.lexists(f / CHECKPOINT)]
+        if runs:
+            return runs[-1]
+    return None
+
+
+@contextlib.contextmanager
+def held(folder: Path):
+    """Hold the lock of the run folder that is or holds ``folder`` (:func:`run_holding`) meanwhile.
+
+    The one decision every writer into a run folder takes, :func:`save_together` at each write. The lock this
+    process holds already (a trainer's, which exports its gates) stays held after; one taken here is let go. While
+    another process trains there, a UserError: report.py, inspect_gates.py and export.py wrote beside it. With the
+    lock held, :func:`save_together` also removes the temporary files that a killed writer left. A folder in no run
+    (``export_gates`` into a folder of one's own, ``--out`` elsewhere) gets no lock file; None is yielded.
+    """
+    out = run_holding(folder)
+    if out is None:
         yield None
         return
-    mine = out.resolve() not in _HELD
+    mine = _identity(out) not in _HELD
     taken = lock(out)
     try:
         yield taken
     finally:
         if mine:
-            _HELD.pop(out.resolve(), None)
-            taken.file.close()
+            _HELD.pop(taken.identity, None)
+            taken.close()
 
 
 def move_aside(out: Path):
@@ -517,10 +547,52 @@ def _remember(folder: Path, named: bool):
     _CHECKED[os.path.abspath(folder)] = (st.st_dev, st.st_ino)
 
 
+def _below_run(folder: Path) -> tuple[Path, tuple[str, ...]] | None:
+    """The run folder that holds ``folder`` (:func:`run_holding`) and the names that lead from it to ``folder``."""
+    run = run_holding(folder)
+    if run is None:
+        return None
+    named = Path(os.path.abspath(folder))
+    path = named if run in (named, *named.parents) else named.resolve()
+    return run, path.relative_to(run).parts
+
+
+def _linked_inside(folder: Path, run: Path) -> UserError:
+    """The refusal of ``folder``, a folder inside the run folder ``run`` that is a symbolic link (or no folder)."""
+    if not os.path.islink(folder):
+        return UserError(f"{folder} is a file, not a folder; move it away, or pass another --out")
+    return UserError(f"{folder} is a symbolic link, to {os.readlink(folder)}; a folder inside the run folder {run} is "
+                     "the run's however it is named, and nothing is written through a link into a run folder (it may "
+                     "point anywhere): move it away, or pass another --out")
+
+
 def _open_folder(folder: Path) -> int:
-    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    st = os.fstat(fd)
+    """A descriptor of ``folder`` to write into, refused where it is no longer the folder that was checked.
+
+    Inside a run folder it is reached from the run folder, a name at a time, never through a link.
+    """
+    named = Path(os.path.abspath(folder))
+    mine = next((held for held in list(_HELD.values()) if held.named in (named, *named.parents)), None)
+    if mine is not None:  # a run folder this process locked: from the folder it locked, even if since replaced
+        place = mine.named, named.relative_to(mine.named).parts
+        fd = os.dup(mine.dir)
+    else:
+        place = _below_run(folder)
+        fd = os.open(place[0] if place else folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, name in enumerate(place[1] if place else ()):
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise _linked_inside(place[0].joinpath(*place[1][:i + 1]), place[0]) from None
+            os.close(fd)
+            fd = inner
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
     checked = _CHECKED.get(os.path.abspath(folder))
     if checked is not None and checked != (st.st_dev, st.st_ino):
         os.close(fd)
@@ -542,18 +614,29 @@ def output_folder(path: Path, named: bool = False) -> Path:
     """Return ``path``, a folder to write into, created if missing.
 
     It must be a real folder, not a symbolic link, which could point anywhere (``named``: a folder the user named,
-    ``--out``, may be one). The folder is remembered: :func:`save_together` writes into it only while it is the same.
+    ``--out``, may be one, unless it lies in a run folder: a folder inside a run folder is the run's, however it is
+    named). The folder is remembered: :func:`save_together` writes into it only while it is the same.
     """
-    if not named and path.is_symlink():
+    place = _below_run(path)
+    if place is not None:  # checked before anything is created: mkdir would create through a link
+        run, names = place
+        for i in range(1, len(names) + 1):
+            inner = run.joinpath(*names[:i])
+            if not os.path.lexists(inner):
+                break
+            if not stat.S_ISDIR(os.lstat(inner).st_mode):
+                raise _linked_inside(inner, run)
+    elif not named and path.is_symlink():
         raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; nothing is written through one into a "
                         "run folder (it may point anywhere): move it away, or pass --out")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        with held(path) if place is not None else contextlib.nullcontext():  # created in a run only under its lock
+            path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UserError(f"{path} is a file, not a folder; move it away, or pass another --out") from None
     except OSError as e:
         raise UserError(f"cannot create the folder {path}: {e.strerror}; pass another --out") from None
-    _remember(path, named)
+    _remember(path, named and place is None)
     return path
 
 
@@ -581,14 +664,18 @@ def save_together(items: list[tuple[Content, Path]]):
     ``obj`` is bytes, a function that writes into a binary file, or else what ``torch.save`` takes. All go first to
     temporary files of this process beside them (created afresh, never through a link), each fsynced, then each is
     renamed over its path with SIGINT, SIGTERM and SIGUSR1 held back until all are. Each folder is opened once and
-    written by its descriptor, and only if it is still the folder :func:`output_folder` checked. A crash, a full disk
+    written by its descriptor, and only if it is still the folder :func:`output_folder` checked; one in a run folder
+    under the run's lock (:func:`held`), reached from the run folder without following a link. A crash, a full disk
     or a signal leaves the previous files or all the new ones, and no temporary file: any failure, an interrupt too,
     removes them. A failed write (disk full, read-only) raises ``UserError``.
     """
-    folders, temporaries, path = {}, [], None
+    folders, locked, temporaries, path = {}, set(), [], None
+    locks = contextlib.ExitStack()
     try:
         for obj, path in items:
             if path.parent not in folders:
+                if locks.enter_context(held(path.parent)) is not None:
+                    locked.add(path.parent)
                 folders[path.parent] = _open_folder(path.parent)
             folder = folders[path.parent]
             with contextlib.suppress(FileNotFoundError):
@@ -602,7 +689,7 @@ def save_together(items: list[tuple[Content, Path]]):
             # left by a killed process: one that had this pid, or under the run's lock (which no other writer holds)
             # any process's
             stale = [name for name in os.listdir(folder) if re.fullmatch(re.escape(path.name) + r"\.\d+\.tmp", name)] \
-                if _locked_here(path.parent) else [tmp]
+                if path.parent in locked else [tmp]
             for name in stale:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=folder)
@@ -617,12 +704,12 @@ def save_together(items: list[tuple[Content, Path]]):
                     torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
         try:
             for (folder, tmp), (_, path) in zip(temporaries, items):
                 os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except BaseException as e:
         for folder, tmp in temporaries:
             with contextlib.suppress(OSError):  # on a read-only file system removing it fails too, and would hide e
@@ -640,12 +727,7 @@ def save_together(items: list[tuple[Content, Path]]):
     finally:
         for folder in folders.values():
             os.close(folder)
-
-
-def _locked_here(folder: Path) -> bool:
-    """Whether this process holds the lock of the run folder that is ``folder`` or holds it (report/, inspect/)."""
-    real = folder.resolve()
-    return real in _HELD or real.parent in _HELD
+        locks.close()
 
 
 def append_line(line: str | bytes, path: Path):
@@ -662,6 +744,43 @@ def append_line(line: str | bytes, path: Path):
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data
             os.write(fd, data + b"\n")  # one write: whole lines across processes (loader workers)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UserError(cannot_write(path, e)) from None
+
+
+def cut_records(path: Path, step: int):
+    """Cut a run's ``.jsonl`` file back to its records up to ``step``, the step of the checkpoint a run resumes from.
+
+    A run killed after its checkpoint had logged the steps it then takes again: kept, they would stand twice, and what
+    reads them (eval.json's ``conflict_*``) would differ from an uninterrupted run's. The file ends after the last
+    record up to ``step`` before the first one past it; what follows, a line that a kill cut short too, goes. Called
+    under the run's lock, before the run appends.
+    """
+    if not os.path.lexists(path):
+        return
+    try:
+        fd = _open(path, os.O_RDWR)
+        try:
+            keep = end = 0
+            with os.fdopen(os.dup(fd), "rb") as f:
+                for line in f:
+                    end += len(line)
+                    if end > TEXT_LIMIT:
+                        raise UserError(f"{path} holds more than {TEXT_LIMIT:,} bytes, more than a run writes; it "
+                                        "is not what a run writes: move it away")
+                    try:
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):
+                        continue  # a line that is no record: it goes with what follows, or stays with what precedes
+                    if isinstance(record, dict) and type(record.get("step")) is int:
+                        if record["step"] > step:
+                            break
+                        keep = end
+            if keep < os.fstat(fd).st_size:
+                os.ftruncate(fd, keep)
+                os.fsync(fd)
         finally:
             os.close(fd)
     except OSError as e:
@@ -762,14 +881,36 @@ def code_references(cfg: Config) -> dict[str, str]:
 def check_config_code(path: str | os.PathLike, values: dict, trust: bool):
     """Refuse (or, trusted, announce) the code that a config file of a run folder names, as :func:`check_code`.
 
-    ``values``: the fields the run takes from the file (``run_svi.py --config``). A file that lies beside our marker
-    or a checkpoint (named so, or as a link's target) is a run's, perhaps from elsewhere: the encoder and prior it
-    names are its writer's code. Another file is the user's own.
+    ``values``: the fields the run takes from the file (``run_svi.py --config``). Whose file it is follows from where
+    it lies (:func:`written_elsewhere`), never from what stands beside it only: a run's, a record's or another user's
+    file names its writer's code. Another file is the user's own.
     """
     path = Path(path)
-    if any(os.path.lexists(folder / MARKER) or os.path.lexists(folder / CHECKPOINT)
-           for folder in (path.parent, path.resolve().parent)):
+    if written_elsewhere(path):
         check_code(Config(**{k: values[k] for k in ("encoder", "prior") if k in values}), path, trust)
+
+
+# the files that a run, or a record of one (compare.py --record keeps config.json, eval.json and log.jsonl), writes:
+# a folder that holds one of them, or lies in one that does, is no place of the user's own configuration
+_WRITTEN = (MARKER, CHECKPOINT, EVAL, LOG, CONFLICT, GATES_FILE)
+
+
+def written_elsewhere(path: Path) -> bool:
+    """Whether the file at ``path`` is its writer's, not the user's own.
+
+    As git trusts a repository by where it lies and whose it is (``safe.directory``), not by what it holds: a file in a
+    run folder or a record of one (a folder that holds a file a run writes, at any depth above the file, by the path
+    named and by the link's target), or one owned by another user.
+    """
+    path = Path(os.path.abspath(path))
+    for named in (path, path.resolve()):
+        for folder in named.parents:
+            if any(os.path.lexists(folder / name) for name in _WRITTEN):
+                return True
+    try:
+        return os.stat(path).st_uid != os.geteuid()
+    except OSError:
+        return False
 
 
 def check_code(cfg: Config, path: Path, trust: bool):

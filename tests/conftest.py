@@ -1,6 +1,7 @@
 import gc
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -151,3 +152,36 @@ def gadget_module(tmp_path, monkeypatch) -> Path:
     monkeypatch.syspath_prepend(str(code))
     monkeypatch.delitem(sys.modules, "run_gadget", raising=False)
     return tmp_path / "imported"
+
+
+@pytest.fixture(scope="session")
+def compared(tmp_path_factory) -> tuple[list[str], Path]:
+    """A one-run comparison (NCL, two steps) whose run is kept in a --record folder: a rerun trains nothing."""
+    from helpers import TINY_COMPARE
+
+    from bayesncl_pyro.cli import compare
+
+    root = tmp_path_factory.mktemp("compared")
+    args = [*TINY_COMPARE, "--methods", "ncl", "--device", "cpu", "--out", str(root / "out"), "--record",
+            str(root / "record")]
+    assert compare.main(args) == 0
+    return args, root
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Start a process that holds the lock of a run folder, as a training run does, until the test ends."""
+    started = []
+
+    def hold(run: Path) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from pathlib import Path; from bayesncl_pyro import rundir; "
+             f"lock = rundir.lock(Path({str(run)!r})); print('locked', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(process)
+        assert process.stdout.readline() == "locked\n"
+        return process
+
+    yield hold
+    for process in started:
+        process.communicate("")

@@ -198,3 +198,10 @@ def write_cifar_pickles(root: Path, name: str, rows: int = 4) -> Path:
             dump(folder / f, {**batch(b"fine_labels", 100), b"coarse_labels": [0] * rows})
         dump(folder / "meta", {b"fine_label_names": [f"f{i}".encode() for i in range(100)]})
     return folder
+
+
+def one_error_line(err: str) -> str:
+    """The one ``error: ...`` line a command printed on stderr, with no traceback."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]

@@ -130,8 +130,9 @@ def test_inspect_gates_writes_over_links_in_inspect_never_through_them(bayes_run
     (run / "inspect").symlink_to(tmp_path, target_is_directory=True)
     assert inspect_gates.main([str(run)]) == 2
     assert _one_error_line(capsys.readouterr().err) == (
-        f"error: {run / 'inspect'} is a symbolic link, to {tmp_path}; nothing is written through one into a run "
-        "folder (it may point anywhere): move it away, or pass --out")
+        f"error: {run / 'inspect'} is a symbolic link, to {tmp_path}; a folder inside the run folder {run} is the "
+        "run's however it is named, and nothing is written through a link into a run folder (it may point anywhere): "
+        "move it away, or pass another --out")
     (run / "inspect").unlink()
     (run / "inspect").write_text("mine")
     assert inspect_gates.main([str(run)]) == 2

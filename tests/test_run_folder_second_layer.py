@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_COMPARE, TINY_RUN, fast, make_tree
+from helpers import TINY_RUN, fast, make_tree
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import compare, inspect_gates, run_svi
@@ -94,16 +94,6 @@ def test_a_folder_of_files_named_like_ours_is_not_taken_for_a_run(tmp_path, caps
         "mine too" and (mine / "previous-drafts" / "notes.txt").read_text() == "draft"
 
 
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory) -> tuple[list[str], Path]:
-    """A one-run comparison (NCL, two steps) whose run is kept in a --record folder: a rerun trains nothing."""
-    root = tmp_path_factory.mktemp("compared")
-    args = [*TINY_COMPARE, "--methods", "ncl", "--device", "cpu", "--out", str(root / "out"), "--record",
-            str(root / "record")]
-    assert compare.main(args) == 0
-    return args, root
-
-
 def test_compare_writes_over_links_in_its_out_never_through_them(compared, tmp_path, capsys):
     """Rerun with the same --out after comparison.md, comparison.json or a figure were made links: the targets were
     overwritten (write_text, savefig)."""
@@ -139,8 +129,9 @@ def test_inspect_writes_nothing_through_an_inspect_folder_swapped_for_a_link_whi
     monkeypatch.setattr(figures, "test_features", then_swap)
     assert inspect_gates.main([str(run)]) == 2
     assert _one_error_line(capsys.readouterr().err) == (
-        f"error: {run / 'inspect'} was replaced while it was written into (it is now a symbolic link, to {elsewhere}); "
-        "nothing is written into a folder that is not the one checked: move it away and rerun")
+        f"error: {run / 'inspect'} is a symbolic link, to {elsewhere}; a folder inside the run folder {run} is the "
+        "run's however it is named, and nothing is written through a link into a run folder (it may point anywhere): "
+        "move it away, or pass another --out")
     assert not list(elsewhere.iterdir()) and not list((tmp_path / "moved").iterdir())
 
 
@@ -446,25 +437,6 @@ def test_a_wandb_run_id_that_is_no_id_is_refused_as_not_a_runs(tmp_path, monkeyp
     assert str(err.value) == (
         f"{tmp_path / 'wandb' / 'run_id'} holds '../../elsewhere', not a W&B run id (letters, digits, - and _, as a "
         "run writes it); it is not what a run writes: move it away, and a new W&B run starts")
-
-
-@pytest.fixture
-def holder(tmp_path):
-    """Start a process that holds the lock of a run folder, as a training run does, until the test ends."""
-    started = []
-
-    def hold(run: Path) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from pathlib import Path; from bayesncl_pyro import rundir; "
-             f"lock = rundir.lock(Path({str(run)!r})); print('locked', flush=True); sys.stdin.read()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        started.append(process)
-        assert process.stdout.readline() == "locked\n"
-        return process
-
-    yield hold
-    for process in started:
-        process.communicate("")
 
 
 def test_every_writer_into_a_run_folder_respects_a_held_lock(bayes_run, tmp_path, capsys, holder):

@@ -48,3 +48,18 @@ def test_tensorboard_missing_is_one_line_before_training(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"--tensorboard needs the tensorboard package: pip install -e '\.\[tensorb"):
         Trainer(Config(out=str(tmp_path / "run"), **TINY), progress=False)
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_a_resumed_run_hides_the_events_a_killed_run_logged_past_its_checkpoint(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                            reason="tensorboard is an optional extra: pip install -e '.[tensorboard]'")
+    out = tmp_path / "run"
+    cfg = Config(out=str(out), **{**TINY, "log_every": 1, "ckpt_every": 2, "max_steps": 6})
+    killed = Trainer(cfg, progress=False)
+    killed.train(5)  # a checkpoint at step 4; step 5 logged, then killed
+    killed.log.close()
+    del killed
+    Trainer(cfg, progress=False).fit()
+    events = event_accumulator.EventAccumulator(str(out))
+    events.Reload()
+    assert [s.step for s in events.Scalars("train/loss")] == [r["step"] for r in read_log(out)] == [1, 2, 3, 4, 5, 6]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import novelty
 from bayesncl_pyro.evaluate.heldout import describe_protocol
 from bayesncl_pyro.evaluate.matched import (
@@ -188,24 +189,49 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
                 paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
 
 
+MAX_RUNS = 1_000  # the most runs a comparison's json names: ten times the largest recorded comparison's
+
+
 def rebuild(path: Path) -> dict:
     """A comparison.json rebuilt from its runs' records, by today's code: no run is trained again.
 
     ``path``: a comparison's json (``comparison.json``, or a renamed one such as ``comparison-d0.3.json``) in the folder
-    that records its runs (``--record``). Each run's eval.json is read again from ``<folder>/<run folder>`` (so that
-    figures added to it since, and every figure derived from it, come in), its family from its config.json
+    that records its runs (``--record``). Each run's eval.json is read again, once, from ``<folder>/<run folder>`` (so
+    that figures added to it since, and every figure derived from it, come in), its family from its config.json
     (:func:`matched.family`: comparisons recorded before families have none); its name, seed, folder and training time
-    are the comparison's; notes, settings, budget and wall time are kept as they were.
+    are the comparison's; notes, settings, budget and wall time are kept as they were. A run folder is a folder of the
+    record's own, named once, never a path out of it (``..``, an absolute one) nor a link; at most ``MAX_RUNS``.
     """
     old = rundir.read_json(path)
-    runs = []
-    for r in old["runs"]:
-        cfg = rundir.read_json(path.parent / r["folder"] / rundir.CONFIG)
-        runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=r["folder"],
-                         **rundir.read_eval(path.parent / r["folder"], cfg.get("gate")),
-                         train_time_s=r["train_time_s"]))
-    return comparison(old["dataset"], old["seeds"], old["notes"], runs, old["settings"], old.get("budget"),
-                      old["wall_s"])
+    entries = old.get("runs") if isinstance(old, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(r, dict) for r in entries):
+        raise UserError(f"{path} is not a comparison's json (no list of runs); pass the comparison.json of a --record "
+                        "folder")
+    if len(entries) > MAX_RUNS:
+        raise UserError(f"{path} names {len(entries):,} runs, more than the {MAX_RUNS:,} a comparison holds; it is not "
+                        "what compare.py writes: move it away")
+    runs, seen = [], set()
+    try:
+        for r in entries:
+            name = r["folder"]
+            if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or Path(name).name != name:
+                raise UserError(f"{path} names the run folder {quoted(name)}, which is not a folder of the record "
+                                f"(a name in {path.parent}, as --record writes it); it is not what compare.py writes: "
+                                "move it away")
+            if name in seen:
+                raise UserError(f"{path} names the run folder {quoted(name)} twice; it is not what compare.py writes: "
+                                "move it away")
+            seen.add(name)
+            folder = rundir.inner_folder(path.parent / name)  # a link in the record may point anywhere
+            cfg = rundir.read_json(folder / rundir.CONFIG)
+            runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=name,
+                             **rundir.read_eval(folder, cfg.get("gate")), train_time_s=r["train_time_s"]))
+        kept = old["dataset"], old["seeds"], old["notes"], old["settings"], old.get("budget"), old["wall_s"]
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a comparison's json as compare.py writes it ({type(e).__name__}: {e}); pass "
+                        "the comparison.json of a --record folder") from None
+    dataset, seeds, notes, settings, budget, wall_s = kept
+    return comparison(dataset, seeds, notes, runs, settings, budget, wall_s)
 
 
 def table(summary: dict, columns: list, seeds: int) -> str:

@@ -5,6 +5,7 @@ dimension heatmap), the most class-consistent dimensions' top images, and the In
 baseline's.
 """
 
+import contextlib
 import textwrap
 from pathlib import Path
 
@@ -274,12 +275,11 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
     ``out``: a folder the user names; by default RUN/inspect, a real folder of the run (``rundir.output_folder``). With
     ``export``, first (re)write the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of
     ``load_learner``. Everything is read from the run folders before anything is written: a file refused there leaves no
-    figure behind. Writing into the run folder (by default, or ``export``) holds its lock (``rundir.held``): refused
-    while a run trains there.
+    figure behind. Writing into a run folder (by default, an ``out`` inside one, or ``export``) holds its lock, taken
+    before anything is read (``rundir.held``): refused while a run trains there.
     """
-    if out is not None and not export:
-        return _inspect(run_dir, out, baseline, export, **load)
-    with held(run_folder(run_dir)):
+    with held(out if out is not None else run_folder(run_dir) / INSPECT_DIR), \
+            held(run_folder(run_dir)) if export else contextlib.nullcontext():
         return _inspect(run_dir, out, baseline, export, **load)
 
 

@@ -413,13 +413,12 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
                  out: str | os.PathLike | None = None, **load) -> Path:
     """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report).
 
-    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them. Into the run folder under its lock
-    (``rundir.held``): refused while a run trains there.
+    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them. Into a run folder (by default, or an ``out``
+    inside one) under its lock, taken before the report is built (``rundir.held``): refused while a run trains there.
     """
-    if out is not None:
-        return write(*build(run_dir, baseline, **load), out)
-    with held(run_folder(run_dir)):
-        return write(*build(run_dir, baseline, **load), run_folder(run_dir) / REPORT_DIR, named=False)
+    target = Path(out) if out is not None else run_folder(run_dir) / REPORT_DIR
+    with held(target):
+        return write(*build(run_dir, baseline, **load), target, named=out is not None)
 
 
 class Report:

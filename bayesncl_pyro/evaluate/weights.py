@@ -3,7 +3,6 @@
 The backbone's and the head's state_dicts, and the lines of code that load them (experiments/export.py).
 """
 
-import contextlib
 from pathlib import Path
 
 from bayesncl_pyro import rundir
@@ -29,10 +28,8 @@ def export_weights(run_dir: Path, out: Path, head_out: Path | None = None, trust
     for path in (out, head_out):
         rundir.output_folder(path.parent, named=True)
     backbone, head = learner.backbone.state_dict(), learner.head.state_dict()
-    run = rundir.run_folder(run_dir).resolve()
-    # into the run folder (the default) under its lock: refused while a run trains there
-    with rundir.held(run) if run in (out.parent.resolve(), head_out.parent.resolve()) else contextlib.nullcontext():
-        rundir.save_together([(backbone, out), (head, head_out)])
+    # into a run folder (the default) under its lock, as every write: refused while a run trains there
+    rundir.save_together([(backbone, out), (head, head_out)])
     channels, size = learner.in_channels, cfg.image_size
     feature_dim = learner.head.projector[0].in_features
     build = torchvision_code(cfg.encoder, channels, size) or [

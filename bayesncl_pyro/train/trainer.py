@@ -48,9 +48,11 @@ from bayesncl_pyro.rundir import (
     CONFIG,
     CONFLICT,
     EVAL,
+    LOG,
     TEXT_LIMIT,
     append_line,
     atomic_save,
+    cut_records,
     read_bytes,
     write_json,
 )
@@ -153,10 +155,12 @@ class Trainer:
         self._step = StepGraph(self._eager_step) if cfg.cuda_graphs else self._eager_step
         self.log, self.monitor = None, None
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
+            for records in (LOG, CONFLICT):  # what a killed run logged past its checkpoint is logged again
+                cut_records(self.out / records, self.step)
             write_json(cfg.to_dict(), self.out / CONFIG)
             bar = sys.stderr.isatty() if progress is None else progress
             # a finished run evaluated before has nothing left to log: no TensorBoard or W&B run is started
-            self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated)
+            self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated, step=self.step)
             if cfg.monitor_every:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 

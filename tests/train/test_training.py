@@ -339,3 +339,25 @@ def test_monitoring_logs_knn_and_rankme_every_few_epochs_and_changes_nothing_els
         assert ("knn_top1" in r) == (r["step"] == 7)  # not at the last: the evaluation follows
     assert all(0 < r["knn_top1"] <= 1 and 1 <= r["rankme"] <= 32 for r in log if "knn_top1" in r)
     assert not any("knn_top1" in r for r in read_log(tmp_path / "b" / "run"))
+
+
+def test_a_resumed_run_keeps_no_record_past_its_checkpoint(tmp_path):
+    """A run killed after its checkpoint (it logged steps 7 and 8, and was cut short writing 9), rerun: its log.jsonl
+    and conflict.jsonl hold what an uninterrupted run's do, each step once."""
+    kw = dict(conflict_every=2, max_steps=10)
+    Trainer(tiny(tmp_path / "a", **kw), progress=False).fit()
+    killed = Trainer(tiny(tmp_path / "b", **kw), progress=False)
+    killed.train(8)  # checkpoints at steps 3 and 6
+    del killed  # its process ends: the run folder's lock goes with it
+    with open(tmp_path / "b" / "run" / "log.jsonl", "a") as f:
+        f.write('{"step": 9, "epo')  # the line a SIGKILL cut short
+    Trainer(tiny(tmp_path / "b", **kw), progress=False).fit()
+
+    def records(run, name):  # all but the clock's
+        return [{k: v for k, v in json.loads(line).items() if k != "images_per_s"}
+                for line in (tmp_path / run / "run" / name).read_text().splitlines()]
+
+    assert [r["step"] for r in records("b", "log.jsonl")] == list(range(1, 11))
+    assert [r["step"] for r in records("b", "conflict.jsonl")] == [2, 4, 6, 8, 10]
+    for name in ("log.jsonl", "conflict.jsonl"):
+        assert records("b", name) == records("a", name)
