@@ -44,7 +44,8 @@ def _noise_images(folder: Path) -> Path:
     """Five 8 x 8 grayscale images of noise: digits-sized novel images."""
     folder.mkdir()
     for i in range(5):
-        Image.fromarray(np.random.default_rng(i).integers(0, 255, (8, 8), dtype=np.uint8), "L").save(folder / f"{i}.png")
+        noise = np.random.default_rng(i).integers(0, 255, (8, 8), dtype=np.uint8)
+        Image.fromarray(noise, "L").save(folder / f"{i}.png")
     return folder
 
 
