@@ -163,7 +163,7 @@ def shared_settings(cfg: Config, several_lambdas: bool) -> dict:
     ``cfg``: one run's Config, a gated one's where there are gates; lambda differs too where there are
     ``several_lambdas``.
     """
-    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density"} | (
+    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density", "gate_head"} | (
         {"kl_weight"} if several_lambdas else set())
     return {k: v for k, v in cfg.identity().items() if k not in per_run}
 
