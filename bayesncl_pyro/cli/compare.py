@@ -88,7 +88,7 @@ from bayesncl_pyro.evaluate.comparison import (
     train_time,
     write_comparison,
 )
-from bayesncl_pyro.evaluate.matched import family
+from bayesncl_pyro.evaluate.pairing import family
 from bayesncl_pyro.train.resolve import resolve
 
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"

@@ -5,28 +5,28 @@ ours, and comparison.md and comparison.json.
 """
 
 import itertools
-import math
 from pathlib import Path
 
 from bayesncl_pyro import rundir
+from bayesncl_pyro._deprecated import moved
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError, quoted
-from bayesncl_pyro.evaluate import novelty
+from bayesncl_pyro.evaluate import design, novelty
+from bayesncl_pyro.evaluate.comparison_figures import plot, plot_matched, plot_paired
 from bayesncl_pyro.evaluate.heldout import describe_protocol
-from bayesncl_pyro.evaluate.matched import (
-    MATCHED_COLUMNS,
+from bayesncl_pyro.evaluate.pairing import (
+    BASELINES,
+    LABELS,
     MECHANISM,
     MECHANISM_BASELINES,
-    TOPN_COLUMNS,
+    READINGS,
     family,
     flat_controls,
     paired,
     paired_table,
-    plot_matched,
-    plot_paired,
     topk_at_rate,
 )
-from bayesncl_pyro.evaluate.stats import EQUIVALENCE_MARGIN, POWER
+from bayesncl_pyro.evaluate.stats import POWER, mean_sd
 from bayesncl_pyro.infer.estimators import GATES
 
 METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
@@ -63,6 +63,43 @@ MECHANISM_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"),
                                                                        1, ".1f"),
                      ("conflict class", "conflict_class", 1, ".3f"), ("class dims measured", "conflict_dims_class",
                                                                       1, ".1f")]
+
+MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
+                   ("Dims", "active_dims", 1, ".0f"), ("Cons.", "semantic_consistency", 100, ".2f"),
+                   ("class dims", "dims_tracking_class", 1, ".1f"), ("bg dims", "dims_tracking_background", 1, ".1f"),
+                   ("TopK Cons. at Act.", "topk_semantic_consistency_at_rate", 100, ".2f"),
+                   ("TopK class dims at Act.", "topk_dims_tracking_class_at_rate", 1, ".1f"),
+                   ("TopK Cons. at Sparsity", "topk_semantic_consistency_at_sparsity", 100, ".2f"),
+                   ("TopK Cons. at Sparsity (TopK runs only)", "topk_semantic_consistency_at_sparsity_without_ncl",
+                    100, ".2f"),
+                   ("TopK class dims at Sparsity", "topk_dims_tracking_class_at_sparsity", 1, ".1f"),
+                   ("random-mask Cons.", "semantic_consistency_random_mask", 100, ".2f"),
+                   ("random-mask class dims", "dims_tracking_class_random_mask", 1, ".1f"),
+                   ("post. mean Cons.", "semantic_consistency_posterior_mean", 100, ".2f"),
+                   ("post. mean Act.", "activation_rate_posterior_mean", 100, ".1f"),
+                   ("q draws Cons.", "semantic_consistency_q_draws", 100, ".2f"),
+                   ("q draws class dims", "dims_tracking_class_q_draws", 1, ".1f"),
+                   ("Gates on", "gates_open", 100, ".1f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
+                   ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f"),
+                   ("TopK LP@1 at Sparsity", "topk_linear_probe_top1_at_sparsity", 100, ".2f")]
+"""compare.py's table at matched sparsity: each run's figures beside the baselines at its own sparsity."""
+
+TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "semantic_consistency", 100, ".2f"),
+                ("Cons. top-N", "semantic_consistency_topn", 100, ".2f"),
+                ("top-N dims", "topn_coverage_dims", 1, ".1f"), ("top-N images", "topn_coverage_images", 100, ".1f"),
+                ("chance", "topn_chance", 100, ".2f"),
+                ("TopK top-N at Sparsity", "topk_semantic_consistency_topn_at_sparsity", 100, ".2f"),
+                ("TopK top-N at Sparsity (TopK runs only)", "topk_semantic_consistency_topn_at_sparsity_without_ncl",
+                 100, ".2f"),
+                *((f"{short}: {label}", f"control_{name}_{key}", 100, ".2f")
+                  for name, short in (("posthoc_topk", "post-hoc TopK"), ("random_per_image", "random per image"),
+                                      ("random_pruned", "random pruned"))
+                  for label, key in (("Cons.", "semantic_consistency"), ("top-N", "semantic_consistency_topn"))),
+                ("ungated top-N", "semantic_consistency_topn_ungated", 100, ".2f"),
+                ("q's mean top-N", "semantic_consistency_topn_posterior_mean", 100, ".2f"),
+                ("q draws top-N", "semantic_consistency_topn_q_draws", 100, ".2f")]
+"""compare.py's table of the two consistencies: each run's, beside its controls as sparse as F image by image
+(eval.json's ``controls``, flattened to ``control_<name>_<key>`` by :func:`flat_controls`)."""
 
 # The paper's numbers (docs/METHOD.md, "Published numbers": ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100,
 # the reference's evaluation protocol), in the units of COLUMNS: dataset -> method -> eval key -> value. The paper's
@@ -141,19 +178,13 @@ def train_time(run_dir: Path, batch_size: int) -> float:
     return total
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    m = sum(values) / len(values)
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-
-
 def summarise(runs: list[dict], keys: list[str]) -> dict:
     """Method -> {key: [mean, std]} over its seeds, for the keys its runs have."""
     out = {}
     for run in runs:
         out.setdefault(run["name"], [])
         out[run["name"]].append(run)
-    return {name: {k: list(mean_std([r[k] for r in rs])) for k in keys if all(k in r for r in rs)}
+    return {name: {k: list(mean_sd([r[k] for r in rs])) for k in keys if all(k in r for r in rs)}
             for name, rs in out.items()}
 
 
@@ -173,17 +204,23 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     """What comparison.json holds: the runs, the means over seeds, the paired comparisons and the shared settings.
 
     Each run (``runs``: its name, family, seed, folder and eval.json's figures, each given NCL+TopK's at its sparsity),
-    each method's means over ``seeds``, the paired rows on the consistencies (``paired``) and, where the runs have them,
-    on :data:`matched.MECHANISM` (``paired_mechanism``: another table, another family for Holm), the novelty scores'
-    means (``novelty``) and the declared novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings``
-    (:func:`shared_settings`).
+    each method's means over ``seeds``, the design declared before the runs (``design``: ``design.declaration``), the
+    paired rows on the consistencies split by it into the primary family (``paired_primary``) and the exploratory rows
+    (``paired``), and, where the runs have them, the rows on :data:`pairing.MECHANISM` (``paired_mechanism``:
+    exploratory, another table, another family for Holm), the novelty scores' means (``novelty``) and the declared
+    novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings`` (:func:`shared_settings`).
     """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
     keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
                               + TOPN_COLUMNS + MECHANISM_COLUMNS))
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
+    rows = paired(runs)
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
-                summary=summarise(runs, keys), paired=paired(runs),
+                summary=summarise(runs, keys), design=design.declaration(),
+                paired_primary=sorted((r for r in rows if r["role"] == "primary"),  # in the declared order
+                                      key=lambda r: [BASELINES[b] for b in design.PRIMARY_BASELINES].index(
+                                          r["baseline"])),
+                paired=[r for r in rows if r["role"] == "exploratory"],
                 paired_mechanism=paired(runs, MECHANISM, MECHANISM_BASELINES),
                 novelty=novelty.summary(runs), paired_novelty=novelty.paired(runs), runs=runs,
                 paper=PAPER.get(dataset, {}), budget=budget, wall_s=wall_s)
@@ -318,25 +355,39 @@ def markdown(report: dict) -> str:
                "factor and were measured (dims measured).", "", table(summary, MECHANISM_COLUMNS, len(seeds))]
     paired_note = (
         "each gated method minus each baseline on the same seed, in points; 95 % confidence intervals of the mean "
-        "difference by Student's t and by the bootstrap over seeds (10,000 resamples); one-sided 95 % bounds: the "
-        "mean difference is above the first and below the second, each at 95 % (\"no gain above\" the second); TOST "
-        f"p: two one-sided tests of a difference within +/- {100 * EQUIVALENCE_MARGIN:g} points (the margin fixed in "
-        "code before any result was read: evaluate/stats.py), below 0.05 only where the difference is shown to be "
-        f"that small; MDD: the true difference a two-sided 5 % paired t test of these seeds detects with "
-        f"{100 * POWER:g} % power at their standard deviation; above / below: seeds whose difference is positive / "
-        "negative; p: two-sided t test of a zero mean, and Holm's adjustment of it over every row of the table. An "
-        "interval that contains 0 does not separate the method from the baseline, nor show them equal: the bounds "
-        "and TOST say how large a difference the seeds leave possible. Trained TopK is interpolated at the gated "
-        "run's own sparsity (share of zeros over all K dims) or activation rate (of its live dims), between the two "
-        "nearest points of its seed's curve, with NCL as a point of the curve (k = K) and on TopK runs alone: the two "
-        "differ where NCL is one of the nearest points.")
+        "difference by Student's t and by the bootstrap over seeds (10,000 resamples; a percentile bootstrap of 3 to "
+        "10 seeds covers less than 95 %, so it is no check of the t interval); one-sided 95 % bounds: the mean "
+        "difference is above the first and below the second, each at 95 % (\"no gain above\" the second); margin and "
+        f"TOST p: two one-sided tests of a difference within +/- {100 * design.RELATIVE_MARGIN:g} % of the "
+        "baseline's mean over the paired seeds (the margin, in points, fixed in code before any result was read: "
+        "evaluate/design.py), below 0.05 only where the difference is shown to be that small; MDD: the true "
+        f"difference a two-sided 5 % paired t test of these seeds detects with {100 * POWER:g} % power at their "
+        "standard deviation; above / below: seeds whose difference is positive / negative; p: two-sided t test of a "
+        "zero mean, and Holm's adjustment within the row's family. An interval that contains 0 does not separate the "
+        "method from the baseline, nor show them equal: the bounds and TOST say how large a difference the seeds "
+        "leave possible. Trained TopK is interpolated at the gated run's own sparsity (share of zeros over all K dims) "
+        "or activation rate (of its live dims), between the two nearest points of its seed's curve, with NCL as a "
+        "point of the curve (k = K) and on TopK runs alone: the two differ where NCL is one of the nearest points. "
+        "The last column reads the same curve otherwise (" + "; ".join(f"{k}: {v}" for k, v in READINGS.items())
+        + "): where it moves a conclusion, the linear reading is not to be trusted alone.")
+    d = report.get("design") or design.declaration()
+    if report.get("paired_primary"):
+        md += ["", f"**The primary comparisons**, declared before the runs (evaluate/design.py): {d['method']} on "
+               f"{LABELS[d['metric']]} against " + ", ".join(BASELINES[b] for b in d["baselines"]) + "; one Holm "
+               "family per setting of the method over the differences' and the equivalence tests' p values together "
+               f"(p (Holm) and TOST p (Holm)). The verdict rests on these rows alone; {paired_note}", "",
+               paired_table(report["paired_primary"]), "",
+               *(f"- {r['method']} minus {r['baseline']}: {design.reading(r)}" for r in report["paired_primary"])]
     if report.get("paired"):
-        md += ["", f"Paired by seed ({stem_name('paired', report)}): {paired_note}", "",
+        md += ["", f"Exploratory rows, every other comparison: no verdict rests on them, and p (Holm) is over this "
+               f"table's {len([r for r in report['paired'] if 'p' in r])} rows as a guide "
+               f"({stem_name('paired', report)}, with the primary rows). "
+               + ("The columns are the primary table's." if report.get("paired_primary") else paired_note), "",
                paired_table(report["paired"])]
     if report.get("paired_mechanism"):
         md += ["", f"The same, on what the gates do ({stem_name('paired_mechanism', report)}): DCI and the gradient "
-               "conflict, against NCL and trained TopK (values x 100; TOST at the same margin); a family of its own "
-               "for Holm.", "", paired_table(report["paired_mechanism"])]
+               "conflict, against NCL and trained TopK (values x 100; TOST at the same relative margin); exploratory, "
+               "a family of its own for Holm.", "", paired_table(report["paired_mechanism"])]
     if report.get("novelty"):
         md += novelty.markdown(report["novelty"], report.get("paired_novelty", []))
     paper = paper_table(dataset, summary, protocol)
@@ -349,27 +400,6 @@ def markdown(report: dict) -> str:
     md += ["", "Shared settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
            f"Wall time of this command: {report['wall_s'] / 60:.1f} min", ""]
     return "\n".join(md)
-
-
-def plot(runs: list[dict], path: Path):
-    """Plot each run's semantic consistency against its linear-probe top-1."""
-    import matplotlib  # late: only a plot needs it, with the Agg backend chosen first
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # late: after the backend
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    names = list(dict.fromkeys(r["name"] for r in runs))
-    for i, name in enumerate(names):
-        rs = [r for r in runs if r["name"] == name]
-        ax.scatter([100 * r["linear_probe_top1"] for r in rs], [100 * r["semantic_consistency"] for r in rs],
-                   label=name, color=f"C{i}")
-    ax.set_xlabel("linear probe top-1 (%)")
-    ax.set_ylabel("semantic consistency (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    rundir.save_figure(fig, path, dpi=120)
-    plt.close(fig)
 
 
 def stem_name(stem: str, report: dict) -> str:
@@ -396,9 +426,14 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
         plot(report["runs"], out / stem_name("consistency_vs_probe", report))
     if "matched_sparsity" in figures:
         plot_matched(report["runs"], out / stem_name("matched_sparsity", report))
-    for stem in ("paired", "paired_mechanism"):
-        if stem in figures and report.get(stem):
-            plot_paired(report[stem], out / stem_name(stem, report))
+    if "paired" in figures and (rows := report.get("paired_primary", []) + report.get("paired", [])):
+        plot_paired(rows, out / stem_name("paired", report))
+    if "paired_mechanism" in figures and report.get("paired_mechanism"):
+        plot_paired(report["paired_mechanism"], out / stem_name("paired_mechanism", report))
     md = markdown(report)
     rundir.atomic_save(md.encode(), out / f"comparison{suffix}.md")
     return md
+
+
+def __getattr__(name: str):
+    return moved(__name__, name)  # the figures and the sample sd moved out (bayesncl_pyro._deprecated)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from bayesncl_pyro.evaluate.probe import FAST_PROBE, standardised, train_linear
+from bayesncl_pyro.evaluate.stats import mean_sd
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
 
@@ -418,15 +419,10 @@ def summary(runs: list[dict]) -> dict:
             for score in mine[0]["sets"][name]["scores"]:
                 values = {m: [n["sets"][name]["scores"][score][m] for n in mine if score in n["sets"].get(name, {}).get(
                     "scores", {})] for m in ("auroc", "fpr95", "flagged")}
-                scores[score] = {m: _mean_sd(v) for m, v in values.items()}
+                scores[score] = {m: mean_sd(v) for m, v in values.items()}
             sets[name] = dict(kind=mine[0]["sets"][name]["kind"], scores=scores)
         out[method] = dict(seeds=len(mine), sets=sets)
     return out
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    return float(t.mean()), float(t.std()) if len(t) > 1 else 0.0
 
 
 def markdown(summary_: dict, rows: list[dict]) -> list[str]:

@@ -6,8 +6,9 @@ s and standard error se = s / sqrt(n), Student's t with n - 1 degrees of freedom
 * the two-sided 95 % interval m -/+ t_0.975 se, and the p value of a zero mean;
 * the one-sided 95 % bounds m - t_0.95 se and m + t_0.95 se: "no gain above the upper bound" and "no loss below the
   lower bound", each at 95 % confidence on its own;
-* equivalence by two one-sided tests (TOST) within -/+ :data:`EQUIVALENCE_MARGIN`: its p is the larger of the two
-  one-sided p values; below 0.05 the difference lies within the margin at 95 % (the 90 % interval inside it);
+* equivalence by two one-sided tests (TOST) within -/+ a margin the caller gives (a comparison's is declared in
+  ``design``, relative to the baseline): its p is the larger of the two one-sided p values; below 0.05 the difference
+  lies within the margin at 95 % (the 90 % interval inside it);
 * the minimum detectable difference (:func:`minimum_detectable`): the true mean difference that a two-sided 5 % paired
   t test of n seeds detects with 80 % power, taking the seeds' s as the true standard deviation;
 
@@ -18,11 +19,6 @@ import math
 
 import torch
 
-EQUIVALENCE_MARGIN = 0.02
-"""The TOST margin, in consistency (a fraction: 2 points), fixed before any comparison was read: a gap under it is
-taken to be practically none. It is below half the smallest gain the paper publishes for BayesNCL over NCL+TopK (4.7
-points: 56.50 against 51.81 on CIFAR-10, docs/METHOD.md, "Published numbers")."""
-
 POWER = 0.8
 """The power at which :func:`minimum_detectable` is given."""
 
@@ -31,6 +27,12 @@ ALPHA = 0.05
 
 BOOTSTRAP = 10_000
 """Resamples of the seeds' differences behind the bootstrap interval."""
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0 for one value) of a non-empty list."""
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
 
 
 def minimum_detectable(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
@@ -56,15 +58,15 @@ def minimum_detectable(sd: float, n: int, alpha: float = ALPHA, power: float = P
     return float(optimize.brentq(shortfall, 1e-9, 1e3)) * sd
 
 
-def interval(differences: list[float], level: float = 1 - ALPHA, seed: int = 0,
-             margin: float = EQUIVALENCE_MARGIN) -> dict:
+def interval(differences: list[float], level: float = 1 - ALPHA, seed: int = 0, margin: float | None = None) -> dict:
     """Mean of paired differences with its intervals, bounds, equivalence test and power.
 
     ``differences``: one per seed. The sign count (``above``, ``below``) and, from two seeds: the ``level`` interval
     two ways, Student's t (``t_low``, ``t_high``, with ``p``, the two-sided p of a zero mean) and the percentile
     bootstrap over seeds (``boot_low``, ``boot_high``: :data:`BOOTSTRAP` seeded resamples); the one-sided ``level``
-    bounds ``bound_low`` and ``bound_high``; the TOST p within -/+ ``margin`` (``tost_p``, with ``margin``); and the
-    minimum detectable difference at :data:`POWER` (``mdd``, :func:`minimum_detectable` at the seeds' sd).
+    bounds ``bound_low`` and ``bound_high``; given a ``margin``, the TOST p within -/+ it (``tost_p``, with
+    ``margin``); and the minimum detectable difference at :data:`POWER` (``mdd``, :func:`minimum_detectable` at the
+    seeds' sd).
     """
     from scipy import stats  # late: as in minimum_detectable
 
@@ -80,15 +82,17 @@ def interval(differences: list[float], level: float = 1 - ALPHA, seed: int = 0,
     if se > 0:
         p = float(2 * stats.t.sf(abs(mean) / se, n - 1))
         # H0: mean <= -margin (rejected by a large t) and H0: mean >= margin (rejected by a small t)
-        tost = max(float(stats.t.sf((mean + margin) / se, n - 1)), float(stats.t.cdf((mean - margin) / se, n - 1)))
+        tost = None if margin is None else max(float(stats.t.sf((mean + margin) / se, n - 1)),
+                                               float(stats.t.cdf((mean - margin) / se, n - 1)))
     else:  # every seed the same difference: known exactly
         p = 0.0 if mean else 1.0
-        tost = 0.0 if abs(mean) < margin else 1.0
+        tost = None if margin is None else 0.0 if abs(mean) < margin else 1.0
     g = torch.Generator().manual_seed(seed)
     means = d[torch.randint(n, (BOOTSTRAP, n), generator=g)].mean(dim=1)
     low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    equivalence = {} if margin is None else dict(tost_p=tost, margin=margin)
     return dict(out, sd=sd, t_low=mean - half, t_high=mean + half, p=p, boot_low=float(low), boot_high=float(high),
-                bound_low=mean - one_sided, bound_high=mean + one_sided, tost_p=tost, margin=margin,
+                bound_low=mean - one_sided, bound_high=mean + one_sided, **equivalence,
                 mdd=minimum_detectable(sd, n, 1 - level))
 
 

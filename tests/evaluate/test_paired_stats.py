@@ -1,15 +1,20 @@
-"""What compare.py's paired tables say: bounds, equivalence, power and Holm against scipy and known values; TopK with
-and without NCL on its curve; the figure's parts; and a recorded comparison rebuilt without training."""
+"""What compare.py's paired tables say: bounds, equivalence, power and Holm against scipy and known values; the declared
+primary family apart from the exploratory rows; TopK with and without NCL on its curve, read three ways; the figure's
+parts; and a recorded comparison rebuilt without training."""
 
 import json
 import math
 
+import numpy as np
 import pytest
 from scipy import stats
+from scipy.interpolate import PchipInterpolator
 
 from bayesncl_pyro.cli import compare
-from bayesncl_pyro.evaluate.matched import BASELINES, paired, paired_figure, paired_table, topk_at_rate
-from bayesncl_pyro.evaluate.stats import EQUIVALENCE_MARGIN, holm, interval, minimum_detectable
+from bayesncl_pyro.evaluate import design
+from bayesncl_pyro.evaluate.comparison_figures import paired_figure
+from bayesncl_pyro.evaluate.pairing import BASELINES, paired, paired_table, read_curve, topk_at_rate
+from bayesncl_pyro.evaluate.stats import holm, interval, minimum_detectable
 
 D = [0.031, -0.004, 0.012, 0.027, 0.008, -0.011, 0.019]
 
@@ -22,15 +27,26 @@ def test_one_sided_bounds_are_the_90_percent_t_interval_and_the_two_sided_one_is
     assert (out["t_low"], out["t_high"]) == pytest.approx((ci.low, ci.high))
 
 
-def test_tost_p_is_the_larger_of_scipys_two_one_sided_tests_at_the_fixed_margin():
-    m = EQUIVALENCE_MARGIN
-    assert m == 0.02  # the margin fixed before any comparison was read: changing it changes every table's TOST
+def test_tost_p_is_the_larger_of_scipys_two_one_sided_tests_at_the_margin_given():
+    m = 0.02
     for d in (D, [x + 0.015 for x in D], [x / 10 for x in D]):
         expected = max(stats.ttest_1samp(d, -m, alternative="greater").pvalue,
                        stats.ttest_1samp(d, m, alternative="less").pvalue)
-        assert interval(d)["tost_p"] == pytest.approx(expected)
-    assert interval([x / 10 for x in D])["tost_p"] < 0.05  # differences within 0.3 points: shown equivalent
-    assert interval(D)["tost_p"] > 0.05  # a mean of 1.2 points with this spread: not shown within 2
+        assert interval(d, margin=m)["tost_p"] == pytest.approx(expected)
+    assert interval([x / 10 for x in D], margin=m)["tost_p"] < 0.05  # differences within 0.3 points: shown equivalent
+    assert interval(D, margin=m)["tost_p"] > 0.05  # a mean of 1.2 points with this spread: not shown within 2
+    assert "tost_p" not in interval(D)  # no margin, no equivalence test: there is no default margin
+
+
+def test_the_margin_is_a_fixed_share_of_the_baselines_mean_and_every_row_uses_it():
+    assert design.RELATIVE_MARGIN == 0.045  # fixed before any comparison was read: changing it changes every TOST
+    assert design.margin([0.40, 0.46]) == pytest.approx(0.045 * 0.43)
+    rows = paired(three_seeds())
+    ncl_topn = next(r for r in rows if r["baseline"] == BASELINES["ncl"] and r["metric"] == "semantic_consistency_topn")
+    assert ncl_topn["margin"] == pytest.approx(0.045 * 0.20)  # NCL's top-N is 0.20 on every seed
+    d = ncl_topn["differences"]
+    assert ncl_topn["tost_p"] == pytest.approx(max(stats.ttest_1samp(d, -0.009, alternative="greater").pvalue,
+                                                   stats.ttest_1samp(d, 0.009, alternative="less").pvalue))
 
 
 def test_minimum_detectable_difference_matches_the_published_power_tables():
@@ -85,17 +101,62 @@ def three_seeds():
     return topk_at_rate(runs)
 
 
-def test_every_row_carries_bounds_tost_mdd_and_the_familys_holm_p():
+def test_the_primary_family_holds_its_differences_and_equivalence_tests_and_the_rest_is_exploratory():
     rows = paired(three_seeds())
-    assert [r["p_holm"] for r in rows] == pytest.approx(holm([r["p"] for r in rows]))
-    for r in rows:
-        assert {"bound_low", "bound_high", "tost_p", "mdd", "margin"} <= r.keys()
+    primary = [r for r in rows if r["role"] == "primary"]
+    # the declared endpoint and comparisons; ste has no post-hoc control here, so two of the three are made
+    assert {(r["baseline"], r["metric"]) for r in primary} == {
+        (BASELINES["ncl"], "semantic_consistency_topn"), (BASELINES["topk_without_ncl"], "semantic_consistency_topn")}
+    adjusted = holm([r["p"] for r in primary] + [r["tost_p"] for r in primary])
+    assert [r["p_holm"] for r in primary] == pytest.approx(adjusted[:2])
+    assert [r["tost_p_holm"] for r in primary] == pytest.approx(adjusted[2:])
+    assert all(r["holm_family"].startswith("primary: ste (4 tests") for r in primary)
+    exploratory = [r for r in rows if r["role"] == "exploratory"]
+    assert [r["p_holm"] for r in exploratory] == pytest.approx(holm([r["p"] for r in exploratory]))
+    assert all("tost_p_holm" not in r and "tost_p" in r for r in exploratory)
+    # a primary cell's adjusted p is the same whatever else the file holds: another gated method adds no test to it
+    other = [dict(r, name="leg", family="bayesncl-leg") for r in three_seeds() if r["name"] == "ste"]
+    again = {(r["method"], r["baseline"], r["metric"]): r for r in paired(three_seeds() + other)}
+    for r in primary:
+        assert again[r["method"], r["baseline"], r["metric"]]["p_holm"] == pytest.approx(r["p_holm"])
+    assert all(r["role"] == "exploratory" for k, r in again.items() if k[0] == "leg")
+
+
+def test_the_table_gives_each_row_its_margin_bounds_tost_mdd_and_holm_within_its_family():
+    rows = paired(three_seeds())
     table = paired_table(rows).splitlines()
-    assert table[0].split(" | ")[7:] == ["one-sided 95 % bounds", "TOST p", "MDD (80 %)", "above / below", "p (t)",
-                                         "p (Holm) |"]
-    r = rows[0]
-    assert table[2].endswith(f"| > {100 * r['bound_low']:+.2f}, < {100 * r['bound_high']:+.2f} | {r['tost_p']:.3f} | "
-                             f"{100 * r['mdd']:.2f} | {r['above']} / {r['below']} | {r['p']:.3f} | {r['p_holm']:.3f} |")
+    assert table[0].split(" | ")[7:] == ["one-sided 95 % bounds", "margin", "TOST p", "MDD (80 %)", "above / below",
+                                         "p (t)", "p (Holm)", "TOST p (Holm)", "TopK read otherwise |"]
+    r = next(r for r in rows if r["role"] == "primary")
+    line = table[2 + rows.index(r)]
+    assert f"| > {100 * r['bound_low']:+.2f}, < {100 * r['bound_high']:+.2f} | {100 * r['margin']:.2f} | " \
+           f"{r['tost_p']:.3f} | {100 * r['mdd']:.2f} | {r['above']} / {r['below']} | {r['p']:.3f} | " \
+           f"{r['p_holm']:.3f} | {r['tost_p_holm']:.3f} |" in line
+    assert design.reading(dict(r, p_holm=0.01, mean=-0.02)) == "below the baseline"
+    assert design.reading(dict(r, p_holm=0.5, tost_p_holm=0.01)).startswith("within +/- ")
+    assert design.reading(dict(r, p_holm=0.5, tost_p_holm=0.5)).startswith("neither separated")
+
+
+def test_trained_topk_is_read_three_ways_and_each_reading_is_reported():
+    curve = [(0.80, 0.30), (0.90, 0.50), (0.95, 0.52), (0.95, 0.54)]  # concave; two points at 0.95, averaged
+    assert read_curve(0.85, curve, "quadratic") == pytest.approx(
+        np.polyval(np.polyfit([0.80, 0.90, 0.95], [0.30, 0.50, 0.53], 2), 0.85))
+    assert read_curve(0.85, curve, "pchip") == pytest.approx(
+        float(PchipInterpolator([0.80, 0.90, 0.95], [0.30, 0.50, 0.53])(0.85)))
+    assert read_curve(0.79, curve, "pchip") is None and read_curve(0.96, curve, "quadratic") is None
+    assert read_curve(0.85, curve[:2], "quadratic") is None  # three points or none
+    assert read_curve(0.85, curve[:2], "pchip") == pytest.approx(0.40)  # two points: the line
+    rows = paired(three_seeds())
+    topk = next(r for r in rows if r["baseline"] == BASELINES["topk_without_ncl"]
+                and r["metric"] == "semantic_consistency_topn")
+    assert set(topk["readings"]) == {"pchip"}  # two TopK runs a seed: no quadratic through three
+    runs = {r["name"]: r for r in three_seeds() if r["seed"] == 0}
+    assert topk["readings"]["pchip"]["mean"] == pytest.approx(
+        sum(r["semantic_consistency_topn"] - r["topk_semantic_consistency_topn_at_sparsity_without_ncl_pchip"]
+            for r in three_seeds() if r["name"] == "ste") / 3)
+    assert "topk_semantic_consistency_topn_at_sparsity_pchip" in runs["ste"]
+    assert {"p_holm", "tost_p_holm"} <= topk["readings"]["pchip"].keys()  # the family redone with this reading
+    assert "pchip " in paired_table([topk])
 
 
 def test_the_paired_figure_shows_each_seed_both_intervals_a_legend_and_n():
@@ -135,10 +196,17 @@ def test_a_recorded_comparison_is_rebuilt_from_its_records_without_data_or_train
     assert compare.main(["--rebuild", str(tmp_path / "comparison-d0.3.json")]) == 0
     new = json.loads((tmp_path / "comparison-d0.3.json").read_text())
     assert new["notes"] == ["a note"] and new["settings"] == {"epochs": 15}
-    assert new["paired"] and all("p_holm" in r and "mdd" in r for r in new["paired"])
+    assert new["paired"] and all("p_holm" in r and "mdd" in r and r["role"] == "exploratory" for r in new["paired"])
+    assert new["paired_primary"] and all(r["role"] == "primary" and "tost_p_holm" in r for r in new["paired_primary"])
+    assert new["design"]["metric"] == "semantic_consistency_topn"
     written = {p.name for p in tmp_path.iterdir()}
     assert {"comparison-d0.3.md", "paired-d0.3.png"} <= written and "matched_sparsity-d0.3.png" not in written
-    assert "TOST p" in (tmp_path / "comparison-d0.3.md").read_text()
+    md = (tmp_path / "comparison-d0.3.md").read_text()
+    assert "TOST p" in md
+    # the primary family first and apart, then the exploratory rows
+    primary, exploratory = md.split("**The primary comparisons**")[1].split("Exploratory rows")
+    assert BASELINES["ncl"] in primary and BASELINES["topk"] not in primary
+    assert BASELINES["topk"] in exploratory
     assert compare.main(["--rebuild", str(tmp_path / "nothing.json")]) == 2
     assert "--rebuild takes a comparison's json" in capsys.readouterr().err
 
@@ -156,3 +224,14 @@ def test_a_run_of_another_prior_is_paired_with_the_same_seeds_run_at_the_bernoul
                                                           (method, "semantic_consistency_topn")}
     cons = next(r for r in rows if r["metric"] == "semantic_consistency")
     assert cons["seeds"] == [0, 1] and cons["differences"] == pytest.approx([0.01, 0.02])
+
+
+def test_the_pairings_old_paths_still_work_and_name_the_new_home():
+    from bayesncl_pyro.evaluate import comparison, matched
+
+    with pytest.warns(DeprecationWarning, match="bayesncl_pyro.evaluate.pairing.paired"):
+        assert matched.paired is paired
+    with pytest.warns(DeprecationWarning, match="comparison_figures.paired_figure"):
+        assert matched.paired_figure is paired_figure
+    with pytest.warns(DeprecationWarning, match="stats.mean_sd"):
+        assert comparison.mean_std([1.0, 3.0]) == pytest.approx((2.0, math.sqrt(2)))

@@ -1,5 +1,5 @@
 """--gate-density: lambda as a Lagrange multiplier (bayesncl_pyro/infer/density.py), and the matched-sparsity evaluation
-(bayesncl_pyro/evaluate/matched.py)."""
+(bayesncl_pyro/evaluate/matched.py, pairing.py)."""
 
 import json
 import math
@@ -9,8 +9,9 @@ import torch
 
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.matched import interpolate, posterior_representations, random_mask_null, topk_at_rate
+from bayesncl_pyro.evaluate.matched import posterior_representations, random_mask_null
 from bayesncl_pyro.evaluate.metrics import active_entries, semantic_consistency
+from bayesncl_pyro.evaluate.pairing import interpolate, topk_at_rate
 from bayesncl_pyro.infer.density import DUAL_LR, DUAL_P, RAMP_DECAY, DensityControl, shortfall
 from bayesncl_pyro.train.resolve import resolve
 from bayesncl_pyro.train.trainer import Trainer
@@ -185,7 +186,8 @@ def test_each_run_meets_the_topk_curve_of_its_own_seed():
 def test_paired_differences_give_the_t_and_bootstrap_intervals_and_the_signs():
     from scipy import stats
 
-    from bayesncl_pyro.evaluate.matched import interval, paired
+    from bayesncl_pyro.evaluate.pairing import paired
+    from bayesncl_pyro.evaluate.stats import interval
 
     d = [0.023, 0.017, 0.003]
     out = interval(d)
