@@ -526,6 +526,30 @@ def test_checkpoint_of_another_version_is_explained(tmp_path):
         Trainer(fast(tmp_path / "run"), progress=False)
 
 
+@pytest.mark.parametrize("bad, match", [("huge", "of shape"), ("broadcast", "broadcast view"), ("shape", "of shape"),
+                                        ("rng", "random-number")])
+def test_a_checkpoint_whose_saved_state_would_be_materialised_or_misfit_is_refused(tmp_path, bad, match):
+    """A small checkpoint holding a stride-0 momentum buffer of 2^31 elements asked for 8 GiB on resume."""
+    trainer = Trainer(fast(tmp_path / "run", max_steps=1), progress=False)
+    trainer.fit()
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    buffers = next(iter(state["optimizer"]["state"].values()))
+    name = next(k for k, v in buffers.items() if torch.is_tensor(v) and v.numel() > 1)
+    if bad == "huge":
+        buffers[name] = torch.zeros(1, dtype=torch.float64).expand(2**31)
+    elif bad == "broadcast":
+        buffers[name] = torch.zeros(1).expand(buffers[name].shape)
+    elif bad == "shape":
+        buffers[name] = buffers[name].reshape(-1)[:3].clone()
+    else:
+        state["rng"][0]["torch"] = torch.zeros(7, dtype=torch.uint8)
+    state["finished"] = False
+    torch.save(state, tmp_path / "run" / "checkpoint.pt")
+    assert (tmp_path / "run" / "checkpoint.pt").stat().st_size < 2**24  # the file is small; loading it was not
+    with pytest.raises(UserError, match=match):
+        Trainer(fast(tmp_path / "run", max_steps=2), progress=False)
+
+
 def test_checkpoint_of_another_training_set_is_refused(tmp_path):
     path = _copy_checkpoint_into(tmp_path)
     state = torch.load(path, weights_only=True)

@@ -102,6 +102,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
     where checkpoints are read to). The learning rates keep this optimizer's kind too (``build_optimizer``'s
     ``lr_on_device``: its tensors, filled with the saved values).
     """
+    _check_state_tensors(optimizer, state)
     groups = [dict(saved, capturable=mine["capturable"]) if "capturable" in mine else saved  # SGD, LARS: no flag
               for saved, mine in zip(state["param_groups"], optimizer.param_groups)]
     mine = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in optimizer.param_groups]
@@ -111,6 +112,40 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict):
             if key in group:
                 value = float(group[key])
                 group[key] = kept[key].fill_(value) if torch.is_tensor(kept.get(key)) else value
+
+
+def _check_state_tensors(optimizer: torch.optim.Optimizer, state: dict):
+    """Refuse a saved optimizer state whose buffers are not those of this optimizer's parameters.
+
+    torch copies each buffer into its parameter's dtype and device as it loads, materialising it: a small file can
+    hold a buffer of 2^31 elements that all share one stored value (stride 0), and loading it would allocate 8 GiB. So
+    each buffer must have its parameter's shape, a floating dtype and as many stored elements as it has; a step count
+    is one element. A ValueError names the first that is not.
+    """
+    groups = state.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"the saved optimizer has {len(groups)} parameter groups, this one "
+                         f"{len(optimizer.param_groups)}")
+    params = {}
+    for saved, mine in zip(groups, optimizer.param_groups):
+        if len(saved.get("params", [])) != len(mine["params"]):
+            raise ValueError(f"a saved parameter group holds {len(saved.get('params', []))} parameters, this "
+                             f"optimizer's {len(mine['params'])}")
+        params.update(zip(saved["params"], mine["params"]))
+    for index, buffers in state.get("state", {}).items():
+        if index not in params:
+            raise ValueError(f"the saved optimizer state names parameter {index!r}, which no group holds")
+        param = params[index]
+        for name, value in buffers.items():
+            if not torch.is_tensor(value):
+                continue
+            stored = value.untyped_storage().nbytes() // max(1, value.element_size())
+            if value.numel() > 1 and (value.shape != param.shape or not value.is_floating_point()):
+                raise ValueError(f"the saved {name!r} of parameter {index} is {value.dtype} of shape "
+                                 f"{tuple(value.shape)}, its parameter {param.dtype} of shape {tuple(param.shape)}")
+            if stored < value.numel():
+                raise ValueError(f"the saved {name!r} of parameter {index} has {value.numel()} elements on "
+                                 f"{stored} stored values (a broadcast view): loading it would materialise it")
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, base_lr: float) -> float:

@@ -203,11 +203,20 @@ class Trainer:
         load_weights(self.learner, state, path)
         rescale_prior_group(state["optimizer"], state["scheduler"], state["config"]["kl_weight"],
                             state["config"]["optimizer"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        try:
+            load_optimizer_state(self.optimizer, state["optimizer"])
+        except ValueError as e:
+            raise UserError(f"{path} holds an optimizer state this run cannot take: {e}; it was not written by this "
+                            "run's code: move it away (a rerun then trains from the start)") from None
         load_scheduler_state(self.scheduler, state["scheduler"])
         self.step = state["step"]
         if len(state["rng"]) == self.world:
             rng = state["rng"][self.rank]
+            own = torch.get_rng_state()
+            if not (torch.is_tensor(rng["torch"]) and rng["torch"].dtype == own.dtype
+                    and rng["torch"].shape == own.shape):
+                raise UserError(f"{path} holds a random-number state that is not torch's (a {own.dtype} tensor of "
+                                f"{own.numel()} bytes): move it away (a rerun then trains from the start)")
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
             if self.device.type == "cuda":
