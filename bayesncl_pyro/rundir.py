@@ -85,6 +85,7 @@ DATA_LIMIT = 2**36  # checkpoint.pt, gates.nc
 # The most records read from a .jsonl file of a run: a run of a million steps that logs every one (a record costs a
 # few hundred bytes to a kilobyte in memory)
 MAX_RECORDS = 1_000_000
+MAX_LINE = 2**24  # one record of a .jsonl file: a conflict record of K = 2048 dims is about 200 KB
 
 
 def is_run_file(name: str) -> bool:
@@ -213,9 +214,17 @@ def read_records(path: Path) -> list[dict]:
     """
     if not os.path.lexists(path):
         return []
-    records, bad, first_bad = [], 0, None
+    records, bad, first_bad, read, number = [], 0, None, 0, 0
     with open_file(path, TEXT_LIMIT) as f:
-        for number, line in enumerate(f, 1):
+        # a line at a time, each at most MAX_LINE bytes, the bytes counted as they come: the size checked at open
+        # says nothing of a file that grows while it is read, or of one line of a gigabyte (a sparse file)
+        while line := f.readline(MAX_LINE + 1):
+            number, read = number + 1, read + len(line)
+            if len(line) > MAX_LINE or read > TEXT_LIMIT:
+                what = f"a line of more than {MAX_LINE:,} bytes" if len(line) > MAX_LINE else \
+                    f"more than {TEXT_LIMIT:,} bytes (it grew while read)"
+                raise UserError(f"{path} holds {what}, which no run writes: it is not what a run writes: move it "
+                                "away")
             if not line.strip():
                 continue
             try:

@@ -193,3 +193,20 @@ def test_wandb_writes_no_run_through_a_hidden_wandb_folder(tmp_path, monkeypatch
     with pytest.raises(UserError, match=f"^{run / '.wandb'} is not what a run writes, and W&B would write its run"):
         WandbLog(run, {})
     assert sorted(p.name for p in elsewhere.iterdir()) == ["debug.log"] and not (run / "wandb").exists()
+
+
+def test_a_log_with_a_line_longer_than_any_record_is_refused_without_reading_it_whole(tmp_path):
+    """A sparse 1 GiB log (no disk) took 28 s and 2.85 GB to read; a log extended while read gave a MemoryError."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 1.0}\n')
+    with open(log, "r+b") as f:
+        f.truncate(2**30)  # a hole of NUL bytes: one line of a gigabyte
+    with pytest.raises(UserError, match="a line of more than"):
+        rundir.read_records(log)
+
+
+def test_the_evaluation_table_never_sends_an_eval_jsons_control_characters_to_the_terminal():
+    from bayesncl_pyro.evaluate.heldout import format_table
+
+    table = format_table({"dims_tracking_\x1b]0;title\x07\x1b[2J": 3, "method": "bayesncl\x1b[31m"})
+    assert "\x1b" not in table and "\x07" not in table and "\\x1b]0;title" in table

@@ -311,6 +311,15 @@ COLUMN_NAMES = {"": "gated", "_ungated": "ungated", "_posterior_mean": "q's mean
 """The end-of-run table's column of each representation's suffix (``REPRESENTATIONS`` says what each is)."""
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped.
+
+    An eval.json from elsewhere may name a factor with terminal escape sequences (a title, a cleared screen), which the
+    table would send to the terminal.
+    """
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def format_table(results: dict) -> str:
     """An eval dict as a text table: one row a metric, one column a representation.
 
@@ -329,8 +338,8 @@ def format_table(results: dict) -> str:
         suffix = next((s for s in suffixes if k.endswith(s)), "")
         columns[suffix][k.removesuffix(suffix)] = v
     shown = [s for s in REPRESENTATIONS if columns[s]]
-    cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [(k, *(cell(columns[s].get(k)) for s in shown)) for k in columns[""]]
+    cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else printable(str(v))  # noqa: E731
+    rows = [(printable(k), *(cell(columns[s].get(k)) for s in shown)) for k in columns[""]]
     width = max(len(r[0]) for r in rows)
     if len(shown) > 1:
         rows.insert(0, ("", *(COLUMN_NAMES[s] for s in shown)))
