@@ -54,6 +54,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped
     from bayesncl_pyro.evaluate.verdict import closing_sentence
+    from bayesncl_pyro.evaluate.heldout import printable
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.nn.encoders import ENCODERS
@@ -359,8 +360,9 @@ def outcome(results: dict, cfg: Config) -> str:
     if factors:  # generated data that records its factors: which of them the dims follow, before and after gating
         def tracking(prefix: str) -> str:
             counts = [results[f"{prefix}dims_tracking_{f}"] for f in factors]
-            return f"{counts[0]} dim{'s track' if counts[0] != 1 else ' tracks'} the {factors[0]}" + "".join(
-                f" and {n} the {f}" for n, f in zip(counts[1:], factors[1:]))
+            names = [printable(f) for f in factors]  # an eval.json from elsewhere: no escape reaches the terminal
+            return f"{counts[0]} dim{'s track' if counts[0] != 1 else ' tracks'} the {names[0]}" + "".join(
+                f" and {n} the {f}" for n, f in zip(counts[1:], names[1:]))
         off = " and ".join(str(results[f"gated_off_dims_{f}"]) for f in factors)
         lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
                   "images where they fire)", f"with the gates, {tracking('')}"]
