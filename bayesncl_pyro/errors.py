@@ -49,3 +49,12 @@ def quoted(value) -> str:
     """
     text = _REPR.repr(value)
     return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped.
+
+    An eval.json from elsewhere may name a factor with terminal escape sequences (a title, a cleared screen), which the
+    table would send to the terminal.
+    """
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

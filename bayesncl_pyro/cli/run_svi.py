@@ -52,9 +52,8 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
         without_gates,
     )
     from bayesncl_pyro.data import DATASETS
-    from bayesncl_pyro.errors import Stopped
+    from bayesncl_pyro.errors import Stopped, printable
     from bayesncl_pyro.evaluate.verdict import closing_sentence
-    from bayesncl_pyro.evaluate.heldout import printable
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
     from bayesncl_pyro.nn.encoders import ENCODERS

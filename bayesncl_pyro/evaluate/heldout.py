@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Subset
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.compositional import NOVEL_KINDS
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
+from bayesncl_pyro.errors import printable
 from bayesncl_pyro.evaluate import novelty
 from bayesncl_pyro.evaluate.dci import dci
 from bayesncl_pyro.evaluate.diagnostics import conflict_by_factor, conflict_table
@@ -309,15 +310,6 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
 COLUMN_NAMES = {"": "gated", "_ungated": "ungated", "_posterior_mean": "q's mean", "_q_draws": "q draws",
                 "_random_mask": "random mask"}
 """The end-of-run table's column of each representation's suffix (``REPRESENTATIONS`` says what each is)."""
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters escaped.
-
-    An eval.json from elsewhere may name a factor with terminal escape sequences (a title, a cleared screen), which the
-    table would send to the terminal.
-    """
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def format_table(results: dict) -> str:
