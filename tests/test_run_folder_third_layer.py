@@ -210,3 +210,21 @@ def test_the_evaluation_table_never_sends_an_eval_jsons_control_characters_to_th
 
     table = format_table({"dims_tracking_\x1b]0;title\x07\x1b[2J": 3, "method": "bayesncl\x1b[31m"})
     assert "\x1b" not in table and "\x07" not in table and "\\x1b]0;title" in table
+
+
+def test_writes_under_the_lock_look_for_stale_temporaries_once_a_file(tmp_path, monkeypatch):
+    """Every write under the lock listed the whole folder for a killed writer's temporaries: 2.2 s a write in a
+    folder of 400,000 files. Now once a file and process: the first write removes them, later ones list nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.MARKER).write_bytes(b"")
+    (run / "eval.json.999999.tmp").write_bytes(b"left by a killed writer")
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda folder=".": listed.append(folder) or real(folder))
+    with rundir.held(run):
+        rundir.output_folder(run)
+        rundir.write_json({"a": 1}, run / "eval.json")
+        rundir.write_json({"a": 2}, run / "eval.json")
+    assert not (run / "eval.json.999999.tmp").exists()
+    assert len(listed) == 1 and json.loads((run / "eval.json").read_text()) == {"a": 2}
