@@ -104,7 +104,7 @@ def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, mon
     index = (tmp_path / "index.rst").read_text()
     assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
     assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
-    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules()}
+    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules()}
 
 
 def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():

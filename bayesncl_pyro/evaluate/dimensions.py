@@ -375,6 +375,14 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         trust_code: import the code that a run folder's configuration names (``evaluate.loading.load_learner``).
         test: this learner's :func:`test_features` of ``data``, when the caller has them (the evaluation's):
             the backbone is not run again.
+
+    Returns:
+        The posterior on the N test items: ``probs`` (N x K, exact), ``features`` (the representation at the
+        evaluation mask), ``labels``, ``classes``; with ``num_draws``, ``draws`` (num_draws x N x K) and a
+        hierarchical prior's draws of its latents (``global_draws``, ``row_draws``).
+
+    Raises:
+        UserError: the run has no gates, or ``num_draws`` is negative.
     """
     if isinstance(source, ContrastiveLearner):
         learner = source if device is None else source.to(device)

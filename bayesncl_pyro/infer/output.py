@@ -45,6 +45,9 @@ class HeadOutput:
 
         It is for tensors rewritten in place since this output was built (a CUDA graph's outputs,
         ``train/graph.py``).
+
+        Returns:
+            A new output of the same tensors.
         """
         return dataclasses.replace(self)
 
