@@ -56,3 +56,25 @@ def test_the_fixed_rate_prior_on_the_own_code_page_builds_a_head():
     exec(compile(code, "docs/own_code.md", "exec"), namespace)
     head = BayesNCLHead(6, 8, 16, num_train=100, prior=namespace["HalfOpen"](8, 0.8, scale=0.25))
     torch.testing.assert_close(head.model.prior.rate(), torch.tensor([0.8] * 4 + [0.2] * 4))
+
+
+def test_every_key_of_eval_json_is_on_the_run_folder_page():
+    """docs/run_folder.md, "eval.json, key by key": each key of a recorded BayesNCL evaluation (its suffixed families
+    by their suffix) and each key of the novelty block."""
+    import torch
+
+    from bayesncl_pyro.evaluate import novelty
+
+    page = (ROOT / "docs" / "run_folder.md").read_text().split("## eval.json, key by key")[1].split("\n## ")[0]
+    documented = set(re.findall(r"`([^`]+)`", page))
+    record = json.loads((ROOT / "docs" / "results" / "verdict-comp" / "bayesncl-ste-seed0" / "eval.json").read_text())
+    families = ("_ungated", "_random_mask", "_posterior_mean", "_q_draws")
+    for key in record:
+        family = next((f"*{s}" for s in families if key.endswith(s)), None)
+        factor = re.sub(r"_(class|background)$", "_<factor>", key)
+        assert key in documented or family in documented or factor in documented, key
+    scores = {"kl_prior": torch.rand(20)}
+    block = novelty.report(scores, {"a": {"kl_prior": torch.rand(10)}, "b": {"kl_prior": torch.rand(10)}},
+                           {"a": "semantic", "b": "nuisance"})
+    inner = {*block, *block["sets"]["a"], *block["sets"]["a"]["scores"]["kl_prior"], *block["full_spectrum"]}
+    assert inner <= documented, inner - documented

@@ -281,7 +281,7 @@ class Trainer:
         printed again.
 
         Returns:
-            eval.json's dict (its keys: docs/run_folder.md, "eval.json").
+            eval.json's dict (its keys: docs/run_folder.md, "eval.json, key by key").
         """
         if self.evaluated:
             results = rundir.read_eval(self.out, self.cfg.gate)
