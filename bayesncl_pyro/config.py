@@ -76,7 +76,12 @@ class Config:
     Each field is the flag of ``experiments/run_svi.py`` of the same name (``data_dir``: ``--data-dir``); a field left
     ``None`` takes the dataset's recipe (``DATASET_DEFAULTS``) when the trainer resolves the config.
 
-        cfg = Config(dataset="digits", max_steps=20, out="runs/quick")   # Trainer(cfg).fit().evaluate()
+    Examples:
+        >>> cfg = Config(dataset="digits", max_steps=20, out="runs/quick")  # train it: Trainer(cfg).fit()
+        >>> cfg.method, cfg.gate, cfg.prior_prob, cfg.epochs  # epochs None: the recipe's, when the trainer resolves it
+        ('bayesncl', 'ste', 0.8, None)
+        >>> Config.from_dict(cfg.to_dict()) == cfg
+        True
 
     Args:
         dataset: the images: ``compositional`` (generated, known factors), ``digits``, ``cifar10``, ``cifar100``,

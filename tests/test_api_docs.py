@@ -208,3 +208,56 @@ def test_every_argument_and_return_value_is_described(path):
         assert problems, f"{path} passes now: take it out of PENDING"
         pytest.xfail(f"pending: {PENDING[path]}")
     assert not problems, f"{path}: " + "; ".join(problems)
+
+
+# -- an example per name, run here ---------------------------------------------------------------------------------
+
+# names whose docstrings live in the files being rewritten on another branch; to be emptied with PENDING
+EXAMPLES_PENDING = {"BayesNCLHead", "Prior", "PRIORS", "register"}
+
+
+def _named() -> dict[str, object]:
+    """Every name the API pages list: the public ones and what they give back."""
+    ext = docs_extension()
+    return {**{n: getattr(bayesncl_pyro, n) for n in bayesncl_pyro._PUBLIC},
+            **{n: getattr(importlib.import_module(m), n) for n, m in ext.RETURNED.items()}}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> str:
+    """The run the examples read: two steps of BayesNCL on the digits (K = 16), evaluated, its gates exported."""
+    from bayesncl_pyro.evaluate.arviz_export import export_gates
+
+    folder = tmp_path_factory.mktemp("examples") / "run"
+    cfg = bayesncl_pyro.Config(dataset="digits", max_steps=2, batch_size=64, proj_dim=16, workers=0, out=str(folder))
+    bayesncl_pyro.Trainer(cfg, progress=False).fit().evaluate()
+    export_gates(folder)
+    return str(folder)
+
+
+def test_every_name_has_an_example():
+    missing = [n for n, obj in _named().items() if n not in EXAMPLES_PENDING and ">>>" not in (obj.__doc__ or "")]
+    assert not missing
+    assert all(">>>" not in (_named()[n].__doc__ or "") for n in EXAMPLES_PENDING), "take it out of EXAMPLES_PENDING"
+
+
+@pytest.mark.parametrize("name", sorted(set(_named()) - EXAMPLES_PENDING))
+def test_the_examples_run(name, run_dir, tmp_path, monkeypatch, capsys):
+    """Each name's examples (its docstring's and its methods'), as a user reads them: the public names imported, a
+    trained run at ``run_dir`` and an empty ``folder``; files the examples write go to a temporary folder."""
+    import doctest
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    obj = _named()[name]
+    globs = {**vars(importlib.import_module(obj.__module__)), **_named(), "torch": torch, "Path": Path,
+             "run_dir": run_dir, "folder": str(tmp_path / "new-run")}
+    tests = [t for t in doctest.DocTestFinder().find(obj, name, globs=globs) if t.examples]
+    assert tests
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    assert runner.summarize(verbose=False).failed == 0, "".join(report)

@@ -144,6 +144,10 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
 
     Returns:
         The path of the ``gates.nc`` written.
+
+    Examples:
+        >>> export_gates(run_dir).name  # a BayesNCL run writes it when it ends; this writes it again
+        'gates.nc'
     """
     run_dir = Path(run_dir)
     post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test,
@@ -172,6 +176,11 @@ def read_gates(path: str | os.PathLike):
 
     Raises:
         UserError: there is no such file, or it is not a gates file this version reads.
+
+    Examples:
+        >>> data = read_gates(run_dir)  # az.summary(data.posterior), az.plot_forest(...) take it
+        >>> sorted(data.posterior.data_vars)
+        ['dim_inclusion', 'g']
     """
     path = Path(path)
     if path.is_dir():

@@ -383,6 +383,13 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
 
     Raises:
         UserError: the run has no gates, or ``num_draws`` is negative.
+
+    Examples:
+        >>> post = gate_posterior(run_dir, num_draws=8)  # or a trained learner
+        >>> post.probs.shape, post.draws.shape  # 360 test images, K = 16
+        (torch.Size([360, 16]), torch.Size([8, 360, 16]))
+        >>> post.class_means.shape  # C x K: the mean inclusion per class
+        torch.Size([10, 16])
     """
     if isinstance(source, ContrastiveLearner):
         learner = source if device is None else source.to(device)

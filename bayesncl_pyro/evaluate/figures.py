@@ -287,6 +287,13 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
     Returns:
         The summary lines: the run, its last log record, the gate posterior on the test split, its dimensions'
         class consistency, the figures written.
+
+    Examples:
+        >>> lines = inspect(run_dir)  # the figures go to RUN/inspect
+        >>> lines[0]  # doctest: +ELLIPSIS
+        'run ...: bayesncl on digits, K = 16, 1 log records'
+        >>> sorted(p.name for p in (Path(run_dir) / "inspect").glob("*.png"))[:2]
+        ['class_heatmap.png', 'elbo.png']
     """
     with held(out if out is not None else run_folder(run_dir) / INSPECT_DIR), \
             held(run_folder(run_dir)) if export else contextlib.nullcontext():

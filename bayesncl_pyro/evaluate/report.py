@@ -425,6 +425,11 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
     Returns:
         The path of the page, ``out/index.html``; ``out/report.json`` beside it holds its numbers (:class:`Report`'s
         ``data``).
+
+    Examples:
+        >>> page = write_report(run_dir)  # write_report(run_dir, baseline="runs/ncl") puts an NCL run beside it
+        >>> page.relative_to(run_dir).as_posix()
+        'report/index.html'
     """
     target = Path(out) if out is not None else run_folder(run_dir) / REPORT_DIR
     with held(target):
@@ -456,6 +461,14 @@ class Report:
 
     Raises:
         UserError: ``folder`` holds no report (write one with :func:`write_report`).
+
+    Examples:
+        >>> write_report(run_dir).name
+        'index.html'
+        >>> report = Report(run_dir)  # a notebook cell ending in it shows the page
+        >>> report.data["run"]["method"], report.data["sizes"]["dims"]
+        ('bayesncl', 16)
+        >>> card = report.card(report.data["dims"][0]["dim"])  # the first dimension in use, on its own
     """
 
     def __init__(self, folder: str | os.PathLike, height: int = 720):

@@ -47,6 +47,13 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, 
 
     Raises:
         UserError: ``run_dir`` holds no finished checkpoint, or names code that ``trust_code`` does not allow.
+
+    Examples:
+        >>> run = load_run(run_dir)  # a BayesNCL run on the digits (8 x 8 grey images), K = 16
+        >>> run.cfg.method, run.cfg.proj_dim
+        ('bayesncl', 16)
+        >>> run.gate_probs(torch.rand(5, 1, 8, 8)).shape  # or a folder of images, files, PIL images
+        torch.Size([5, 16])
     """
     learner, cfg = load_learner(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     return TrainedRun(learner, cfg, run_folder(run_dir))
@@ -67,6 +74,17 @@ class TrainedRun:
         learner: the trained ``ContrastiveLearner`` (backbone and head), as ``run.learner``.
         cfg: the run's :class:`~bayesncl_pyro.Config`, as ``run.cfg``.
         run_dir: the run folder, as ``run.dir``.
+
+    Examples:
+        >>> run = load_run(run_dir)
+        >>> images = torch.rand(5, 1, 8, 8)  # the run's size and channels; a larger image is resized
+        >>> run.representation(images).shape, run.backbone_features(images).shape
+        (torch.Size([5, 16]), torch.Size([5, 256]))
+        >>> run.posterior(num_draws=4).draws.shape  # 4 draws of the gates of each of the 360 test images
+        torch.Size([4, 360, 16])
+        >>> scores = run.novelty(images, controls=False)  # fits the scorer on the training split once
+        >>> scores["kl_prior"].shape, "knn_backbone" in scores
+        (torch.Size([5]), True)
     """
 
     def __init__(self, learner: ContrastiveLearner, cfg: Config, run_dir: Path):
