@@ -156,6 +156,17 @@ def _cells(nb: dict) -> list[tuple[str, str]]:
     return [(c["cell_type"], join(c["source"])) for c in nb["cells"]]
 
 
+def _site_links(nb: dict):
+    """Make a notebook's Markdown links to docs/ right from the site's docs/notebooks/.
+
+    In the repository they are ``../docs/gates.md`` (from notebooks/); on the site, ``../gates.md``.
+    """
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            cell["source"] = text.replace("](../docs/", "](../")
+
+
 def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) -> dict[str, bool]:
     """Each notebook of ``notebooks/`` into ``out``, executed where ``executed`` holds a copy with the same cells.
 
@@ -173,6 +184,7 @@ def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) ->
                 nb = ran_nb
                 nb["metadata"].setdefault("mystnb", {})["execution_mode"] = "off"
                 found[source.name] = True
+        _site_links(nb)
         _write(out / source.name, json.dumps(nb, indent=1) + "\n")
     for stale in out.glob("*.ipynb"):
         if stale.name not in found:
