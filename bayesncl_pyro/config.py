@@ -71,8 +71,81 @@ RUNS = "runs"
 
 @dataclass
 class Config:
+    """A run's settings: every field a flag or a config file may set, with its default.
+
+    Each field is the flag of ``experiments/run_svi.py`` of the same name (``data_dir``: ``--data-dir``); a field left
+    ``None`` takes the dataset's recipe (``DATASET_DEFAULTS``) when the trainer resolves the config.
+
+    Examples:
+        >>> cfg = Config(dataset="digits", max_steps=20, out="runs/quick")  # train it: Trainer(cfg).fit()
+        >>> cfg.method, cfg.gate, cfg.prior_prob, cfg.epochs  # epochs None: the recipe's, when the trainer resolves it
+        ('bayesncl', 'ste', 0.8, None)
+        >>> Config.from_dict(cfg.to_dict()) == cfg
+        True
+
+    Args:
+        dataset: the images: ``compositional`` (generated, known factors), ``digits``, ``cifar10``, ``cifar100``,
+            ``imagefolder``, ``in100``.
+        data_dir: the dataset's folder (not needed for the generated ones).
+        image_size: training resolution in pixels (None: the recipe's).
+        train_subset: train on this many random training images (None: all).
+        workers: data-loading processes.
+        augment: where the two views are drawn: ``workers`` (CPU, one image at a time), ``device`` (batched on the
+            training device) or ``auto``.
+        skip_bad_images: train past unreadable image files instead of stopping (listed in ``bad_images.txt``).
+        holdout_cells: compositional only: ``shape:background`` cells left out of training and testing, the novel set
+            of the novelty scores.
+        method: ``bayesncl``, ``ncl`` or ``cl`` (SimCLR).
+        nonneg: the non-negativity of z: ``relu``, ``rep_relu`` or ``none`` (None: the recipe's; none for ``cl``).
+        topk: keep the k largest features per row, 0 = off (the NCL+TopK baseline).
+        temperature: InfoNCE's tau.
+        prior: the gate prior: a name of ``PRIORS`` or ``package.module:ClassName``.
+        prior_prob: the prior inclusion rate rho (its mean for a hierarchical prior).
+        prior_args: the prior's other constructor arguments, by name (``--prior-arg NAME=VALUE``).
+        kl_weight: lambda, the weight of the per-row gate KL beside the per-row InfoNCE (with ``gate_density``: its
+            starting value).
+        gate_density: a target share of open gates in (0, 1): lambda then follows it as a Lagrange multiplier
+            (None: lambda fixed).
+        kl_clamp: both rates of the gate KL clamped to [c, 1 - c], as the reference does; 0 = the exact KL.
+        gate: the gate estimator, how training differentiates through the gates (a name of ``GATES``: ``ste``,
+            ``relaxed``, ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``).
+        gate_temperature: the relaxation temperature of the relaxed estimators.
+        head_depth: Linear layers in the gating head.
+        gate_head: ``mlp`` (point-estimate weights) or ``bayesian`` (a Normal posterior over the head's weights).
+        logit_bound: gate logits squashed into (-b, b), so that no gate saturates.
+        encoder: the backbone: a name of ``ENCODERS``, a torchvision model, ``timm:NAME`` or
+            ``package.module:callable`` (None: the recipe's).
+        proj_hidden: the projector's and gating head's hidden width (None: the recipe's).
+        proj_dim: K, the number of features and gates (None: the recipe's).
+        optimizer: ``lars``, ``adamw`` or ``sgd`` (None: the recipe's).
+        lr: the base learning rate at batch 256, scaled by batch / 256 (None: the recipe's).
+        gate_lr: the gating head's learning rate, not batch-scaled.
+        weight_decay: the optimizer's weight decay.
+        momentum: the optimizer's momentum.
+        epochs: passes over the training set (None: the recipe's).
+        warmup_epochs: the linear warm-up, in epochs (None: the recipe's).
+        batch_size: images per step, two views each (None: the recipe's).
+        max_steps: stop after this many optimizer steps (a short run); the schedule still spans ``epochs``.
+        out: the run folder; rerunning into it resumes (None: ``runs/<what the run is>``).
+        seed: the seed of data order, augmentation and initialisation.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        amp: bf16 autocast of the encoder on CUDA.
+        compile: ``torch.compile`` the encoder.
+        cuda_graphs: capture the training step as one CUDA graph and replay it.
+        log_every: steps between log records.
+        ckpt_every: steps between checkpoints.
+        ckpt_minutes: also checkpoint every this many minutes of wall-clock time (None: off).
+        on_nan: a step whose loss or gradients are not finite: ``stop`` the run (keeping the last good checkpoint)
+            or ``skip`` it.
+        conflict_every: steps between records of the per-dimension gradient conflict in ``conflict.jsonl``, 0 = off
+            (None: about one per epoch).
+        eval_protocol: the linear probe and retrieval: ``fast`` or ``reference`` (the paper's; None: the recipe's).
+        tensorboard: also write the log and the evaluation as TensorBoard events in the run folder.
+        wandb: also log them, and the config, to a Weights & Biases run.
+        monitor_every: epochs between the online kNN top-1 and RankMe records in the log, 0 = off.
+    """
+
     # data
-    """A run's settings: every field a flag or a config file may set, with its default."""
     dataset: str = "compositional"  # generated, with known factors: the first run shows what the gates do
     data_dir: str | None = None
     image_size: int | None = None
@@ -131,12 +204,26 @@ class Config:
     monitor_every: int = 5  # epochs between online kNN top-1 and RankMe records in the log (monitor.py), 0 = off
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict, as ``config.json`` holds them."""
+        """The fields as a plain dict, as ``config.json`` holds them.
+
+        Returns:
+            Field name -> value, for every field.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        """The Config of a ``to_dict`` dict; one written by version 0.1 gets the settings it computed with."""
+        """The Config of a ``to_dict`` dict; one written by version 0.1 gets the settings it computed with.
+
+        Args:
+            d: field name -> value (a run's ``config.json``); a field it lacks takes its default.
+
+        Returns:
+            The Config.
+
+        Raises:
+            UserError: ``d`` holds a key that is no field (a file of another version).
+        """
         if "kl_clamp" not in d:  # written by bayesncl-pyro 0.1: the settings that reproduce what it computed
             d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
         known = {f.name for f in dataclasses.fields(cls)}
@@ -153,6 +240,9 @@ class Config:
 
         The rest (out, device, workers, augment, logging, and the answers to faults met on the way: bad images,
         non-finite steps) may differ on resume.
+
+        Returns:
+            Field name -> value, for the fields that a resumed run must share with the one it resumes.
         """
         d = self.to_dict()
         for k in ("out", "device", "workers", "augment", "log_every", "ckpt_every", "ckpt_minutes", "conflict_every",
@@ -162,7 +252,14 @@ class Config:
         return d
 
     def differences(self, other: "Config") -> str:
-        """The identity fields that differ, as ``"name: self -> other, ..."`` ("" when none do)."""
+        """The identity fields that differ.
+
+        Args:
+            other: the config to compare with.
+
+        Returns:
+            ``"name: self -> other, ..."``, or ``""`` when none differ.
+        """
         a, b = self.identity(), other.identity()
         return ", ".join(f"{k}: {quoted(a[k])} -> {quoted(b[k])}" for k in a if a[k] != b[k])
 

@@ -104,7 +104,7 @@ def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, mon
     index = (tmp_path / "index.rst").read_text()
     assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
     assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
-    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules()}
+    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules()}
 
 
 def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():
@@ -135,7 +135,10 @@ def test_a_notebook_copy_whose_cells_changed_is_not_taken_as_executed(tmp_path):
     assert found[OWN_PRIOR.name] and not found[INSPECT.name]
     copied = nbformat.read(tmp_path / "out" / OWN_PRIOR.name, as_version=4)
     assert copied.cells[1].outputs[0].text == "ran\n" and copied.metadata.mystnb.execution_mode == "off"
-    assert nbformat.read(tmp_path / "out" / INSPECT.name, as_version=4) == nbformat.read(INSPECT, as_version=4)
+    stored = nbformat.read(INSPECT, as_version=4)
+    ext._site_links(stored)  # as stored, but its links to docs/ made right from the site's docs/notebooks/
+    assert nbformat.read(tmp_path / "out" / INSPECT.name, as_version=4) == stored
+    assert "](../docs/" in INSPECT.read_text() and "](../docs/" not in (tmp_path / "out" / INSPECT.name).read_text()
 
 
 # -- in a browser ----------------------------------------------------------------------------------------------

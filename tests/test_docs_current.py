@@ -56,3 +56,47 @@ def test_the_fixed_rate_prior_on_the_own_code_page_builds_a_head():
     exec(compile(code, "docs/own_code.md", "exec"), namespace)
     head = BayesNCLHead(6, 8, 16, num_train=100, prior=namespace["HalfOpen"](8, 0.8, scale=0.25))
     torch.testing.assert_close(head.model.prior.rate(), torch.tensor([0.8] * 4 + [0.2] * 4))
+
+
+def test_every_key_of_eval_json_is_on_the_run_folder_page():
+    """docs/run_folder.md, "eval.json, key by key": each key of a recorded BayesNCL evaluation (its suffixed families
+    by their suffix) and each key of the novelty block."""
+    import torch
+
+    from bayesncl_pyro.evaluate import novelty
+
+    page = (ROOT / "docs" / "run_folder.md").read_text().split("## eval.json, key by key")[1].split("\n## ")[0]
+    documented = set(re.findall(r"`([^`]+)`", page))
+    record = json.loads((ROOT / "docs" / "results" / "verdict-comp" / "bayesncl-ste-seed0" / "eval.json").read_text())
+    families = ("_ungated", "_random_mask", "_posterior_mean", "_q_draws")
+    for key in record:
+        family = next((f"*{s}" for s in families if key.endswith(s)), None)
+        factor = re.sub(r"_(class|background)$", "_<factor>", key)
+        assert key in documented or family in documented or factor in documented, key
+    scores = {"kl_prior": torch.rand(20)}
+    block = novelty.report(scores, {"a": {"kl_prior": torch.rand(10)}, "b": {"kl_prior": torch.rand(10)}},
+                           {"a": "semantic", "b": "nuisance"})
+    inner = {*block, *block["sets"]["a"], *block["sets"]["a"]["scores"]["kl_prior"], *block["full_spectrum"]}
+    assert inner <= documented, inner - documented
+
+
+def test_the_readmes_working_install_ranges_are_the_ten_seeds_widened_and_hold_the_other_machines_run():
+    """The README's "a working install" row: each figure's range over the ten recorded seeds of the default recipe,
+    widened on each side by half its width; the run of seed 0 on another machine (an AMD EPYC, 2 threads: 0.268
+    with the gates, 0.174 open, +0.029 gates minus post-hoc TopK) lies inside."""
+    setup = README.split("\n## Set-up: two commands\n")[1].split("\n## ")[0]
+    row = next(line for line in setup.splitlines() if line.startswith("| **a working install**"))
+    stated = [tuple(float(x) for x in re.findall(r"[-+]?\d+\.\d+", cell)) for cell in row.split("|")[2:-1]]
+    evals = [json.loads(p.read_text()) for p in sorted(
+        (ROOT / "docs" / "results" / "verdict-comp").glob("bayesncl-ste-seed*/eval.json"))]
+    assert len(evals) == 10
+    topk = [e["controls"]["posthoc_topk"] for e in evals]
+    figures = [[e["semantic_consistency"] for e in evals], [e["semantic_consistency_ungated"] for e in evals],
+               [t["semantic_consistency"] for t in topk], None,  # class dims: seed 0 gave 1 to 5, no check
+               [e["semantic_consistency_topn"] - t["semantic_consistency_topn"] for e, t in zip(evals, topk)]]
+    for (low, high), values in ((s, v) for s, v in zip(stated, figures) if v is not None):
+        half = (max(values) - min(values)) / 2
+        assert (low, high) == (round(min(values) - half, 3), round(max(values) + half, 3)), (low, high)
+    # seed 0 under 2 threads (the README's first rows) and on the other machine
+    for bounds, others in zip(stated, ((0.234, 0.268), (0.170, 0.174), (0.278,), (), (-0.008, 0.029))):
+        assert all(bounds[0] <= x <= bounds[1] for x in others), bounds

@@ -131,10 +131,23 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
                  test: TestFeatures | None = None, trust_code: bool = False) -> Path:
     """Compute the gate posterior of a run, write ``RUN_DIR/gates.nc`` and return its path.
 
-    ``learner`` and ``data`` default to the run's checkpoint and dataset (pass them to skip reloading), ``test`` to
-    the learner's test features computed here (pass the evaluation's to skip running the backbone again);
-    ``trust_code``: import the code that the run's configuration names (a prior of your own), as ``load_learner``.
     A failed write raises ``UserError`` and leaves any previous ``gates.nc`` unchanged and no temporary file.
+
+    Args:
+        run_dir: the run folder.
+        learner: the run's trained learner; by default loaded from its checkpoint (pass it to skip reloading).
+        data: the dataset; by default the run's own.
+        num_draws: gate draws per test item from q(g | x) (at least 1).
+        test: the learner's test features, when the caller has them (the evaluation's): the backbone is not run
+            again.
+        trust_code: import the code that the run's configuration names (a prior of your own), as ``load_run``.
+
+    Returns:
+        The path of the ``gates.nc`` written.
+
+    Examples:
+        >>> export_gates(run_dir).name  # a BayesNCL run writes it when it ends; this writes it again
+        'gates.nc'
     """
     run_dir = Path(run_dir)
     post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test,
@@ -153,9 +166,21 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
 def read_gates(path: str | os.PathLike):
     """Load a ``gates.nc`` (a run folder is accepted too) fully into memory.
 
-    Returns what the installed ArviZ's functions (``az.summary``, the plots) take: an ``xarray.DataTree``
-    with arviz 1.x, an ``arviz.InferenceData`` with arviz 0.2x. Both give ``data.posterior``,
-    ``data["gates"]["class_inclusion"]`` and so on.
+    Args:
+        path: a ``gates.nc``, or the run folder holding one.
+
+    Returns:
+        What the installed ArviZ's functions (``az.summary``, the plots) take: an ``xarray.DataTree`` with arviz 1.x,
+        an ``arviz.InferenceData`` with arviz 0.2x. Both give ``data.posterior``, ``data["gates"]["class_inclusion"]``
+        and so on.
+
+    Raises:
+        UserError: there is no such file, or it is not a gates file this version reads.
+
+    Examples:
+        >>> data = read_gates(run_dir)  # az.summary(data.posterior), az.plot_forest(...) take it
+        >>> sorted(data.posterior.data_vars)
+        ['dim_inclusion', 'g']
     """
     path = Path(path)
     if path.is_dir():

@@ -375,6 +375,21 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         trust_code: import the code that a run folder's configuration names (``evaluate.loading.load_learner``).
         test: this learner's :func:`test_features` of ``data``, when the caller has them (the evaluation's):
             the backbone is not run again.
+
+    Returns:
+        The posterior on the N test items: ``probs`` (N x K, exact), ``features`` (the representation at the
+        evaluation mask), ``labels``, ``classes``; with ``num_draws``, ``draws`` (num_draws x N x K) and a
+        hierarchical prior's draws of its latents (``global_draws``, ``row_draws``).
+
+    Raises:
+        UserError: the run has no gates, or ``num_draws`` is negative.
+
+    Examples:
+        >>> post = gate_posterior(run_dir, num_draws=8)  # or a trained learner
+        >>> post.probs.shape, post.draws.shape  # 360 test images, K = 16
+        (torch.Size([360, 16]), torch.Size([8, 360, 16]))
+        >>> post.class_means.shape  # C x K: the mean inclusion per class
+        torch.Size([10, 16])
     """
     if isinstance(source, ContrastiveLearner):
         learner = source if device is None else source.to(device)

@@ -270,13 +270,30 @@ def conflict_figure(main: dict, name: str, baseline: dict | None, baseline_name:
 
 def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None, export: bool = False,
             **load) -> list[str]:
-    """Write a run's figures into ``out`` and return its summary lines.
+    """Write a run's figures into ``out`` and return its summary lines (``experiments/inspect_gates.py``).
 
-    ``out``: a folder the user names; by default RUN/inspect, a real folder of the run (``rundir.output_folder``). With
-    ``export``, first (re)write the run's ``gates.nc`` from its checkpoint. ``load``: ``trust_code`` and ``data_dir`` of
-    ``load_learner``. Everything is read from the run folders before anything is written: a file refused there leaves no
-    figure behind. Writing into a run folder (by default, an ``out`` inside one, or ``export``) holds its lock, taken
-    before anything is read (``rundir.held``): refused while a run trains there.
+    Everything is read from the run folders before anything is written: a file refused there leaves no figure behind.
+    Writing into a run folder (by default, an ``out`` inside one, or ``export``) holds its lock, taken before anything
+    is read (``rundir.held``): refused while a run trains there.
+
+    Args:
+        run_dir: the trained run folder.
+        out: a folder to write the figures into; by default RUN/inspect, a real folder of the run
+            (``rundir.output_folder``).
+        baseline: another run folder (an NCL run), whose gradient conflict is drawn beside the run's.
+        export: first (re)write the run's ``gates.nc`` from its checkpoint.
+        **load: ``trust_code`` and ``data_dir``, as :func:`~bayesncl_pyro.load_run` takes them.
+
+    Returns:
+        The summary lines: the run, its last log record, the gate posterior on the test split, its dimensions'
+        class consistency, the figures written.
+
+    Examples:
+        >>> lines = inspect(run_dir)  # the figures go to RUN/inspect
+        >>> lines[0]  # doctest: +ELLIPSIS
+        'run ...: bayesncl on digits, K = 16, 1 log records'
+        >>> sorted(p.name for p in (Path(run_dir) / "inspect").glob("*.png"))[:2]
+        ['class_heatmap.png', 'elbo.png']
     """
     with held(out if out is not None else run_folder(run_dir) / INSPECT_DIR), \
             held(run_folder(run_dir)) if export else contextlib.nullcontext():

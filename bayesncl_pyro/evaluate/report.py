@@ -411,10 +411,25 @@ def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = T
 
 def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
                  out: str | os.PathLike | None = None, **load) -> Path:
-    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out`` (default: RUN/report).
+    """Build the report of ``run_dir`` (beside ``baseline``) and write it into ``out``.
 
-    ``load``: ``trust_code`` and ``data_dir``, as :func:`build` takes them. Into a run folder (by default, or an ``out``
-    inside one) under its lock, taken before the report is built (``rundir.held``): refused while a run trains there.
+    Into a run folder (by default, or an ``out`` inside one) under its lock, taken before the report is built
+    (``rundir.held``): refused while a run trains there.
+
+    Args:
+        run_dir: the trained run folder.
+        baseline: another run folder trained on the same dataset, split and seed (an NCL run), shown beside it.
+        out: the folder to write into; by default ``RUN/report``.
+        **load: ``trust_code`` and ``data_dir``, as :func:`~bayesncl_pyro.load_run` takes them, for both runs.
+
+    Returns:
+        The path of the page, ``out/index.html``; ``out/report.json`` beside it holds its numbers (:class:`Report`'s
+        ``data``).
+
+    Examples:
+        >>> page = write_report(run_dir)  # write_report(run_dir, baseline="runs/ncl") puts an NCL run beside it
+        >>> page.relative_to(run_dir).as_posix()
+        'report/index.html'
     """
     target = Path(out) if out is not None else run_folder(run_dir) / REPORT_DIR
     with held(target):
@@ -422,9 +437,38 @@ def write_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None 
 
 
 class Report:
-    """A written report (``RUN/report`` or the run folder holding it), for a notebook: shown inline as the page.
+    """A written report, for a notebook: shown inline as the page; ``card(dim)`` is one dimension's card on its own.
 
-    ``card(dim)`` is one dimension's card on its own. ``data`` is report.json's.
+    ``data`` is report.json's, a dict of:
+
+    * ``version``: the bayesncl-pyro that wrote it; ``run``: the run's ``dir``, ``method``, ``dataset``, ``config``
+      (config.json's) and ``steps``;
+    * ``evaluation``: the run's eval.json (None before it is evaluated); ``gates``: the gate posterior's summary
+      (gated runs; None otherwise); ``classes``: the class names;
+    * ``sizes``: ``images``, ``dims``, ``dims_in_use``, ``dims_not_in_use``, ``classes``, ``min_support``,
+      ``top_images``, ``thumbnail_px``; ``quantiles``: those the cards' activation quantiles are taken at;
+    * ``training``: the training curves from the log; ``dims``: a card per dimension in use (``dim``, its
+      activation's and inclusion's summaries, top images, most correlated dimensions, its KL, and with a baseline
+      ``baseline_closest``: [its closest baseline dimension, their correlation]);
+    * ``images``: a row per test image (its label, the dimensions it uses, its neighbours); ``factors``: the
+      factor-tracking table on generated data (None otherwise);
+    * with a baseline, ``baseline``: its ``run``, ``evaluation``, ``dims``, ``dims_not_in_use``, ``neighbours`` and
+      ``note`` (a difference in training budget).
+
+    Args:
+        folder: ``RUN/report``, or the run folder holding it.
+        height: the inline page's height, in pixels.
+
+    Raises:
+        UserError: ``folder`` holds no report (write one with :func:`write_report`).
+
+    Examples:
+        >>> write_report(run_dir).name
+        'index.html'
+        >>> report = Report(run_dir)  # a notebook cell ending in it shows the page
+        >>> report.data["run"]["method"], report.data["sizes"]["dims"]
+        ('bayesncl', 16)
+        >>> card = report.card(report.data["dims"][0]["dim"])  # the first dimension in use, on its own
     """
 
     def __init__(self, folder: str | os.PathLike, height: int = 720):
@@ -442,7 +486,15 @@ class Report:
         return _Frame(self._page(), self.height)._repr_html_()
 
     def card(self, dim: int, height: int = 560) -> "_Frame":
-        """The card of dimension ``dim`` alone (a dimension in use)."""
+        """The card of dimension ``dim`` alone.
+
+        Args:
+            dim: a dimension in use (one of ``data["dims"]``'s ``dim``).
+            height: the inline card's height, in pixels.
+
+        Returns:
+            What a notebook shows inline: the card, in a frame of its own.
+        """
         if all(c["dim"] != dim for c in self.data["dims"]):
             raise UserError(f"dimension {dim} is not in use in this run (its features are zero on every test image); "
                             "pick one of report.data['dims']")

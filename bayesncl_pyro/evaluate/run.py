@@ -31,12 +31,29 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu", *, 
              data_dir: str | os.PathLike | None = None) -> "TrainedRun":
     """Load the trained run in ``run_dir`` as a :class:`TrainedRun`.
 
-    ``run_dir`` is a folder written by ``experiments/run_svi.py``, or its ``checkpoint.pt``; ``device`` is ``cpu``,
-    ``cuda``, ``cuda:N`` or ``auto``.
-
     A run folder is data: one whose encoder or prior is code of its writer's (``package.module:name``) is refused
-    unless ``trust_code=True``, which imports it; ``data_dir`` names the run's data folder (by default the run's own
-    when it is an absolute path outside the run folder): ``evaluate.loading.load_learner``.
+    unless ``trust_code=True``, which imports it (``evaluate.loading.load_learner``).
+
+    Args:
+        run_dir: a folder written by ``experiments/run_svi.py`` or a :class:`~bayesncl_pyro.Trainer`, or its
+            ``checkpoint.pt``.
+        device: where the learner goes: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+        trust_code: import the code that the run's configuration names (an encoder or a prior of your own).
+        data_dir: the run's data folder, where it moved (by default the run's own when it is an absolute path outside
+            the run folder).
+
+    Returns:
+        The run: its learner, config and evaluation transform, and what they compute on new images.
+
+    Raises:
+        UserError: ``run_dir`` holds no finished checkpoint, or names code that ``trust_code`` does not allow.
+
+    Examples:
+        >>> run = load_run(run_dir)  # a BayesNCL run on the digits (8 x 8 grey images), K = 16
+        >>> run.cfg.method, run.cfg.proj_dim
+        ('bayesncl', 16)
+        >>> run.gate_probs(torch.rand(5, 1, 8, 8)).shape  # or a folder of images, files, PIL images
+        torch.Size([5, 16])
     """
     learner, cfg = load_learner(run_dir, device, trust_code=trust_code, data_dir=data_dir)
     return TrainedRun(learner, cfg, run_folder(run_dir))
@@ -48,7 +65,27 @@ def image_paths(folder: str | os.PathLike) -> list[Path]:
 
 
 class TrainedRun:
-    """A run's trained learner, its config (``cfg``) and its evaluation transform (``transform``)."""
+    """A run's trained learner, its config (``cfg``) and its evaluation transform (``transform``): :func:`load_run`'s.
+
+    Images are given as in the module's docstring (a folder, files, PIL images, tensors, or a list of them); every
+    method returns tensors on the CPU, a row per image.
+
+    Args:
+        learner: the trained ``ContrastiveLearner`` (backbone and head), as ``run.learner``.
+        cfg: the run's :class:`~bayesncl_pyro.Config`, as ``run.cfg``.
+        run_dir: the run folder, as ``run.dir``.
+
+    Examples:
+        >>> run = load_run(run_dir)
+        >>> images = torch.rand(5, 1, 8, 8)  # the run's size and channels; a larger image is resized
+        >>> run.representation(images).shape, run.backbone_features(images).shape
+        (torch.Size([5, 16]), torch.Size([5, 256]))
+        >>> run.posterior(num_draws=4).draws.shape  # 4 draws of the gates of each of the 360 test images
+        torch.Size([4, 360, 16])
+        >>> scores = run.novelty(images, controls=False)  # fits the scorer on the training split once
+        >>> scores["kl_prior"].shape, "knn_backbone" in scores
+        (torch.Size([5]), True)
+    """
 
     def __init__(self, learner: ContrastiveLearner, cfg: Config, run_dir: Path):
         self.learner, self.cfg, self.dir = learner, cfg, run_dir
@@ -61,23 +98,56 @@ class TrainedRun:
         return next(self.learner.parameters()).device
 
     def gate_probs(self, images, batch_size: int = 256) -> torch.Tensor:
-        """N x K exact inclusion probabilities q(g_k = 1 | x) (a BayesNCL run), on the CPU."""
+        """The exact inclusion probabilities q(g_k = 1 | x) of ``images`` (a BayesNCL run).
+
+        Args:
+            images: the images, in any of the forms of the module's docstring.
+            batch_size: images per pass of the backbone.
+
+        Returns:
+            N x K, on the CPU.
+
+        Raises:
+            UserError: the run has no gates (``ncl`` or ``cl``).
+        """
         if not self.learner.gated:
             raise UserError(f"{self.dir} is a {self.cfg.method} run: it has no gates")
         return self._apply(images, batch_size, self.learner.gate_probs)
 
     def representation(self, images, batch_size: int = 256) -> torch.Tensor:
-        """N x K, the representation the method uses (``BayesNCLHead.representation``), on the CPU."""
+        """The representation the method uses for ``images`` (``BayesNCLHead.representation``).
+
+        Args:
+            images: the images, in any of the forms of the module's docstring.
+            batch_size: images per pass of the backbone.
+
+        Returns:
+            N x K, on the CPU: the gated features of a BayesNCL run (its evaluation mask), z of the others.
+        """
         return self._apply(images, batch_size, self.learner.head.representation)
 
     def backbone_features(self, images, batch_size: int = 256) -> torch.Tensor:
-        """N x D backbone features h (what the linear probe reads), on the CPU."""
+        """The backbone features h of ``images``: what the linear probe reads.
+
+        Args:
+            images: the images, in any of the forms of the module's docstring.
+            batch_size: images per pass of the backbone.
+
+        Returns:
+            N x D, on the CPU.
+        """
         return self._apply(images, batch_size, lambda h: h)
 
     def posterior(self, data=None, num_draws: int = 0):
-        """Return the gate posterior on the run's test split (or on ``data``, a ``DataSpec``).
+        """The gate posterior on the run's test split: :func:`~bayesncl_pyro.gate_posterior` of this run's learner.
 
-        It is what ``bayesncl_pyro.evaluate.dimensions.gate_posterior`` gives for this run's learner.
+        Args:
+            data: another dataset (a ``DataSpec``) to take the test split of; by default the run's own.
+            num_draws: gate draws per image from q(g | x); 0 = only the exact probabilities.
+
+        Returns:
+            A ``GatePosterior``: ``probs`` (N x K), ``features``, ``labels``, ``classes`` and, with ``num_draws``,
+            ``draws`` (num_draws x N x K).
         """
         from bayesncl_pyro.evaluate.dimensions import gate_posterior  # late: it loads the evaluation code
 
@@ -94,6 +164,17 @@ class TrainedRun:
         for the compositional recipe). The scorer is fitted once on the run's training split (its data loaded as the
         run did) and kept. Below 64 px, images must be the run's size: the scores compare them with the training
         images, and a resize would be a shift of its own.
+
+        Args:
+            images: the images, in any of the forms of the module's docstring.
+            controls: with the control heads' scores.
+            batch_size: images per pass of the backbone.
+
+        Returns:
+            Score name -> N values on the CPU.
+
+        Raises:
+            UserError: no images, or images below 64 px of another size than the run's.
         """
         items = list(_items(images))
         if not items:
@@ -116,7 +197,11 @@ class TrainedRun:
     def novelty_scorer(self, controls: bool = True):
         """The run's ``evaluate.novelty.NoveltyScorer``, fitted on its training split at the first call, then kept.
 
-        Called with backbone features h (N x D) it gives every score; ``controls``: with the control gating heads.
+        Args:
+            controls: with the control gating heads (trained on the frozen backbone first).
+
+        Returns:
+            The scorer: called with backbone features h (N x D), it gives every score, as :meth:`novelty`.
         """
         scorers = self.__dict__.setdefault("_scorers", {})
         if controls not in scorers:
@@ -140,7 +225,14 @@ class TrainedRun:
                                 f"resize is a shift of its own; resize or crop them to {size} x {size} first")
 
     def inputs(self, images) -> torch.Tensor:
-        """``images`` (any of the forms in the module docstring) as the model's input, N x C x S x S."""
+        """``images`` through the run's evaluation transform.
+
+        Args:
+            images: the images, in any of the forms of the module's docstring.
+
+        Returns:
+            The model's input, N x C x S x S (S: the run's image size).
+        """
         return torch.stack([self.transform(self._one(image)) for image in _items(images)])
 
     @torch.no_grad()

@@ -19,6 +19,14 @@ class HeadOutput:
     The 0-d values stay on the device: ``.item()`` them when you log. The summary figures (the properties) are computed
     from the step's tensors when first read, then kept; read them before anything writes into those tensors (the head
     never does).
+
+    Examples:
+        >>> head = BayesNCLHead(64, proj_dim=16, proj_hidden=32, num_train=100)
+        >>> loss, out = head(torch.rand(8, 64))  # backbone features of 4 images' two views, [view 1; view 2]
+        >>> out.features.shape, out.probs.shape, out.nce.shape  # R x K, R x K, 0-d
+        (torch.Size([8, 16]), torch.Size([8, 16]), torch.Size([]))
+        >>> 0 <= out.gate_rate.item() <= 1
+        True
     """
 
     nce: torch.Tensor
@@ -45,6 +53,9 @@ class HeadOutput:
 
         It is for tensors rewritten in place since this output was built (a CUDA graph's outputs,
         ``train/graph.py``).
+
+        Returns:
+            A new output of the same tensors.
         """
         return dataclasses.replace(self)
 

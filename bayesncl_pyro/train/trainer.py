@@ -65,20 +65,35 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict."""
+    """Trains one run and evaluates it: ``Trainer(cfg).fit().evaluate()`` returns the evaluation dict.
+
+    Building it sets up the run of ``cfg`` in its run folder (``cfg.out``): it claims the folder, resumes the run
+    there from its checkpoint, or starts one.
+
+    Examples:
+        Two steps on the digits, then the evaluation (it prints its table; about 8 s on a CPU):
+
+        >>> cfg = Config(dataset="digits", max_steps=2, batch_size=64, proj_dim=16, workers=0, out=folder)
+        >>> results = Trainer(cfg, progress=False).fit().evaluate()  # doctest: +ELLIPSIS
+        step=2 epoch=0 ...
+        >>> results["method"], 0 <= results["linear_probe_top1"] <= 1
+        ('bayesncl', True)
+
+    Args:
+        cfg: the run's configuration.
+        progress: a bar on stderr rather than printed lines (default: when stderr is a terminal).
+        overwrite: move whatever the run folder holds into a ``previous-<time>`` subfolder and start afresh, instead
+            of resuming the run there or refusing one with another config.
+        data: the images to train on, in place of the config's dataset (``bench_step.py``'s steps on generated
+            images of any recipe).
+
+    Raises:
+        UserError: the run folder holds another run (another config) or something that is not a run, or a
+            setting cannot be used here.
+    """
 
     def __init__(self, cfg: Config, progress: bool | None = None, overwrite: bool = False,
                  data: DataSpec | None = None):
-        """Set up the run of ``cfg`` in its run folder.
-
-        Args:
-            cfg: the run's configuration.
-            progress: a bar on stderr rather than printed lines (default: when stderr is a terminal).
-            overwrite: move whatever the run folder holds into a ``previous-<time>`` subfolder and start afresh, instead
-                of resuming the run there or refusing one with another config.
-            data: the images to train on, in place of the config's dataset (``bench_step.py``'s steps on generated
-                images of any recipe).
-        """
         self.cfg = cfg = resolve(cfg)
         self.out = Path(cfg.out)
         self.rank, self.world, self.device = distributed.setup(pick_device(cfg.device))
@@ -165,7 +180,11 @@ class Trainer:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
     def state_dict(self) -> dict:
-        """The checkpoint's contents: config, step, learner, optimizer and scheduler states, every rank's RNG states."""
+        """The checkpoint's contents.
+
+        Returns:
+            The config, step, learner, optimizer and scheduler states, and every rank's RNG states.
+        """
         return dict(version=__version__, config=self.cfg.to_dict(), step=self.step, finished=self.finished,
                     num_train=len(self.data.train), channels=self.data.channels,
                     learner=self.learner.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -254,6 +273,12 @@ class Trainer:
         """Train to the last step, save the finished run, then ``evaluate()``.
 
         The last step is ``--max-steps``, else the end of ``--epochs``; a finished run is not trained again.
+
+        Returns:
+            The trainer itself, so that ``Trainer(cfg).fit().evaluate()`` reads as one line.
+
+        Raises:
+            Stopped: a signal (Ctrl-C) came during training: the checkpoint is saved, the same command resumes.
         """
         if self.finished:
             return self
@@ -272,6 +297,9 @@ class Trainer:
 
         It is written to eval.json, given to the trackers and printed; that of a run evaluated before is read back and
         printed again.
+
+        Returns:
+            eval.json's dict (its keys: docs/run_folder.md, "eval.json, key by key").
         """
         if self.evaluated:
             results = rundir.read_eval(self.out, self.cfg.gate)
@@ -301,6 +329,9 @@ class Trainer:
         """The steps up to ``last_step``, with a checkpoint every ``--ckpt-every`` steps and ``--ckpt-minutes`` minutes.
 
         A stop request (a signal, on any rank) ends them at once with a checkpoint and ``Stopped``.
+
+        Args:
+            last_step: the step to train to (the run's step count after it).
         """
         self.learner.train()
         votes, stopping = distributed.Votes(), 0
@@ -325,10 +356,17 @@ class Trainer:
                           f"of {last_step} in {self.out}; rerun the same command to resume", stopping)
 
     def train_step(self, x: torch.Tensor, last_step: int | None = None) -> tuple[torch.Tensor, HeadOutput]:
-        """One optimizer step on the input rows ``x``: (its loss, the head's monitoring values).
+        """One optimizer step on the input rows ``x``.
 
         The divergence guard (``train/guard.py``) judges the loss and gradients on the device, so a step waits for the
         GPU only when its verdicts are read: every ``check_every`` steps, at log steps and at ``last_step``.
+
+        Args:
+            x: the step's input, 2B rows on the device: [view 1; view 2] of the batch's B images.
+            last_step: the run's last step, where the guard's verdict is read whatever the step.
+
+        Returns:
+            The step's loss (0-d) and the head's monitoring values (:class:`~bayesncl_pyro.infer.output.HeadOutput`).
         """
         loss, out = self._step(x)
         self.guard.keep(self.step + 1)

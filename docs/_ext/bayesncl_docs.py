@@ -6,7 +6,9 @@ page without an edit here:
 
 * ``api/<module>.rst``: one page per module that ``bayesncl_pyro._PUBLIC`` names, documenting exactly the public
   names that live there, under their top-level path (``bayesncl_pyro.BayesNCLHead``); the priors' module also gets
-  every prior registered for ``--prior``. ``api/index.rst`` lists every public name with its page.
+  every prior registered for ``--prior``. What those names give back and the functions beside them (``RETURNED``:
+  ``load_run``'s ``TrainedRun``, the head's ``HeadOutput``, the report) are documented under their module's path, on
+  that module's page. ``api/index.rst`` lists every name with its page.
 * ``notebooks/<name>.ipynb``: each notebook of the repository's ``notebooks/``, taken executed from
   ``BAYESNCL_EXECUTED_NOTEBOOKS`` (default ``docs/_build/executed``, where tests/test_notebook.py writes the copies it
   ran) where a copy there has the same cells, else as it is stored (no outputs), for myst-nb to execute.
@@ -15,6 +17,7 @@ The docstrings' indented blocks (code examples, layouts) are shown as written (:
 rewritten only when its text changes, so an unchanged page is not read again by an incremental build.
 """
 
+import importlib
 import inspect
 import json
 import os
@@ -25,6 +28,15 @@ DOCS = Path(__file__).resolve().parents[1]
 ROOT = DOCS.parent
 EXECUTED = Path(os.environ.get("BAYESNCL_EXECUTED_NOTEBOOKS") or DOCS / "_build" / "executed")
 LIST_ITEM = re.compile(r"([*+-]|\d+[.)]|#\.)\s")
+# what the public names give back, and the functions beside them that the notebooks call, each with its module: not
+# importable from the top level, documented at their module's path
+RETURNED = {
+    "TrainedRun": "bayesncl_pyro.evaluate.run",
+    "HeadOutput": "bayesncl_pyro.infer.output",
+    "Report": "bayesncl_pyro.evaluate.report",
+    "write_report": "bayesncl_pyro.evaluate.report",
+    "inspect": "bayesncl_pyro.evaluate.figures",
+}
 
 
 def public_modules() -> dict[str, list[str]]:
@@ -63,6 +75,13 @@ def _title(text: str, mark: str = "=") -> str:
     return f"{text}\n{mark * len(text)}\n"
 
 
+def registered_priors() -> list[type]:
+    """The classes of the priors that ``--prior NAME`` picks, in the registry's order."""
+    from bayesncl_pyro.models.priors import PRIORS
+
+    return list(PRIORS.values())
+
+
 def _registered_priors() -> str:
     """The priors that ``--prior NAME`` picks, each documented at its own module's path."""
     from bayesncl_pyro.models.priors import PRIORS
@@ -77,39 +96,75 @@ def _registered_priors() -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(blocks)
 
 
+def returned_modules() -> dict[str, list[str]]:
+    """The modules of ``RETURNED``'s names, each with its names."""
+    modules: dict[str, list[str]] = {}
+    for name, module in RETURNED.items():
+        modules.setdefault(module, []).append(name)
+    return modules
+
+
+def _table(rows: list[tuple[str, str, object]]) -> list[str]:
+    out = [".. list-table::", "   :header-rows: 1", "", "   * - name", "     - module", "     - what it is"]
+    for path, module, obj in rows:
+        out += [f"   * - :py:obj:`{path}`", f"     - :doc:`{module}`", f"     - {_summary(obj)}"]
+    return out
+
+
 def write_api_pages(out: Path = DOCS / "api"):
-    """``api/index.rst`` and a page per public module; pages of modules no longer public are removed."""
+    """``api/index.rst`` and a page per module that documents a name; pages of modules no longer named are removed."""
     import bayesncl_pyro
 
-    modules = public_modules()
-    index = [_title("API reference"),
-             "The public names, importable from the top level (``from bayesncl_pyro import Config``); each stays",
-             "there when its module moves. A page per module that defines them:", "",
-             ".. list-table::", "   :header-rows: 1", "", "   * - name", "     - module", "     - what it is"]
-    pages = []
+    modules, returned = public_modules(), returned_modules()
+    texts: dict[str, str] = {}
     for module, names in modules.items():
-        for name in names:
-            obj = getattr(bayesncl_pyro, name)
-            index += [f"   * - :py:obj:`bayesncl_pyro.{name}`", f"     - :doc:`{module}`", f"     - {_summary(obj)}"]
-        pages.append(module)
         body = [_title(module), f".. automodule:: {module}", "   :no-members:", "", ".. currentmodule:: bayesncl_pyro",
                 "", f"Public names defined here, imported as ``from bayesncl_pyro import {', '.join(names)}``.", ""]
         for name in names:
             body.append(_directive(name, getattr(bayesncl_pyro, name)))
-        text = "\n".join(body)
+        texts[module] = "\n".join(body)
         if module == "bayesncl_pyro.models.priors":
-            text += _registered_priors()
+            texts[module] += _registered_priors()
+    for module, names in returned.items():
+        here = importlib.import_module(module)
+        body = ["", _title("What it gives back", "-")] if module in texts else [
+            _title(module), f".. automodule:: {module}", "   :no-members:", ""]
+        body += [f".. currentmodule:: {module}", "",
+                 f"Imported as ``from {module} import {', '.join(names)}``.", ""]
+        body += [_directive(name, getattr(here, name)) for name in names]
+        texts[module] = texts.get(module, "") + "\n".join(body)
+    index = [_title("API reference"),
+             "The public names, importable from the top level (``from bayesncl_pyro import Config``); each stays",
+             "there when its module moves. A page per module that defines them:", "",
+             *_table([(f"bayesncl_pyro.{n}", m, getattr(bayesncl_pyro, n)) for m, ns in modules.items() for n in ns]),
+             "", _title("What they give back", "-"),
+             "What the public names return, and the functions beside them that the notebooks call, imported from",
+             "their module (``from bayesncl_pyro.evaluate.report import Report``):", "",
+             *_table([(f"{m}.{n}", m, getattr(importlib.import_module(m), n)) for m, ns in returned.items()
+                      for n in ns]),
+             "", ".. toctree::", "   :maxdepth: 1", "", *(f"   {m}" for m in texts), ""]
+    for module, text in texts.items():
         _write(out / f"{module}.rst", text)
-    index += ["", ".. toctree::", "   :maxdepth: 1", "", *(f"   {m}" for m in pages), ""]
     _write(out / "index.rst", "\n".join(index))
     for stale in out.glob("*.rst"):
-        if stale.stem not in {"index", *pages}:
+        if stale.stem not in {"index", *texts}:
             stale.unlink()
 
 
 def _cells(nb: dict) -> list[tuple[str, str]]:
     join = lambda s: "".join(s) if isinstance(s, list) else s  # noqa: E731 -- nbformat stores either
     return [(c["cell_type"], join(c["source"])) for c in nb["cells"]]
+
+
+def _site_links(nb: dict):
+    """Make a notebook's Markdown links to docs/ right from the site's docs/notebooks/.
+
+    In the repository they are ``../docs/gates.md`` (from notebooks/); on the site, ``../gates.md``.
+    """
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            cell["source"] = text.replace("](../docs/", "](../")
 
 
 def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) -> dict[str, bool]:
@@ -129,6 +184,7 @@ def copy_notebooks(out: Path = DOCS / "notebooks", executed: Path = EXECUTED) ->
                 nb = ran_nb
                 nb["metadata"].setdefault("mystnb", {})["execution_mode"] = "off"
                 found[source.name] = True
+        _site_links(nb)
         _write(out / source.name, json.dumps(nb, indent=1) + "\n")
     for stale in out.glob("*.ipynb"):
         if stale.name not in found:
