@@ -54,7 +54,9 @@ def summarise(records: Path = RECORDS) -> dict:
         its mean, standard deviation, range and, for the two differences, the 95 % t interval with the seeds above and
         below zero; fractions, rounded to 6 decimals (the sentence prints 3: no rounding twice).
     """
-    folders = sorted(records.glob(f"{METHOD}-seed*"), key=lambda f: int(f.name.rsplit("seed", 1)[1]))
+    # each record folder by the rule of rundir: a linked one (which may point anywhere) is refused, not followed
+    folders = sorted((rundir.inner_folder(f) for f in records.glob(f"{METHOD}-seed*")),
+                     key=lambda f: int(f.name.rsplit("seed", 1)[1]))
     if not folders:
         raise FileNotFoundError(f"no {METHOD}-seed* runs in {records}; run this from the repository's root")
     configs = [Config.from_dict(rundir.read_json(f / rundir.CONFIG)) for f in folders]
@@ -77,7 +79,8 @@ def summarise(records: Path = RECORDS) -> dict:
 
 def write(records: Path = RECORDS):
     """Recompute :data:`SUMMARY` from ``records`` (after the records change)."""
-    SUMMARY.write_text(json.dumps(summarise(records), indent=1) + "\n")
+    rundir.output_folder(SUMMARY.parent, named=True)
+    rundir.atomic_save((json.dumps(summarise(records), indent=1) + "\n").encode(), SUMMARY)
 
 
 def shipped() -> dict:
