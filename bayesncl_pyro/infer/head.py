@@ -6,7 +6,7 @@
     optimizer = torch.optim.SGD(head.param_groups(lr=0.3, backbone=backbone), lr=0.3, momentum=0.9)
     loss, out = head(backbone(torch.cat([view1, view2])))               # rows [view 1; view 2]
     optimizer.zero_grad(); loss.backward(); optimizer.step()
-    head.update_density(out)                                            # with gate_density: lambda's next value
+    head.update_density(out)                                            # with gate_density: the multiplier's step
 
 The head takes the backbone's features h, not projections: it owns the projector (h -> z, the reference's
 2-layer MLP), the gating head that infers the gates from h.detach(), the prior, the Pyro model and guide
@@ -46,7 +46,7 @@ from bayesncl_pyro.infer.output import HeadOutput
 from bayesncl_pyro.infer.output import gate_pulls as gate_pulls  # re-exported: its old home
 from bayesncl_pyro.infer.prior_gradients import unweight_prior_gradients
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
-from bayesncl_pyro.models.priors import Prior
+from bayesncl_pyro.models.priors import Prior, gate_rates
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, normalize
 
@@ -70,9 +70,9 @@ class BayesNCLHead(nn.Module):
         prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
-            exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
-            Lagrange multiplier, kl_weight its start, updated by :meth:`update_density` after every training step
-            (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the
+            exact KL); gate_density: D, a constraint on the share of open gates (of the evaluation mask) with a
+            Lagrange multiplier of its own, stepped by :meth:`update_density` after every training step, lambda
+            unchanged (``bayesncl_pyro/infer/density.py``; None: none); gate: how training differentiates through the
             gates, a name in ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``,
             ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``; it also picks q's family); gate_temperature,
             head_depth, logit_bound: the guide's.
@@ -83,8 +83,8 @@ class BayesNCLHead(nn.Module):
 
     The prior's global parameters get their gradient divided by lambda (``infer/prior_gradients.py``). ``kl_kind``:
     how the ELBO takes each latent site's KL (``infer/kl.py``), logged once at DEBUG when the head is built. A forward
-    pass changes nothing of the head. With ``gate_density``, a training loop calls
-    :meth:`update_density` with the step's output after ``optimizer.step()``: that moves lambda. For Pyro's ``SVI``:
+    pass changes nothing of the head. With ``gate_density``, a training loop calls :meth:`update_density` with the
+    step's output after ``optimizer.step()``: that moves the constraint's multiplier. For Pyro's ``SVI``:
     :meth:`svi_program` and :meth:`elbo`.
     """
 
@@ -114,8 +114,8 @@ class BayesNCLHead(nn.Module):
             if prior is None:
                 raise UserError("gate_density is a target share of open gates; a head without a prior (NCL, CL) has "
                                 "no gates: drop gate_density or give a prior")
-            check_gate_density(gate_density, "bayesncl", prior.prior_prob)
-            self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
+            check_gate_density(gate_density, "bayesncl")
+            self.density = DensityControl(gate_density)
         self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook): infer.prior_gradients
         self.kl_kind = self._kl_kinds(in_dim)  # its run of the program hooks the prior's parameters
         for site, kind in self.kl_kind.items():  # run_svi.py says them in its first lines
@@ -152,36 +152,36 @@ class BayesNCLHead(nn.Module):
             gather = distributed.gather_rows if self.gather_distributed else None
             terms = self.elbo_terms(z.to(dtype), h.to(dtype), gather, kl_weight=kl_weight, mlp_dtype=mlp_dtype)
         made = computed(terms.model_trace)
-        gated = {}
+        gated, loss = {}, terms.loss
         if self.gated:
             # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
             gate_site = terms.model_trace.nodes["g"]
             gates = gate_site["value"] if terms.gate_probs is None else terms.gate_probs
             if gates.requires_grad:
                 gates.retain_grad()  # read by pulls() after backward
-            gated = dict(kl_weight=kl_weight, gates=gates, q=terms.guide_trace.nodes["g"]["fn"].base_dist,
-                         prior=gate_site["fn"], estimator=self.estimator)
-        return terms.loss, HeadOutput(nce=made["row_nce"].mean(), kl=terms.kl, features=made["features"], **gated)
+            q = terms.guide_trace.nodes["g"]["fn"].base_dist
+            gated = dict(kl_weight=kl_weight, gates=gates, q=q, prior=gate_site["fn"], estimator=self.estimator)
+            if self.density is not None:  # the constraint's term, of value 0: the loss stays the head's
+                loss = loss + self.density.term(self.estimator.mask_probs(q))
+                gated["density_multiplier"] = self.density.multiplier()
+        return loss, HeadOutput(nce=made["row_nce"].mean(), kl=terms.kl, features=made["features"], **gated)
 
     @property
     def kl_weight(self) -> torch.Tensor | float:
-        """lambda, the KL's weight of the next step.
-
-        With a density target it is the multiplier's current value (a new 0-d tensor at each read, so a step keeps
-        its own), else the constructor's ``kl_weight``.
-        """
-        return self.density.weight() if self.density is not None else self.model.kl_weight
+        """lambda, the KL's weight: the constructor's ``kl_weight`` (a density target has a multiplier of its own)."""
+        return self.model.kl_weight
 
     @torch.no_grad()
-    def update_density(self, out: HeadOutput):
-        """With a density target, one step of the multiplier from a training step's output.
+    def update_density(self, out: HeadOutput | torch.Tensor):
+        """With a density target, one dual step of the constraint's multiplier from a training step's output.
 
-        The target is ``gate_density``, and the step is taken from the share of open gates of ``out``. Call it once per
-        training step, after ``optimizer.step()`` (the prior's gradients are divided by the step's lambda during
-        ``backward``); the next step's lambda is the new multiplier. Without a target it does nothing.
+        The target is ``gate_density``, and the step is taken from the share of open gates of ``out`` (its evaluation
+        mask's on the batch; for Pyro's ``SVI``, which returns no output, pass the share itself,
+        ``head.gate_mask(h).float().mean()``). Call it once per training step, after ``optimizer.step()``; the next
+        step's loss carries the new multiplier. Without a target it does nothing.
         """
         if self.density is not None:
-            self.density.update(out.gates_open)
+            self.density.update(out.gates_open if isinstance(out, HeadOutput) else out)
 
     @property
     def objective(self) -> str:
@@ -255,15 +255,20 @@ class BayesNCLHead(nn.Module):
         ``SVI(*head.svi_program(), optim, head.elbo()).step(h)`` takes one step on the head's -ELBO (its loss times 2N;
         the backbone is the caller's). The program is :meth:`training_program`, with the projector run in the model and
         every parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces
-        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. The parameters enter
-        Pyro's param store: step inside :func:`own_params`; call :meth:`update_density` after each step.
+        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. With a density target the
+        model adds the constraint's term, a factor of value 0. Step inside :func:`own_params` (the parameters enter
+        Pyro's param store); call :meth:`update_density` after each step.
         """
         model, guide = self.training_program()
 
         def svi_model(h):
             pyro.module("bayesncl_head", self)
             unweight_prior_gradients(self)
-            return model(self.projector(h), h)
+            made = model(self.projector(h), h)
+            if self.density is not None:  # the constraint's term (value 0) on -ELBO's scale, 2N times the loss's
+                term = self.density.term(self.estimator.mask_probs(self.guide.posterior(h)))
+                pyro.factor("density", -self.num_rows * term)
+            return made
 
         def svi_guide(h):
             pyro.module("bayesncl_head", self)
@@ -324,7 +329,7 @@ class BayesNCLHead(nn.Module):
         if gates is None or gates.grad is None:
             return {}
         # each row against its own rates: a prior with a rate per row (per-image) has R x K
-        rates = out.prior.mean.detach()
+        rates = gate_rates(out.prior).detach()  # by draws for a prior without a mean
         nce, prior = gate_pulls(gates.grad, out.kl_probs, rates, out.kl_weight, out.estimator.kl_clamp)
         return dict(gate_nce_pull=nce, gate_prior_pull=prior)
 

@@ -457,9 +457,9 @@ def test_the_gating_mlp_runs_under_the_callers_autocast_and_keeps_the_loss_to_fl
 
 
 def test_a_forward_pass_changes_nothing_and_the_density_moves_at_the_explicit_update():
-    """With a density target, lambda is the multiplier's value: the head's forward (in training mode) leaves the
-    multiplier as it was; ``update_density`` after the step takes its dual step from that step's share of open
-    gates, and the next forward's lambda is the new multiplier."""
+    """With a density target, the head's forward (in training mode) leaves the multiplier as it was and lambda at
+    kl_weight; ``update_density`` after the step takes its dual step from that step's share of open gates (or from a
+    share given as a tensor, for SVI), and the next forward carries the new multiplier."""
     torch.manual_seed(0)
     head = BayesNCLHead(D, K, H, num_train=500, prior_prob=0.2, gate_density=0.3, kl_weight=0.05).train()
     h = torch.randn(R, D)
@@ -467,13 +467,17 @@ def test_a_forward_pass_changes_nothing_and_the_density_moves_at_the_explicit_up
     loss, out = head(h)
     for k, v in head.state_dict().items():  # the target is NaN before the first update
         torch.testing.assert_close(v, state[k], rtol=0, atol=0, equal_nan=True, msg=k)
-    assert out.kl_weight.item() == pytest.approx(0.05)
+    assert out.kl_weight == pytest.approx(0.05)
     control = copy.deepcopy(head.density)
     control.update(out.gates_open)
     head.update_density(out)
-    assert torch.equal(head.density.eta, control.eta) and not torch.equal(head.density.eta, state["density.eta"])
+    assert torch.equal(head.density.integral, control.integral)
+    assert not torch.equal(head.density.target, state["density.target"])
     _, after = head(h)
-    assert torch.equal(after.kl_weight, control.weight())
+    assert torch.equal(after.density_multiplier, control.multiplier()) and after.kl_weight == pytest.approx(0.05)
+    control.update(torch.tensor(0.9))
+    head.update_density(torch.tensor(0.9))
+    assert torch.equal(head.density.multiplier(), control.multiplier())
 
 
 def test_the_guide_under_the_estimator_is_built_once_and_again_for_a_new_estimator_guide_or_copy():
