@@ -91,6 +91,11 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
     if type(prior).forward is Prior.forward:
         with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
             _check_rates(prior, name)
+    if prior.row_latents and type(prior).make_guide is Prior.make_guide:
+        raise UserError(f"{name} has row_latents, latents per image, whose guide must be amortised (a function of each "
+                        "image's backbone features h; Pyro's AutoNormal keeps a parameter per image): write "
+                        "make_guide(self, in_dim) returning a PyroModule called as guide(h, plate) that samples them "
+                        "inside `with plate:` (per-image's AmortizedLogitGuide is one)")
     guide = prior.make_guide(in_dim) if prior.row_latents else prior.make_guide()
     with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
         plate = pyro.plate("images", rows // 2)
@@ -107,9 +112,11 @@ def checked_guide(prior: "Prior", in_dim: int = 8) -> PyroModule | None:
     if model_sites != guide_sites:
         given = ("returns no guide" if guide is None else
                  f"returns a guide that samples {sorted(guide_sites) or 'nothing'}")
+        fix = ("make_guide(in_dim) must return an amortised guide (a PyroModule called as guide(h, plate)) that "
+               "samples the same sites" if prior.row_latents else "make_guide() must return a guide (a PyroModule) "
+               "that samples the same sites, or leave make_guide() out for the default guide (Pyro's AutoNormal)")
         raise UserError(f"{name} samples the latent sites {sorted(model_sites) or 'none'} but its make_guide() "
-                        f"{given}: make_guide() must return a guide (a PyroModule) that samples the same sites, or "
-                        "leave make_guide() out for the default guide (Pyro's AutoNormal)")
+                        f"{given}: {fix}")
     if guide is not None:
         _check_guide_shapes(name, model_trace, guide_trace)
     if prior.row_latents and guide is not None:
