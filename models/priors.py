@@ -19,6 +19,7 @@ to the types its signature declares.
 """
 
 import functools
+import itertools
 import math
 import warnings
 from typing import ClassVar
@@ -39,6 +40,7 @@ from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.plugins import Registry, import_spec, is_spec, typed_kwargs
 
 PRIORS: Registry = Registry()  # the registry names of ``--prior``
+_INSTANCES = itertools.count()  # each prior's own name in Pyro's param store (Prior.__init__)
 register = PRIORS.register
 
 
@@ -251,7 +253,10 @@ class Prior(PyroModule):
     row_latents: ClassVar[bool] = False
 
     def __init__(self, num_features: int, prior_prob: float):
-        super().__init__()
+        # a name of its own for Pyro's param store: a PyroModule takes the store's value of its parameters' names, so
+        # called outside a head (whose program runs in a store of its own, where it is named by its place in the head)
+        # a second prior with the same attribute names would otherwise take and train the first one's parameters
+        super().__init__(name=f"{type(self).__name__}-{next(_INSTANCES)}")
         self.num_features = num_features
         self.prior_prob = _check_rate(prior_prob)
 

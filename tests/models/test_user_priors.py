@@ -95,3 +95,53 @@ def test_a_prior_that_skips_super_init_is_one_line():
                                         r"prior_prob\)") as e:
         BayesNCLHead(6, 8, 16, num_train=100, prior=_NoSuper(8))
     assert "\n" not in str(e.value)
+
+
+def test_a_learned_prior_called_outside_a_head_keeps_its_parameters_its_own():
+    """Called outside a head (a notebook's pattern), a learned prior's parameter entered Pyro's global param store, and
+    a second prior of that class took the first one's through it (then was refused as another head's)."""
+    import pyro
+
+    from bayesncl_pyro.models.priors import LearnedPrior
+
+    first, second = LearnedPrior(4, 0.2), LearnedPrior(4, 0.9)
+    torch.testing.assert_close(first(1).mean, torch.full((1, 4), 0.2))
+    torch.testing.assert_close(second(1).mean, torch.full((1, 4), 0.9))
+    assert first.logit_rate_unconstrained is not second.logit_rate_unconstrained
+    assert len(pyro.get_param_store().keys()) == 2  # each under a name of its own
+    head = BayesNCLHead(6, 4, 16, num_train=100, prior=second, kl_weight=0.1)
+    head(torch.randn(10, 6))[0].backward()
+    assert second.logit_rate_unconstrained.grad is not None
+
+
+class _LearnedMixture(Prior):
+    """Two sparsity regimes whose weights are learned (a plain parameter of the prior's own)."""
+
+    def __init__(self, num_features, prior_prob=0.3):
+        super().__init__(num_features, prior_prob)
+        self.weight_logits = torch.nn.Parameter(torch.tensor([0.3, -0.3]))
+
+    def forward(self, rows):
+        rates = torch.tensor([[0.1], [0.6]]).expand(2, self.num_features)
+        mixture = dist.MixtureSameFamily(dist.Categorical(logits=self.weight_logits),
+                                         dist.Bernoulli(probs=rates).to_event(1))
+        return mixture.expand([rows])
+
+
+def test_gates_nc_holds_the_priors_own_learned_parameters():
+    """gates.nc held the guide's parameters of global latents but not the prior's own (a mixture's weights, the
+    learned prior's rates): they are prior_param_<name>, a PyroParam in its constrained space."""
+    from bayesncl_pyro.evaluate.arviz_export import to_datatree
+    from bayesncl_pyro.evaluate.dimensions import GatePosterior, learned_parameters
+    from bayesncl_pyro.models.priors import LearnedPrior
+
+    learned = LearnedPrior(4, 0.2)
+    params = learned_parameters(learned)
+    torch.testing.assert_close(params["logit_rate"], torch.full((4,), 0.2).logit())
+    mixture = _LearnedMixture(4)
+    assert set(learned_parameters(mixture)) == {"weight_logits"}
+    post = GatePosterior(torch.rand(3, 4), torch.rand(3, 4), torch.zeros(3, dtype=torch.long), ["x"],
+                         draws=torch.ones(2, 3, 4), prior_params={**params, **learned_parameters(mixture)})
+    gates = to_datatree(post)["gates"]
+    assert gates["prior_param_logit_rate"].dims == ("feature",)
+    assert gates["prior_param_weight_logits"].values.tolist() == pytest.approx([0.3, -0.3])
