@@ -119,9 +119,7 @@ class ContrastiveModel(PyroModule):
                 args = (rows, images_plate(self.num_rows, rows, u.device)) if self.prior.row_latents else (rows,)
                 gates = scaled_call(self.prior, prior_grad_scale, *args)
                 with plate:
-                    # the site says what it gates and which factor reads it: the rows before gating and the
-                    # likelihood's site name (leg's ELBO reads them, not names of its own)
-                    g = pyro.sample("g", gates, infer={"gates": dict(ungated=ungated.detach(), likelihood="nce")})
+                    g = pyro.sample("g", gates)
             u = normalize(u * g)
         if gather is None:
             nce = info_nce_rows(u, self.temperature)

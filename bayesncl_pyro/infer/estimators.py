@@ -72,6 +72,7 @@ from pyro.infer.reparam.reparam import Reparam
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
+from bayesncl_pyro.models.bayesncl import computed
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
@@ -234,11 +235,11 @@ class LocalExpectationELBO(MeanFieldELBO):
         sum_ik (p_ik - sg(p_ik)) * sg(D_ik),   D = ``info_nce_flip_differences(ungated, g)``,
 
     whose gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
-    batch's summed InfoNCE (module docstring). It reads from the traces the site the program marks as its gates
-    (q's probabilities from the guide's site, the draw from the model), the rows it gates and the scale of the
-    likelihood factor it names (:func:`gate_site`); ``temperature`` is that factor's. The probabilities enter through
-    a node of their own, which it returns as the particle's ``gate_probs``: its gradient after backward is InfoNCE's
-    alone (the KL's reaches q through another path).
+    batch's summed InfoNCE (module docstring). It reads from the traces the gate site ``g`` (q's probabilities from
+    the guide's site, the draw from the model), the model's ``ungated`` features and the scale of its ``nce``
+    factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which it returns
+    as the particle's ``gate_probs``: its gradient after backward is InfoNCE's alone (the KL's reaches q through another
+    path).
     """
 
     def __init__(self, temperature: float, **kwargs):
@@ -252,31 +253,16 @@ class LocalExpectationELBO(MeanFieldELBO):
         return particle._replace(loss=particle.loss + term, gate_probs=probs)
 
 
-def gate_site(model_trace) -> tuple[str, dict]:
-    """(name, its ``infer["gates"]``) of the program's gate site: the site that says it gates rows.
-
-    The model marks it ``infer={"gates": {"ungated": rows before gating, "likelihood": the factor's site name}}``
-    (``models/bayesncl.py``).
-    """
-    for name, site in model_trace.nodes.items():
-        if site["type"] == "sample" and "gates" in site["infer"]:
-            return name, site["infer"]["gates"]
-    raise UserError("the program has no gate site: leg's ELBO needs a sample site marked infer={'gates': "
-                    "{'ungated': rows, 'likelihood': factor name}}, as models/bayesncl.py's gates are")
-
-
 def local_expectation_term(model_trace, guide_trace, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(:class:`LocalExpectationELBO`'s term for one pair of traces, its node of q's probabilities).
 
-    The term has value 0 and is on the loss's scale. The gate site, the rows it gates and the likelihood factor are
-    the ones the program marks (:func:`gate_site`).
+    The term has value 0 and is on the loss's scale.
     """
-    name, marked = gate_site(model_trace)
-    probs = guide_trace.nodes[name]["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
-    features = marked["ungated"]
+    probs = guide_trace.nodes["g"]["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
+    features = computed(model_trace)["ungated"]
     dtype = torch.promote_types(features.dtype, torch.float32)
-    d = info_nce_flip_differences(features.to(dtype), model_trace.nodes[name]["value"], temperature).to(probs.dtype)
-    return ((probs - probs.detach()) * d).sum() * model_trace.nodes[marked["likelihood"]]["scale"], probs
+    d = info_nce_flip_differences(features.to(dtype), model_trace.nodes["g"]["value"], temperature).to(probs.dtype)
+    return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"], probs
 
 
 @register("gs")
