@@ -197,6 +197,7 @@ def parse_file(path: Path, data: bytes) -> dict:
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
     check_extent(values, f"--config {path}", "a YAML alias nested in aliases repeats its values",
                  "a file of Config fields holds a few dozen")
+    values = {k: v for k, v in values.items() if k not in RECORDED}  # a run's config.json, as it is
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
