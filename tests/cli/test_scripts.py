@@ -31,6 +31,7 @@ SCRIPTS = {
     "report.py": lambda tmp, run: [run, "--out", str(tmp / "report")],
     "bench_report.py": lambda tmp, run: ["--images", "64", "--dims", "32", "--classes", "4"],
     "bench_pyro_parts.py": lambda tmp, run: ["--repeats", "1", "--calls", "2", "--steps", "1"],
+    "bench_coupled_kl.py": lambda tmp, run: ["--features", "8", "--rows", "16", "--repeats", "1"],
 }
 
 
