@@ -69,6 +69,11 @@ RUNS = "runs"
 """Where a run given no ``--out`` goes: ``runs/<run_name>``, below the current folder."""
 
 
+RECORDED = ("num_threads",)
+"""What a run's ``config.json`` records besides the settings: facts of the machine that ran it (torch's thread count,
+on which a CPU run's float sums depend), read past by :meth:`Config.from_dict`."""
+
+
 @dataclass
 class Config:
     """A run's settings: every field a flag or a config file may set, with its default.
@@ -163,8 +168,8 @@ class Config:
     prior: str = "bernoulli"  # a registry name (models/priors.py) or package.module:ClassName
     prior_prob: float = 0.8
     prior_args: dict = field(default_factory=dict)  # the prior's other constructor arguments, by name
-    kl_weight: float = 3e-5  # with gate_density: lambda's starting value
-    gate_density: float | None = None  # a target share of open gates; lambda follows it (density.py)
+    kl_weight: float = 3e-5  # lambda, the KL's weight (fixed, with or without gate_density)
+    gate_density: float | None = None  # a constraint on the share of open gates, its own multiplier (density.py)
     kl_clamp: float = 0.01  # the KL's rates clamped to [c, 1 - c] as the reference; 0 = the exact KL
     gate: str = "ste"  # the paper's main estimator, "BayesNCL (STE)"; the names: estimators.py, GATES
     gate_temperature: float = 1.0
@@ -226,6 +231,7 @@ class Config:
         """
         if "kl_clamp" not in d:  # written by bayesncl-pyro 0.1: the settings that reproduce what it computed
             d = dict(d, eval_protocol="fast", gate={"gs": "gs-reference-kl"}.get(d.get("gate"), d.get("gate")))
+        d = {k: v for k, v in d.items() if k not in RECORDED}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:  # a few of them, each quoted short: a file may hold 300,000 (a 48.6 MB line)
@@ -290,6 +296,7 @@ def parse_file(path: Path, data: bytes) -> dict:
         raise UserError(f"--config {path} holds a {type(values).__name__}, not a mapping of Config fields to values")
     check_extent(values, f"--config {path}", "a YAML alias nested in aliases repeats its values",
                  "a file of Config fields holds a few dozen")
+    values = {k: v for k, v in values.items() if k not in RECORDED}  # a run's config.json, as it is
     fields = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:

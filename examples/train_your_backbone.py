@@ -43,7 +43,7 @@ while step < args.steps:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        head.update_density(stats)  # with gate_density, lambda's next value; without, nothing
+        head.update_density(stats)  # with gate_density, the constraint's multiplier; without, nothing
         step += 1
         if step % 20 == 0 or step == args.steps:
             pulls = head.pulls(stats)  # read after backward: how hard InfoNCE and the prior move the gates

@@ -47,7 +47,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
-from bayesncl_pyro.models.bayesncl import image_features, images_plate, rows_plate
+from bayesncl_pyro.models.bayesncl import image_features, images_plate, rows_plate, scaled_call
 from bayesncl_pyro.nn.encoders import mlp
 
 
@@ -253,19 +253,22 @@ class GateGuide(PyroModule):
                             for s in range(num_draws)])
 
     def forward(self, z: torch.Tensor, h: torch.Tensor, kl_weight=None,
-                family: type[BernoulliGates] | None = None, mlp_dtype: torch.dtype | None = None) -> BernoulliGates:
+                family: type[BernoulliGates] | None = None, mlp_dtype: torch.dtype | None = None,
+                prior_grad_scale=None) -> BernoulliGates:
         """Samples the gates (and the prior's latents) from q; returns q(g | x).
 
         ``kl_weight``: this call's lambda (default: the constructor's); ``family``, ``mlp_dtype``: as
-        :meth:`posterior`'s.
+        :meth:`posterior`'s; ``prior_grad_scale``: None, or a factor on the gradient into the prior's guide's parameters
+        through this call (``nn.gradient_scale``: the head's 1 / lambda).
         """
         with poutine.scale(scale=self.kl_weight if kl_weight is None else kl_weight):
             plate = rows_plate(self.num_rows, h.shape[0], h.device)
             if self.rate_guide is not None:
                 if self.row_latents:  # one latent per image, read from its two views' features
-                    self.rate_guide(image_features(h), images_plate(self.num_rows, h.shape[0], h.device))
+                    scaled_call(self.rate_guide, prior_grad_scale, image_features(h),
+                                images_plate(self.num_rows, h.shape[0], h.device))
                 else:
-                    self.rate_guide()
+                    scaled_call(self.rate_guide, prior_grad_scale)
             q = self.posterior(h, family, mlp_dtype, weights=None)  # a Bayesian head: W drawn from q(W) here
             with plate:
                 pyro.sample("g", q.to_event(1))

@@ -30,8 +30,10 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.nn import PyroModule
+from torch.func import functional_call
 
 from bayesncl_pyro.models.priors import Prior
+from bayesncl_pyro.nn.gradient_scale import scale_grad
 from bayesncl_pyro.nn.losses import info_nce_rows, nonneg, normalize, topk_mask
 
 
@@ -96,13 +98,14 @@ class ContrastiveModel(PyroModule):
             z = z * topk_mask(z, self.topk)
         return normalize(z)
 
-    def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None, kl_weight=None):
+    def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None, kl_weight=None, prior_grad_scale=None):
         """Sample the gates, gate the features and add the batch's InfoNCE factor.
 
         z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
         this rank's rows -> (every rank's rows, the offset of ours), for global negatives
-        (``bayesncl_pyro.distributed.gather_rows``); kl_weight: this call's lambda (default: the constructor's).
-        Rows are ``[view 1 of B images; view 2 of the same B images]``.
+        (``bayesncl_pyro.distributed.gather_rows``); kl_weight: this call's lambda (default: the constructor's);
+        prior_grad_scale: None, or a factor on the gradient into the prior's parameters through this call
+        (``nn.gradient_scale``: the head's 1 / lambda). Rows are ``[view 1 of B images; view 2 of the same B images]``.
 
         Besides the gate site ``g`` and the factor ``nce``, it returns what it computed, detached, for whoever reads
         the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw (R x K); and
@@ -119,8 +122,8 @@ class ContrastiveModel(PyroModule):
                 plate = rows_plate(self.num_rows, rows, u.device)
                 # global latents outside the plate, each row's gates inside it; a prior's latents per image in a plate
                 # over the images, whose two views share them
-                gates = (self.prior(rows, images_plate(self.num_rows, rows, u.device)) if self.prior.row_latents
-                         else self.prior(rows))
+                args = (rows, images_plate(self.num_rows, rows, u.device)) if self.prior.row_latents else (rows,)
+                gates = scaled_call(self.prior, prior_grad_scale, *args)
                 with plate:
                     g = pyro.sample("g", gates)
             u = normalize(u * g)
@@ -136,6 +139,25 @@ class ContrastiveModel(PyroModule):
         if self.prior is not None:
             values["ungated"] = ungated.detach()
         return values
+
+
+def scaled_call(module: torch.nn.Module, scale, *args):
+    """``module(*args)`` with the gradient into each of its parameters through this call multiplied by ``scale``.
+
+    The prior's global parameters (and its guide's) enter the loss only inside the lambda-weighted KL, so their gradient
+    is lambda times their objective's; the head calls them with 1 / lambda, so they learn at a step that does not
+    depend on lambda under any optimiser (with Adam, scale-free, a learning rate of gate_lr / lambda would step
+    lambda-fold too far). The parameters are left alone: a gradient the user takes of them elsewhere is the plain one.
+    ``torch.func.functional_call`` with each parameter replaced by ``nn.gradient_scale.scale_grad`` of it, with Pyro's
+    module-local parameters (a PyroParam is read from the module, never from the param store) and its param
+    statements hidden (``SVI`` steps the parameters themselves, which ``pyro.module`` declares, not their scaled
+    copies). None (or a module of no parameters): called as it is.
+    """
+    params = dict(module.named_parameters())
+    if scale is None or not params:
+        return module(*args)
+    with pyro.settings.context(module_local_params=True), poutine.block(hide_types=["param"]):
+        return functional_call(module, {name: scale_grad(p, scale) for name, p in params.items()}, args)
 
 
 def computed(model_trace) -> dict[str, torch.Tensor]:

@@ -20,8 +20,8 @@ BayesNCL method once per value; docs/RESULTS.md, "Is the gain Bayesian?"):
         --seeds 0 1 2 --workers 1 --out runs/estimators-comp
 
 Is a gate's gain more than sparsity? NCL+TopK over a grid of k against the gates at the published prior and at a density
-of open gates (--gate-density: lambda becomes the multiplier that meets it; a prior below 1/2 so that the KL closes
-gates), each paired by seed with NCL, with TopK at its own sparsity and with its controls, on the paper's and the top-N
+of open gates (--gate-density: a constraint with a multiplier of its own that meets it, for any prior and rate), each
+paired by seed with NCL, with TopK at its own sparsity and with its controls, on the paper's and the top-N
 consistency (docs/RESULTS.md, "At matched sparsity", gives the 90 runs' cost):
 
     python experiments/compare.py --dataset compositional --methods ncl,ncl+topk,bayesncl-ste,bayesncl-leg \
@@ -133,8 +133,9 @@ def parser() -> argparse.ArgumentParser:
                    "once per value, named <method>-lambda<value>")
     g.add_argument("--eval-protocol", choices=EVAL_PROTOCOLS, help="linear probe and retrieval: fast or reference "
                    "(the paper's; default: reference for --recipe reference on CIFAR and ImageNet-100, else fast)")
-    g.add_argument("--gate-density", nargs="+", help="a target share of open gates (lambda follows "
-                   "it from --kl-weight); each BayesNCL method runs once per value, named <method>-d<D>")
+    g.add_argument("--gate-density", nargs="+", help="a target share of open gates (a constraint with "
+                   "its own multiplier; lambda stays --kl-weight); each BayesNCL method runs once per value, named "
+                   "<method>-d<D>")
     g.add_argument("--gate-heads", nargs="+", help="mlp and/or bayesian (docs/novelty.md); each BayesNCL method runs "
                    "once per head, a bayesian one named <method>-bayesian (default: mlp)")
     g.add_argument("--topk", nargs="+", help="k of NCL+TopK (default: proj-dim / 8); several values run "

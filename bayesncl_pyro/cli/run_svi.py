@@ -108,11 +108,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prior-prob", type=float, default=d.prior_prob,
                    help="prior inclusion rate rho, or its mean for hierarchical priors (default: %(default)s)")
     g.add_argument("--kl-weight", type=float, default=d.kl_weight,
-                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE; with --gate-density, its "
-                   "starting value (default: %(default)s)")
+                   help="lambda: weight of the per-row gate KL next to the per-row InfoNCE, fixed (default: "
+                   "%(default)s)")
     g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
-                   "(0, 1): lambda becomes a Lagrange multiplier, raised or lowered after every step until the share "
-                   "meets it (bayesncl_pyro/infer/density.py; default: off, lambda fixed)")
+                   "(0, 1), for any prior: a constraint with a Lagrange multiplier of its own, raised or lowered after "
+                   "every step until the share meets it; lambda stays --kl-weight (bayesncl_pyro/infer/density.py; "
+                   "default: off)")
     g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")
@@ -278,8 +279,8 @@ def announce(trainer) -> str:
     cfg = trainer.cfg
     args = "".join(f" {k}={v}" for k, v in cfg.prior_args.items())
     kl = "the exact KL" if cfg.kl_clamp == 0 else f"the KL's rates clamped at {cfg.kl_clamp}"
-    weight = (f"KL weight {cfg.kl_weight}" if cfg.gate_density is None else
-              f"KL weight from {cfg.kl_weight}, the multiplier of {cfg.gate_density:g} of the gates open")
+    weight = f"KL weight {cfg.kl_weight}" + ("" if cfg.gate_density is None else
+                                             f", {cfg.gate_density:g} of the gates open as a constraint")
     what = {"cl": "SimCLR (CL)", "ncl": "NCL", "bayesncl": f"BayesNCL ({cfg.gate} gates, {cfg.prior} prior "
             f"rho={cfg.prior_prob}{args}, {weight}, {kl})"}[cfg.method]
     last = trainer.last_step

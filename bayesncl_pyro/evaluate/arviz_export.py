@@ -22,6 +22,8 @@ its ``class_label``)::
                     features (item, feature)          the representation F the metrics judge
                     rate_<param> (feature or ...)     each parameter of the global latents' q by its name
                                                       (beta-bernoulli: rate_a, rate_b, q(rate_k) = Beta(a_k, b_k))
+                    prior_param_<p> (feature or ...)  each learned parameter of the prior itself by its name
+                                                      (learned: prior_param_logit_rate; a mixture's weights)
                     prior_rate (feature)              the prior's inclusion rate, a hierarchical prior's at the
                                                       mean of its latents' q; (item, feature) for a prior with a
                                                       rate per image, each test image's
@@ -91,6 +93,10 @@ def to_datatree(post: GatePosterior, log: list[dict] = (), config: dict | None =
     for name, value in (post.global_params or {}).items():  # q's parameters of the global latents, as rate_<name>
         gates[f"rate_{name}"] = (("feature",) if value.shape == (k,) else
                                  tuple(f"rate_{name}_dim_{i}" for i in range(value.ndim)), value.numpy())
+    for name, value in (post.prior_params or {}).items():  # the prior's own learned parameters: prior_param_<name>
+        name = f"prior_param_{name.replace('.', '_')}"
+        gates[name] = (("feature",) if value.shape == (k,) else
+                       tuple(f"{name}_dim_{i}" for i in range(value.ndim)), value.numpy())
     if post.prior_rate is not None:
         gates["prior_rate"] = (("item", "feature")[-post.prior_rate.ndim:], post.prior_rate.numpy())
     dt["gates"] = xr.Dataset(gates, coords={**coords, "class_label": class_label})

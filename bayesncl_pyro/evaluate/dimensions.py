@@ -324,6 +324,9 @@ class GatePosterior:
     # q's parameters of the global latents, by their name in the prior's guide (beta-bernoulli: q(rate_k) =
     # Beta(a_k, b_k), as "a" and "b")
     global_params: dict[str, torch.Tensor] | None = None
+    # the prior's own learned parameters by their name in it, constrained (learned: logit_rate; a mixture's weights, a
+    # learned covariance of the user's)
+    prior_params: dict[str, torch.Tensor] | None = None
     # where q of the global latents is and where it tends to, in one figure each (``Prior.convergence``: for
     # beta-bernoulli the concentration a + b and a0 + b0 + 2N, which a training run is far from: models/priors.py,
     # BetaBernoulliPrior); None where the prior has no such figure
@@ -414,8 +417,22 @@ def gate_posterior(source: str | os.PathLike | ContrastiveLearner, data: DataSpe
         post.global_params, draws, row_draws = prior_latents(rate_guide, num_draws, h)
         post.global_draws, post.row_draws = draws or None, row_draws or None
         post.global_convergence = prior.convergence(rate_guide, learner.head.num_rows)
+    post.prior_params = learned_parameters(prior) or None
     post.prior_rate = prior_rate(learner, test)
     return post
+
+
+def learned_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters by name, detached on the CPU; a PyroParam by its own name, in its constrained space."""
+    out = {}
+    for name, value in module.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        base = leaf.removesuffix("_unconstrained")
+        if base != leaf and base in getattr(owner, "_pyro_params", {}):
+            leaf, value = base, getattr(owner, base)  # outside a Pyro context: the constrained value, no param store
+        out[f"{path}.{leaf}" if path else leaf] = value.detach().cpu()
+    return out
 
 
 def __getattr__(name: str):

@@ -91,6 +91,9 @@ def checked_prior(prior: str | Prior | None, proj_dim: int, prior_prob: float, p
     elif not isinstance(prior, Prior):
         raise UserError(f"prior must be a registry name, package.module:Class, a Prior or None, not a "
                         f"{type(prior).__name__}")
+    if "_modules" not in vars(prior) or "num_features" not in vars(prior):  # nn.Module's and Prior's own set-up
+        raise UserError(f"{type(prior).__name__}.__init__ did not call super().__init__(num_features, prior_prob), "
+                        "which sets up the module and the prior's num_features and prior_prob: call it first")
     if prior.num_features != proj_dim:
         raise UserError(f"the prior has {prior.num_features} gates but the head {proj_dim} features; build the "
                         f"prior with num_features={proj_dim} (the head's proj_dim)")

@@ -117,6 +117,10 @@ class GateEstimator(Reparam):
         """The inclusion probabilities its KL term is taken at: q's own."""
         return q.probs
 
+    def mask_probs(self, q: BernoulliGates) -> torch.Tensor:
+        """The probabilities whose threshold at 1/2 is :meth:`mask` (q's own): a density target's gradient follows."""
+        return q.probs
+
     def mask(self, q: BernoulliGates) -> torch.Tensor:
         """The 0/1 gates of the evaluation (the representation F, eval.json's ``gates_open``): q's mode."""
         return q.mode
@@ -290,6 +294,10 @@ class GumbelSigmoidReferenceKL(GumbelSigmoid):
         """sigmoid(l), as the reference's KL."""
         return q.head_logits.sigmoid()
 
+    def mask_probs(self, q):
+        """sigmoid(l), which the reference's mask thresholds."""
+        return q.head_logits.sigmoid()
+
     def mask(self, q):
         """The reference's mask, 1[sigmoid(l) > 0.5]."""
-        return (self.kl_probs(q) > 0.5).to(q.probs)
+        return (self.mask_probs(q) > 0.5).to(q.probs)

@@ -1,15 +1,19 @@
-"""The head's figures for evaluation: one draw of the objective with the exact KL, and InfoNCE at the mask.
+"""The head's evaluation API (:class:`HeadEvaluation`): its gates, representation and figures, after training.
 
-``BayesNCLHead.objective_draw`` and ``BayesNCLHead.mode_nce`` call these; the held-out evaluation
-(``evaluate/heldout.py``) reads both on the test split.
+One draw of the objective with the exact KL and InfoNCE at the mask (the held-out evaluation, ``evaluate/heldout.py``,
+reads both on the test split), the posterior's probabilities and mask, the representation F, and how hard InfoNCE and
+the prior pulled on a step's gates.
 """
 
 import torch
 
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.elbo import own_params
 from bayesncl_pyro.infer.estimators import Draw
+from bayesncl_pyro.infer.output import HeadOutput, gate_pulls
 from bayesncl_pyro.models.bayesncl import computed
-from bayesncl_pyro.nn.losses import info_nce_rows
+from bayesncl_pyro.models.priors import gate_rates
+from bayesncl_pyro.nn.losses import info_nce_rows, normalize
 
 
 @torch.no_grad()
@@ -39,3 +43,68 @@ def mode_nce(head, h: torch.Tensor) -> torch.Tensor:
     is taken once per batch beside the draws of :func:`objective_draw`.
     """
     return info_nce_rows(head.representation(h), head.model.temperature).mean()
+
+
+class HeadEvaluation:
+    """The evaluation API of :class:`~bayesncl_pyro.infer.head.BayesNCLHead`, which it is mixed into."""
+
+    def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One draw of the objective with the exact KL, whatever the estimator trained (:func:`objective_draw`)."""
+        return objective_draw(self, h)
+
+    def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
+        """The InfoNCE of the evaluation's representation, mean per row (:func:`mode_nce`)."""
+        return mode_nce(self, h)
+
+    def _need_gates(self):
+        if not self.gated:
+            raise UserError("this head has no gates (prior=None: NCL or CL); build it with a prior for BayesNCL")
+
+    def pulls(self, out: HeadOutput) -> dict[str, float]:
+        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the step's gates.
+
+        The step is the one that returned ``out``; the figures are ``gate_nce_pull`` and ``gate_prior_pull``
+        (``gate_pulls``, the prior's at the probabilities, the rates and the lambda the step's KL used). Empty
+        before the backward, or without gates.
+        """
+        gates = out.gates
+        if gates is None or gates.grad is None:
+            return {}
+        # each row against its own rates: a prior with a rate per row (per-image) has R x K
+        rates = gate_rates(out.prior).detach()  # by draws for a prior without a mean
+        nce, prior = gate_pulls(gates.grad, out.kl_probs, rates, out.kl_weight, out.estimator.kl_clamp)
+        return dict(gate_nce_pull=nce, gate_prior_pull=prior)
+
+    def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h.
+
+        q's family is the gate estimator's.
+        """
+        self._need_gates()
+        return self.guide.posterior(h).probs
+
+    @torch.no_grad()
+    def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
+        """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode.
+
+        The mode is 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the mask is the reference's, 1[sigmoid(l) > 0.5].
+        """
+        self._need_gates()
+        return self.estimator.mask(self.guide.posterior(h))
+
+    @torch.no_grad()
+    def representation(self, h: torch.Tensor) -> torch.Tensor:
+        """F, the gated representation the method is evaluated on.
+
+        normalise(features(z) * m) with m the evaluation mask (:meth:`gate_mask`) with gates, features(z) without
+        (normalise(relu(z)) for NCL, normalise(z) for CL).
+        """
+        feats = self.ungated_features(h)
+        if self.gated:
+            feats = normalize(feats * self.gate_mask(h).to(feats))
+        return feats
+
+    @torch.no_grad()
+    def ungated_features(self, h: torch.Tensor) -> torch.Tensor:
+        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
+        return self.model.features(self.projector(h))

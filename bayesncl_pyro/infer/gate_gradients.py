@@ -25,28 +25,67 @@ configuration of a small batch.
 """
 
 import torch
+from pyro import poutine
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.infer.elbo import own_params
 from bayesncl_pyro.infer.estimators import GATES, Draw, gate_class
-from bayesncl_pyro.models.bayesncl import computed
+from bayesncl_pyro.infer.kl import gates_of, site_kl
+from bayesncl_pyro.models.bayesncl import computed, image_features, images_plate
 from bayesncl_pyro.nn.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
-def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, family, rate: torch.Tensor, kl_weight: float,
+def unbiased_gradient(features: torch.Tensor, logits: torch.Tensor, family, rate, kl_weight: float,
                       kl_clamp: float, temperature: float, draws: int) -> torch.Tensor:
     """Unbiased draws of the objective's gradient with respect to the logits.
 
     Unbiased draws (S x R x K, float64) of the gradient of E_q[mean_i l_i] + lambda * mean_i sum_k KL_ik with
     respect to the R x K logits, q = ``family(logits)`` (``guides/gates.py``): one per gate draw from q, each exact
-    in its own gate (module docstring), with the KL's exact gradient; their mean estimates the gradient.
+    in its own gate (module docstring), with the KL's gradient; their mean estimates the gradient. ``rate``: the
+    prior's Bernoulli rates (K, or R x K; the KL's gradient exact), or a callable that returns p(g) of the R rows at
+    one draw of the prior's latents (a coupled prior, a prior with latents of its own): the KL's gradient is then
+    the head's own (``infer.kl.site_kl``: exact, or unbiased per gate), at a fresh draw each time.
     """
     rows = features.shape[0]
     logits = logits.detach().double().requires_grad_()
     q = family(logits)
-    dprob, = torch.autograd.grad(q.probs.sum(), logits)  # each probability depends on its own logit only
-    dkl = kl_weight / rows * bernoulli_kl_grad(q.probs, rate.double(), kl_clamp) * dprob
-    return torch.stack([dprob * info_nce_flip_differences(features.double(), q.sample(), temperature) / rows + dkl
+    dprob, = torch.autograd.grad(q.probs.sum(), logits, retain_graph=True)  # each on its own logit only
+    if callable(rate):
+        def dkl():
+            kl = site_kl(q.to_event(1), _double(rate()), None, kl_clamp=kl_clamp)[0].sum()
+            return torch.autograd.grad(kl_weight / rows * kl, logits, retain_graph=True)[0]
+    else:
+        fixed = kl_weight / rows * bernoulli_kl_grad(q.probs, rate.double(), kl_clamp) * dprob
+
+        def dkl():
+            return fixed
+    return torch.stack([dprob * info_nce_flip_differences(features.double(), q.sample(), temperature) / rows + dkl()
                         for _ in range(draws)])
+
+
+def _double(p: torch.distributions.Distribution) -> torch.distributions.Distribution:
+    """A Bernoulli prior's law in float64, as the reference's q; another distribution as it is."""
+    gates, dims = gates_of(p)
+    if gates is None:
+        return p
+    return torch.distributions.Independent(torch.distributions.Bernoulli(probs=gates.probs.double()), dims) \
+        if dims else torch.distributions.Bernoulli(probs=gates.probs.double())
+
+
+def _prior_draw(head, h: torch.Tensor):
+    """p(g) of the rows of backbone features h at one draw of the prior's latents from their guide.
+
+    As training takes it, without gradients (the diagnostic differentiates the gating head only).
+    """
+    prior, rate_guide, rows = head.model.prior, head.guide.rate_guide, h.shape[0]
+    with own_params(), torch.no_grad():
+        if rate_guide is None:
+            return prior(rows, images_plate(head.num_rows, rows, h.device)) if prior.row_latents else prior(rows)
+        if prior.row_latents:
+            plate = images_plate(head.num_rows, rows, h.device)
+            trace = poutine.trace(rate_guide).get_trace(image_features(h), plate)
+            return poutine.replay(prior, trace=trace)(rows, plate)
+        return poutine.replay(prior, trace=poutine.trace(rate_guide).get_trace())(rows)
 
 
 def _head_gradient(logits: torch.Tensor, params: list, upstream: torch.Tensor) -> torch.Tensor:
@@ -71,7 +110,8 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
     """Each estimator's gating-head gradient against the unbiased gradient, on one batch.
 
     Each estimator's gradient of the gating head against the unbiased gradient, on one batch x (2B rows
-    ``[view 1; view 2]``) of a trained BayesNCL learner whose prior has no global latents.
+    ``[view 1; view 2]``) of a trained BayesNCL learner, whatever its prior (one of latents of its own: the KL at a
+    fresh draw of them from their guide for every reference draw).
 
     ``estimators``: names in ``GATES``, and ``score``: the score-function (REINFORCE) gradient of InfoNCE at one
     draw of q, no baseline, the KL's gradient exact: unbiased, and the estimator Pyro's ``TraceGraph_ELBO``
@@ -90,9 +130,6 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
     if not learner.gated:
         raise UserError("the gradient diagnostic needs a bayesncl run: an NCL or CL run has no gates")
     head, guide, model = learner.head, learner.guide, learner.model
-    if guide.rate_guide is not None:
-        raise UserError(f"the gradient diagnostic needs a prior without global latents (bernoulli, learned), "
-                        f"not {model.prior.name}")
     if draws < 1 or reference_draws < 2:
         raise UserError(f"need at least 1 draw per estimator and 2 reference draws, got {draws} and {reference_draws}")
     trained, training = head.estimator, learner.training
@@ -101,7 +138,8 @@ def gate_gradient_bias(learner, x: torch.Tensor, estimators=(*GATES, SCORE), dra
         h = learner.backbone(x).float()
         z = head.projector(h)
         features = model.features(z)
-    rate = model.prior.rate().detach()
+    def rate():
+        return _prior_draw(head, h)
     kl_weight = head.kl_weight
     params = list(guide.head.parameters())
     logits = guide.logits(h)

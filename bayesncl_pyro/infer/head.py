@@ -6,7 +6,7 @@
     optimizer = torch.optim.SGD(head.param_groups(lr=0.3, backbone=backbone), lr=0.3, momentum=0.9)
     loss, out = head(backbone(torch.cat([view1, view2])))               # rows [view 1; view 2]
     optimizer.zero_grad(); loss.backward(); optimizer.step()
-    head.update_density(out)                                            # with gate_density: lambda's next value
+    head.update_density(out)                                            # with gate_density: the multiplier's step
 
 The head takes the backbone's features h, not projections: it owns the projector (h -> z, the reference's
 2-layer MLP), the gating head that infers the gates from h.detach(), the prior, the Pyro model and guide
@@ -16,7 +16,8 @@ mode (:attr:`BayesNCLHead.objective` says which). With ``prior=None`` the same h
 ``nonneg="none"`` as well, SimCLR; the Trainer trains all three through it.
 
 Where the rest lives: its arguments and prior are checked in ``infer/checks.py``, its step's output is
-``infer/output.py``'s, the prior's gradients are divided by lambda in ``infer/prior_gradients.py``, and its evaluation
+``infer/output.py``'s, the prior's gradients are divided by lambda along the program's path (``nn/gradient_scale.py``),
+and its evaluation
 figures are ``infer/evaluation.py``'s.
 
 In your own loop, turn Pyro's validation off (``pyro.enable_validation(False)``, as the Trainer does): with it
@@ -41,14 +42,13 @@ from bayesncl_pyro.infer.density import DensityControl, check_gate_density
 from bayesncl_pyro.infer.elbo import ELBOTerms, MeanFieldELBO
 from bayesncl_pyro.infer.elbo import own_params as own_params  # re-exported: its old home
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
-from bayesncl_pyro.infer.evaluation import mode_nce, objective_draw
+from bayesncl_pyro.infer.evaluation import HeadEvaluation
 from bayesncl_pyro.infer.output import HeadOutput
 from bayesncl_pyro.infer.output import gate_pulls as gate_pulls  # re-exported: its old home
-from bayesncl_pyro.infer.prior_gradients import unweight_prior_gradients
 from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
 from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.nn.encoders import mlp
-from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, normalize
+from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _no_guide(z, h):
     """NCL and CL have no latent variables: the ELBO is the likelihood factor alone."""
 
 
-class BayesNCLHead(nn.Module):
+class BayesNCLHead(HeadEvaluation, nn.Module):
     """Backbone features of 2B view-rows -> (loss, monitoring values).
 
     Args:
@@ -70,9 +70,9 @@ class BayesNCLHead(nn.Module):
         prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
             by name.
         kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
-            exact KL); gate_density: a target share of open gates (of the evaluation mask), which makes lambda a
-            Lagrange multiplier, kl_weight its start, updated by :meth:`update_density` after every training step
-            (``bayesncl_pyro/infer/density.py``; None: lambda fixed); gate: how training differentiates through the
+            exact KL); gate_density: D, a constraint on the share of open gates (of the evaluation mask) with a
+            Lagrange multiplier of its own, stepped by :meth:`update_density` after every training step, lambda
+            unchanged (``bayesncl_pyro/infer/density.py``; None: none); gate: how training differentiates through the
             gates, a name in ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``,
             ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``; it also picks q's family); gate_temperature,
             head_depth, logit_bound: the guide's; gate_head: ``mlp`` (the reference's) or ``bayesian`` (latent
@@ -82,10 +82,10 @@ class BayesNCLHead(nn.Module):
         gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
             of every rank (global negatives; a plain run is unaffected).
 
-    The prior's global parameters get their gradient divided by lambda (``infer/prior_gradients.py``). ``kl_kind``:
+    The prior's global parameters get their gradient divided by lambda (``nn/gradient_scale.py``). ``kl_kind``:
     how the ELBO takes each latent site's KL (``infer/kl.py``), logged once at DEBUG when the head is built. A forward
-    pass changes nothing of the head. With ``gate_density``, a training loop calls
-    :meth:`update_density` with the step's output after ``optimizer.step()``: that moves lambda. For Pyro's ``SVI``:
+    pass changes nothing of the head. With ``gate_density``, a training loop calls :meth:`update_density` with the
+    step's output after ``optimizer.step()``: that moves the constraint's multiplier. For Pyro's ``SVI``:
     :meth:`svi_program` and :meth:`elbo`.
     """
 
@@ -117,10 +117,9 @@ class BayesNCLHead(nn.Module):
             if prior is None:
                 raise UserError("gate_density is a target share of open gates; a head without a prior (NCL, CL) has "
                                 "no gates: drop gate_density or give a prior")
-            check_gate_density(gate_density, "bayesncl", prior.prior_prob)
-            self.density = DensityControl(gate_density, kl_weight, prior.prior_prob)
-        self._unweighted = {}  # id(parameter) -> (parameter, the handle of its hook): infer.prior_gradients
-        self.kl_kind = self._kl_kinds(in_dim)  # its run of the program hooks the prior's parameters
+            check_gate_density(gate_density, "bayesncl")
+            self.density = DensityControl(gate_density)
+        self.kl_kind = self._kl_kinds(in_dim)
         for site, kind in self.kl_kind.items():  # run_svi.py says them in its first lines
             logger.debug(f"the KL of latent site {site!r}: {kind}")
 
@@ -155,36 +154,36 @@ class BayesNCLHead(nn.Module):
             gather = distributed.gather_rows if self.gather_distributed else None
             terms = self.elbo_terms(z.to(dtype), h.to(dtype), gather, kl_weight=kl_weight, mlp_dtype=mlp_dtype)
         made = computed(terms.model_trace)
-        gated = {}
+        gated, loss = {}, terms.loss
         if self.gated:
             # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
             gate_site = terms.model_trace.nodes["g"]
             gates = gate_site["value"] if terms.gate_probs is None else terms.gate_probs
             if gates.requires_grad:
                 gates.retain_grad()  # read by pulls() after backward
-            gated = dict(kl_weight=kl_weight, gates=gates, q=terms.guide_trace.nodes["g"]["fn"].base_dist,
-                         prior=gate_site["fn"], estimator=self.estimator)
-        return terms.loss, HeadOutput(nce=made["row_nce"].mean(), kl=terms.kl, features=made["features"], **gated)
+            q = terms.guide_trace.nodes["g"]["fn"].base_dist
+            gated = dict(kl_weight=kl_weight, gates=gates, q=q, prior=gate_site["fn"], estimator=self.estimator)
+            if self.density is not None:  # the constraint's term, of value 0: the loss stays the head's
+                loss = loss + self.density.term(self.estimator.mask_probs(q))
+                gated["density_multiplier"] = self.density.multiplier()
+        return loss, HeadOutput(nce=made["row_nce"].mean(), kl=terms.kl, features=made["features"], **gated)
 
     @property
     def kl_weight(self) -> torch.Tensor | float:
-        """lambda, the KL's weight of the next step.
-
-        With a density target it is the multiplier's current value (a new 0-d tensor at each read, so a step keeps
-        its own), else the constructor's ``kl_weight``.
-        """
-        return self.density.weight() if self.density is not None else self.model.kl_weight
+        """lambda, the KL's weight: the constructor's ``kl_weight`` (a density target has a multiplier of its own)."""
+        return self.model.kl_weight
 
     @torch.no_grad()
-    def update_density(self, out: HeadOutput):
-        """With a density target, one step of the multiplier from a training step's output.
+    def update_density(self, out: HeadOutput | torch.Tensor):
+        """With a density target, one dual step of the constraint's multiplier from a training step's output.
 
-        The target is ``gate_density``, and the step is taken from the share of open gates of ``out``. Call it once per
-        training step, after ``optimizer.step()`` (the prior's gradients are divided by the step's lambda during
-        ``backward``); the next step's lambda is the new multiplier. Without a target it does nothing.
+        The target is ``gate_density``, and the step is taken from the share of open gates of ``out`` (its evaluation
+        mask's on the batch; for Pyro's ``SVI``, which returns no output, pass the share itself,
+        ``head.gate_mask(h).float().mean()``). Call it once per training step, after ``optimizer.step()``; the next
+        step's loss carries the new multiplier. Without a target it does nothing.
         """
         if self.density is not None:
-            self.density.update(out.gates_open)
+            self.density.update(out.gates_open if isinstance(out, HeadOutput) else out)
 
     @property
     def objective(self) -> str:
@@ -216,18 +215,26 @@ class BayesNCLHead(nn.Module):
         if not self.gated:
             return self.program(gather, kl_weight, family)
         trained = self._trained_guide() if estimator is None else poutine.reparam(self.guide, config={"g": estimator})
-        return self._program(trained, gather, kl_weight, family, mlp_dtype)
+        return self._program(trained, gather, kl_weight, family, mlp_dtype, unweighted=True)
 
-    def _program(self, guide_fn, gather, kl_weight, family, mlp_dtype=None):
-        """(model, guide) closures of (z, h) over the model and ``guide_fn``, lambda read when they run."""
+    def _program(self, guide_fn, gather, kl_weight, family, mlp_dtype=None, unweighted=False):
+        """(model, guide) closures of (z, h) over the model and ``guide_fn``, lambda read when they run.
+
+        ``unweighted``: the gradient into the prior's parameters and its guide's through the program is divided by
+        lambda (``nn.gradient_scale``): their whole objective sits inside the lambda-weighted KL, so they learn at a
+        step that does not depend on lambda.
+        """
         def weight():
             return self.kl_weight if kl_weight is None else kl_weight
 
+        def scale():
+            return 1.0 / weight() if unweighted else None
+
         def model(z, h):
-            return self.model(z, h, gather=gather, kl_weight=weight())
+            return self.model(z, h, gather=gather, kl_weight=weight(), prior_grad_scale=scale())
 
         def guide(z, h):
-            return guide_fn(z, h, kl_weight=weight(), family=family, mlp_dtype=mlp_dtype)
+            return guide_fn(z, h, kl_weight=weight(), family=family, mlp_dtype=mlp_dtype, prior_grad_scale=scale())
 
         return model, guide if self.gated else _no_guide
 
@@ -258,15 +265,19 @@ class BayesNCLHead(nn.Module):
         ``SVI(*head.svi_program(), optim, head.elbo()).step(h)`` takes one step on the head's -ELBO (its loss times 2N;
         the backbone is the caller's). The program is :meth:`training_program`, with the projector run in the model and
         every parameter of the head declared to Pyro (``pyro.module``): ``SVI`` steps only the parameters its traces
-        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. The parameters enter
-        Pyro's param store: step inside :func:`own_params`; call :meth:`update_density` after each step.
+        name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. With a density target the
+        model adds the constraint's term, a factor of value 0. Step inside :func:`own_params` (the parameters enter
+        Pyro's param store); call :meth:`update_density` after each step.
         """
         model, guide = self.training_program()
 
         def svi_model(h):
             pyro.module("bayesncl_head", self)
-            unweight_prior_gradients(self)
-            return model(self.projector(h), h)
+            made = model(self.projector(h), h)
+            if self.density is not None:  # the constraint's term (value 0) on -ELBO's scale, 2N times the loss's
+                term = self.density.term(self.estimator.mask_probs(self.guide.posterior(h)))
+                pyro.factor("density", -self.num_rows * term)
+            return made
 
         def svi_guide(h):
             pyro.module("bayesncl_head", self)
@@ -284,7 +295,6 @@ class BayesNCLHead(nn.Module):
         ``kl_weight``: the step's lambda (default :attr:`kl_weight`); ``mlp_dtype``: :meth:`training_program`'s. It
         runs inside :func:`own_params`, so no parameter reaches Pyro's global param store.
         """
-        unweight_prior_gradients(self)
         kl_weight = self.kl_weight if kl_weight is None else kl_weight
         model, guide = self.training_program(estimator, gather, kl_weight, family, mlp_dtype)
         with own_params():
@@ -304,73 +314,12 @@ class BayesNCLHead(nn.Module):
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             return self.elbo_terms(self.projector(h), h).kl_kind
 
-    def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One draw of the objective with the exact KL, whatever the estimator trained (``infer.evaluation``)."""
-        return objective_draw(self, h)
-
-    def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
-        """The InfoNCE of the evaluation's representation, mean per row (``infer.evaluation``)."""
-        return mode_nce(self, h)
-
-    def _need_gates(self):
-        if not self.gated:
-            raise UserError("this head has no gates (prior=None: NCL or CL); build it with a prior for BayesNCL")
-
-    def pulls(self, out: HeadOutput) -> dict[str, float]:
-        """After ``loss.backward()``: how hard InfoNCE and the prior pull on the step's gates.
-
-        The step is the one that returned ``out``; the figures are ``gate_nce_pull`` and ``gate_prior_pull``
-        (``gate_pulls``, the prior's at the probabilities, the rates and the lambda the step's KL used). Empty
-        before the backward, or without gates.
-        """
-        gates = out.gates
-        if gates is None or gates.grad is None:
-            return {}
-        # each row against its own rates: a prior with a rate per row (per-image) has R x K
-        rates = out.prior.mean.detach()
-        nce, prior = gate_pulls(gates.grad, out.kl_probs, rates, out.kl_weight, out.estimator.kl_clamp)
-        return dict(gate_nce_pull=nce, gate_prior_pull=prior)
-
-    def gate_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h.
-
-        q's family is the gate estimator's.
-        """
-        self._need_gates()
-        return self.guide.posterior(h).probs
-
-    @torch.no_grad()
-    def gate_mask(self, h: torch.Tensor) -> torch.Tensor:
-        """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode.
-
-        The mode is 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the mask is the reference's, 1[sigmoid(l) > 0.5].
-        """
-        self._need_gates()
-        return self.estimator.mask(self.guide.posterior(h))
-
-    @torch.no_grad()
-    def representation(self, h: torch.Tensor) -> torch.Tensor:
-        """F, the gated representation the method is evaluated on.
-
-        normalise(features(z) * m) with m the evaluation mask (:meth:`gate_mask`) with gates, features(z) without
-        (normalise(relu(z)) for NCL, normalise(z) for CL).
-        """
-        feats = self.ungated_features(h)
-        if self.gated:
-            feats = normalize(feats * self.gate_mask(h).to(feats))
-        return feats
-
-    @torch.no_grad()
-    def ungated_features(self, h: torch.Tensor) -> torch.Tensor:
-        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
-        return self.model.features(self.projector(h))
-
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: encoder, gating head and the prior's global parameters.
 
         The backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr`` (0.1 published, not
         batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay, their gradients divided
-        by lambda (``infer/prior_gradients.py``; ``grad_scale`` records by what, and marks a checkpoint of this
+        by lambda (``nn/gradient_scale.py``; ``grad_scale`` records by what, and marks a checkpoint of this
         scheme). Clip gradients by group: the prior's are not on the loss's scale.
         """
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
@@ -390,11 +339,7 @@ class BayesNCLHead(nn.Module):
         rate_guide = self.guide.rate_guide
         return [*self.model.parameters(), *(rate_guide.parameters() if rate_guide is not None else ())]
 
-    def _unweight(self, grad: torch.Tensor) -> torch.Tensor:
-        """The hook on the prior's gradients (``infer.prior_gradients``): divides by this step's lambda."""
-        return grad / self.kl_weight
-
     def __getstate__(self):
-        state = {**super().__getstate__(), "_unweighted": {}}
+        state = super().__getstate__().copy()
         state.pop("_trained", None)  # a copy builds its own, around its own guide
         return state

@@ -18,7 +18,8 @@ each clamped to [c, 1 - c] by the estimator's ``kl_clamp`` c (0: none). Whatever
     gate, the exact difference log p(b with b_k = 1) - log p(b with b_k = 0) at the other gates' draw (local
     expectation gradients, Titsias and Lazaro-Gredilla 2015, as ``leg`` takes InfoNCE's): unbiased, since q
     factorises over the gates, with no score-function variance. p's own parameters get the pathwise gradient of
-    log p(b). It costs K + 1 evaluations of p's log-density per row.
+    log p(b). It costs K + 1 evaluations of p's log-density per row, but for a mixture of Bernoulli products, whose K
+    flips come from its components in one pass (``experiments/bench_coupled_kl.py``).
 ``Monte Carlo, one pathwise draw``
     a prior's continuous latent with no registered KL: log q(z) - log p(z) at the guide's reparameterised draw
     (``TraceMeanField_ELBO``'s own estimate), unbiased in value and gradient. So too an autoguide's site (a ``Delta``
@@ -30,7 +31,7 @@ each clamped to [c, 1 - c] by the estimator's ``kl_clamp`` c (0: none). Whatever
 
 import torch
 from pyro.distributions import Delta
-from torch.distributions import Bernoulli, Distribution, Independent, kl_divergence
+from torch.distributions import Bernoulli, Distribution, Independent, MixtureSameFamily, kl_divergence
 
 from bayesncl_pyro.nn.losses import bernoulli_kl
 
@@ -122,7 +123,15 @@ def _local_expectation(probs: torch.Tensor, p: Distribution, dims: int) -> torch
 
 @torch.no_grad()
 def _flipped_log_probs(p: Distribution, b: torch.Tensor) -> torch.Tensor:
-    """Log p at b with each gate flipped in turn, K x rows, in chunks of gates that bound the memory."""
+    """Log p at b with each gate flipped in turn, K x rows.
+
+    A mixture of Bernoulli products (``MixtureSameFamily`` of an ``Independent`` Bernoulli: a mixture of sparsity
+    regimes) gives all K at once from its components (:func:`_mixture_flips`); any other law through its ``log_prob``
+    on the flipped copies, in chunks of gates that bound the memory.
+    """
+    mixture = _mixture_flips(p, b)
+    if mixture is not None:
+        return mixture
     k = b.shape[-1]
     chunk = max(1, _FLIP_CHUNK // max(1, b.numel()))
     eye = torch.eye(k, dtype=b.dtype, device=b.device)
@@ -131,3 +140,21 @@ def _flipped_log_probs(p: Distribution, b: torch.Tensor) -> torch.Tensor:
         flip = eye[start:start + chunk].reshape((-1,) + (1,) * (b.dim() - 1) + (k,))
         out.append(p.log_prob((b - flip).abs()))  # |b - e_k|: b with gate k flipped
     return torch.cat(out)
+
+
+def _mixture_flips(p: Distribution, b: torch.Tensor) -> torch.Tensor | None:
+    """The flipped log-densities of a mixture of Bernoulli products in one pass, K x rows; None for another law.
+
+    Flipping gate k changes component c's log-density by (1 - 2 b_k) logit_ck, so log p(b with k flipped) =
+    logsumexp_c [log w_c + log p_c(b) + (1 - 2 b_k) logit_ck]: rows x C x K work, a few times one log-density, where
+    K evaluations of the mixture cost K times it.
+    """
+    if not isinstance(p, MixtureSameFamily):
+        return None
+    components = p.component_distribution
+    if not (isinstance(components, Independent) and components.reinterpreted_batch_ndims == 1
+            and isinstance(components.base_dist, Bernoulli)):
+        return None
+    per_component = p.mixture_distribution.logits + components.log_prob(b.unsqueeze(-2))  # rows x C
+    flips = per_component.unsqueeze(-1) + (1 - 2 * b).unsqueeze(-2) * components.base_dist.logits  # rows x C x K
+    return flips.logsumexp(-2).movedim(-1, 0)

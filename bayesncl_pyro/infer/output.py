@@ -9,6 +9,7 @@ from torch.distributions import Distribution
 from bayesncl_pyro._deprecated import renamed
 from bayesncl_pyro.guides.gates import BernoulliGates
 from bayesncl_pyro.infer.estimators import GateEstimator
+from bayesncl_pyro.models.priors import gate_rates
 from bayesncl_pyro.nn.losses import ACTIVE_EPS, bernoulli_kl_grad
 
 
@@ -37,7 +38,7 @@ class HeadOutput:
     features: torch.Tensor
     """R x K: the rows InfoNCE saw."""
     kl_weight: torch.Tensor | float | None = None
-    """With gates: this step's lambda (with a density target, the multiplier's value, 0-d)."""
+    """With gates: this step's lambda, the KL's weight."""
     gates: torch.Tensor | None = None
     """With gates, R x K: the tensor InfoNCE's gradient reaches, the gate values (for ``leg`` the inclusion
     probabilities its ELBO used), whose gradient :meth:`BayesNCLHead.pulls` reads after ``loss.backward()``."""
@@ -47,6 +48,8 @@ class HeadOutput:
     """With gates: p(g) of the step's rows (for a hierarchical prior, at this step's draw of its global latents)."""
     estimator: GateEstimator | None = None
     """With gates: the gate estimator that trained the step."""
+    density_multiplier: torch.Tensor | None = None
+    """With a density target, 0-d: the step's multiplier mu of the constraint on the share of open gates."""
 
     def unread(self) -> "HeadOutput":
         """The same values with none of the summary figures computed yet.
@@ -77,7 +80,7 @@ class HeadOutput:
     @functools.cached_property
     def prior_rate(self) -> torch.Tensor:
         """K: p(g = 1) of the step's prior, its first row's (a prior with a rate per row has each in ``prior.mean``)."""
-        return self.prior.mean[0].detach()
+        return gate_rates(self.prior)[0].detach()
 
     @functools.cached_property
     def gate_rate(self) -> torch.Tensor:

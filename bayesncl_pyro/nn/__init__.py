@@ -1,4 +1,4 @@
 """Plain PyTorch, no Pyro: the backbones and MLPs, the contrastive maths, the optimizers.
 
-Modules: encoders, losses, optim.
+Modules: encoders, gradient_scale, losses, optim.
 """

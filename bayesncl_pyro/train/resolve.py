@@ -58,7 +58,7 @@ def resolve(cfg: Config) -> Config:
     if cfg.eval_protocol == "reference" and cfg.dataset not in REFERENCE_PROBES:
         raise UserError(f"--eval-protocol reference is the paper's protocol for {', '.join(REFERENCE_PROBES)}, "
                         f"which does not include {cfg.dataset}; use --eval-protocol fast")
-    check_gate_density(cfg.gate_density, cfg.method, cfg.prior_prob)
+    check_gate_density(cfg.gate_density, cfg.method)
     _positive(cfg, "lr", "gate_lr", "image_size", "epochs", "log_every", "ckpt_every")
     # the prior's arguments as the types its constructor declares (so "5" and 5.0 resume the same run), then
     # the prior built and its guide checked as the head builds and checks them (it checks --prior-prob): they fail

@@ -153,6 +153,7 @@ class Trainer:
         self.finished = False
         self._stop = StopRequest()
         self._degenerate = False
+        self._threads_logged = False  # the first log record of this process says torch's thread count
         self._load_checkpoint()
         self.evaluated = self.finished and (self.out / EVAL).exists()  # this very model's: a rerun prints it again
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
@@ -172,7 +173,8 @@ class Trainer:
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
             for records in (LOG, CONFLICT):  # what a killed run logged past its checkpoint is logged again
                 cut_records(self.out / records, self.step)
-            write_json(cfg.to_dict(), self.out / CONFIG)
+            # the thread count with the settings: a run's float sums, and so its numbers, depend on it
+            write_json(dict(cfg.to_dict(), num_threads=torch.get_num_threads()), self.out / CONFIG)
             bar = sys.stderr.isatty() if progress is None else progress
             # a finished run evaluated before has nothing left to log: no TensorBoard or W&B run is started
             self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated, step=self.step)
@@ -317,9 +319,7 @@ class Trainer:
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
-        head = self.learner.head  # a prior learns its rates if it has parameters or latents of its own
-        missed = shortfall(self.cfg.gate_density, self.cfg.prior_prob, results.get("gates_open"),
-                           learns_rates=head.gated and (bool(head.prior_parameters()) or set(head.kl_kind) != {"g"}))
+        missed = shortfall(self.cfg.gate_density, results.get("gates_open"))
         if missed:
             logger.warning(missed)
         self._report_skipped()
@@ -469,12 +469,14 @@ class Trainer:
                    nce=out.nce.item(), kl=out.kl.item(),
                    grad_norm=self._grad_norm(out), images_per_s=images_per_s,
                    active=out.active.item())
+        if not self._threads_logged:
+            rec["num_threads"], self._threads_logged = torch.get_num_threads(), True
         if learner.gated:
             rec.update({k: getattr(out, k).item() for k in ("gate_rate", "incl_min", "incl_max", "gates_open")},
                        kl_weight=float(out.kl_weight), **learner.head.pulls(out))
             density = learner.head.density
-            if density is not None:  # the target the step's update of lambda aimed at
-                rec["density_target"] = density.target.item()
+            if density is not None:  # the target the step's dual update aimed at, and the step's multiplier
+                rec.update(density_target=density.target.item(), density_multiplier=out.density_multiplier.item())
         warnings = degeneracy_warnings(rec, self.cfg.proj_dim)
         if warnings:
             rec["warnings"] = warnings

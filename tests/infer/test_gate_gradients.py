@@ -4,6 +4,7 @@ force and exact enumeration; the diagnostic itself on a small learner."""
 import itertools
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.estimators import GATES
 from bayesncl_pyro.infer.gate_gradients import SCORE, gate_gradient_bias, unbiased_gradient
 from bayesncl_pyro.infer.learner import ContrastiveLearner
+from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_flip_differences, info_nce_rows, normalize
 from bayesncl_pyro.train.resolve import resolve
 
@@ -99,8 +101,32 @@ def test_the_diagnostic_refuses_what_it_cannot_measure():
     x = torch.randn(8, 1, 8, 8)
     with pytest.raises(UserError, match="no gates"):
         gate_gradient_bias(_learner(method="ncl"), x)
-    with pytest.raises(UserError, match="without global latents"):
-        gate_gradient_bias(_learner(prior="beta-bernoulli"), x)
+
+
+class _TwoRegimes(Prior):
+    """A coupled prior of the user's, without a registry name: a row's gates all at one of two rates."""
+
+    def forward(self, rows):
+        mix = dist.Categorical(torch.tensor([0.5, 0.5]))
+        rates = torch.tensor([[0.1], [0.7]]).expand(2, self.num_features)
+        gates = dist.Independent(dist.Bernoulli(probs=rates), 1)
+        return dist.MixtureSameFamily(mix, gates).expand([rows])
+
+
+@pytest.mark.parametrize("prior", ["beta-bernoulli", "ibp", "per-image", _TwoRegimes])
+def test_the_diagnostic_measures_priors_coupled_or_with_latents_of_their_own(prior):
+    """It refused a coupled prior of the user's (neither rate() nor forward(rows) read) and one with global latents
+    (and crashed reading the registry name a user's prior has not). With lambda large the KL's gradient, taken as the
+    head takes it (at a fresh draw of the prior's latents; per gate by local expectation for the coupled prior),
+    dominates, and leg, which trains on the same KL, agrees with the reference."""
+    torch.manual_seed(0)
+    cfg = dict(kl_weight=30.0, logit_bound=2.0, prior_prob=0.3)
+    learner = _learner(prior=prior if isinstance(prior, str) else "bernoulli", **cfg)
+    if not isinstance(prior, str):  # the user's prior, of no parameters, in the bernoulli prior's place
+        learner.head.model.prior = prior(8, 0.3)
+    x = torch.randn(16, 1, 8, 8)
+    result, = gate_gradient_bias(learner, x, ("leg",), draws=64, reference_draws=64)
+    assert result["cosine"] > 0.95, result
 
 
 def test_two_learned_priors_in_one_process_keep_their_own_rates():

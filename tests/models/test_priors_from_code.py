@@ -159,7 +159,7 @@ class _OneRowOfGates(Prior):
     (_BetaRate, r"_BetaRate samples the latent sites \['r'\] but its make_guide\(\) returns no guide: "
                 r"make_guide\(\) must return a guide"),
     (_WrongGuide, r"samples the latent sites \['r'\] but its make_guide\(\) returns a guide that samples \['rate'\]"),
-    (_OutsideRate, r"_OutsideRate.rate\(\) returned rates outside \(0, 1\) \(from 1.5 to 1.5\)"),
+    (_OutsideRate, r"_OutsideRate.rate\(\) returned rates outside \[0, 1\] \(from 1.5 to 1.5\)"),
     (_WrongLength, r"_WrongLength.rate\(\) returned shape \(9,\); it must return the 8 gates' inclusion rates"),
     (_OneRowOfGates, r"_OneRowOfGates\(2\) returned batch shape \(\) and event shape \(8,\); it must return the "
                      r"distribution of 2 rows' gates, batch shape \(2,\) and event shape \(8,\)"),
