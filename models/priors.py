@@ -242,7 +242,25 @@ class Prior(PyroModule):
     """p(g) for a batch of rows' gates, with any global latents of its own.
 
     It is called as ``prior(rows)`` (:meth:`forward`); a prior of independent Bernoulli gates implements only
-    :meth:`rate`.
+    :meth:`rate`. A subclass's constructor takes ``num_features`` and ``prior_prob`` first and calls
+    ``super().__init__(num_features, prior_prob)`` before anything else; its other arguments come from
+    ``--prior-arg name=value`` (or a head's ``prior_args``).
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the prior's inclusion rate rho in (0, 1), or for a prior with a hyperprior its mean; refused
+            outside (0, 1).
+
+    Examples:
+        >>> class DecayingPrior(Prior):  # later gates rarer: rho_k = prior_prob ** (k / K)
+        ...     def rate(self):
+        ...         k = torch.arange(1, self.num_features + 1)
+        ...         return self.prior_prob ** (k / self.num_features)
+        >>> prior = DecayingPrior(16, 0.5)
+        >>> prior.mean_rate()[[0, -1]]  # no latents: its rates
+        tensor([0.9576, 0.5000])
+        >>> head = BayesNCLHead(64, proj_dim=16, proj_hidden=32, num_train=100, prior=prior)
+        >>> loss, out = head(torch.rand(8, 64))
     """
 
     name: ClassVar[str]
@@ -265,6 +283,13 @@ class Prior(PyroModule):
 
         It may sample global latents (model side, outside the rows plate). By default the gates are independent
         Bernoullis at :meth:`rate`.
+
+        Args:
+            rows: R, the number of view-rows in the batch.
+
+        Returns:
+            p(g) of the R rows' gates: by default ``Bernoulli(rate).to_event(1)`` expanded to R rows, the rates
+            clamped inside (0, 1).
         """
         return dist.Bernoulli(_probability(self.rate()).expand(rows, -1)).to_event(1)
 
@@ -272,6 +297,9 @@ class Prior(PyroModule):
         """Inclusion rate of each gate, shape (K,), for a prior of independent Bernoulli gates.
 
         Such a prior is what the default :meth:`forward` gives. It may sample global latents (model side).
+
+        Returns:
+            The K rates, each in [0, 1] (a draw of them where they are latent).
         """
         raise NotImplementedError(f"{type(self).__name__} implements neither rate() nor forward(rows)")
 
@@ -284,6 +312,9 @@ class Prior(PyroModule):
         sites that :meth:`forward` samples (checked when a head is built: :func:`checked_guide`). With
         ``row_latents``, ``make_guide(in_dim)``: an amortized guide of the rows' backbone features, written by the
         prior.
+
+        Returns:
+            Pyro's ``AutoNormal`` over the prior's latent sites, or None for a prior that samples none.
         """
         with torch.random.fork_rng(devices=[]), pyro.get_param_store().scope(), torch.no_grad():
             trace = poutine.trace(self).get_trace(1)
@@ -302,6 +333,16 @@ class Prior(PyroModule):
         ``guide`` (the trained posterior q, ``make_guide()``'s) or, with no guide, from the prior, on a forked random
         stream (a report draws nothing from the run's). A prior whose mean is known in closed form overrides it. With
         ``row_latents`` it is :meth:`row_rates`' mean over rows, under the prior only (q's needs the rows' features).
+
+        Args:
+            guide: the trained q of the prior's global latents (:meth:`make_guide`'s); None: the prior itself.
+            num_draws: how many draws of the global latents the mean is over (default 256).
+
+        Returns:
+            The K mean inclusion rates, detached.
+
+        Raises:
+            UserError: a guide is given to a prior with ``row_latents`` (use :meth:`row_rates`).
         """
         if self.row_latents:
             if guide is not None:
@@ -325,6 +366,18 @@ class Prior(PyroModule):
         Its latents are drawn ``num_draws`` times from ``guide`` given the images' backbone features h (R x D, one
         row an image), or with no guide from the prior (R = 1), on a forked random stream; the mean over the draws.
         A prior whose mean is known in closed form overrides it.
+
+        Args:
+            guide: the trained amortized guide (``make_guide(in_dim)``'s); None: the prior itself.
+            h: R x D backbone features, one row an image, needed with a guide; None without one.
+            num_draws: how many draws of the latents the mean is over (default 256).
+
+        Returns:
+            R x K inclusion rates (1 x K under the prior).
+
+        Raises:
+            TypeError: the prior has no ``row_latents``.
+            UserError: a guide is given without ``h``.
         """
         if not self.row_latents:
             raise TypeError(f"{type(self).__name__} has no latents per row; its rate is mean_rate()")
@@ -342,22 +395,37 @@ class Prior(PyroModule):
         """Where a slowly converging q of global latents is, and where it tends to.
 
         For a prior whose q of global latents is known to converge slowly: ``(where q is, where it tends to)``
-        in one figure each (for a Beta posterior, its concentration), which ``gates.nc`` marks as reached or not;
-        None where there is no such figure.
+        in one figure each (for a Beta posterior, its concentration), which ``gates.nc`` marks as reached or not.
+
+        Args:
+            guide: the trained q of the prior's global latents (:meth:`make_guide`'s).
+            num_rows: 2N, the view-rows of the training set (the head's ``num_rows``).
+
+        Returns:
+            ``(where q is, where it tends to)``, or None where there is no such figure (the default).
         """
         return None
 
 
 @register("bernoulli")
 class BernoulliPrior(Prior):
-    """g_k ~ Bernoulli(rho), one fixed rate for every gate (the paper's prior; rho = 0.8 published)."""
+    """g_k ~ Bernoulli(rho), one fixed rate for every gate (the paper's prior; rho = 0.8 published).
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: rho in (0, 1), every gate's rate (default 0.8).
+    """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8):
         super().__init__(num_features, prior_prob)
         self.register_buffer("_rate", torch.full((num_features,), self.prior_prob))
 
     def rate(self):
-        """The fixed rate rho of every gate."""
+        """The fixed rate rho of every gate.
+
+        Returns:
+            K copies of rho.
+        """
         return self._rate
 
 
@@ -369,6 +437,10 @@ class LearnedPrior(Prior):
     posterior inclusion rate of dimension k (under ``gs-reference-kl``, the mean of sigmoid(l); with the
     clamp, the same while the rates stay inside it), so the prior follows what the data use instead of
     pulling every gate to one rate.
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the rate in (0, 1) that every rho_k starts at (default 0.8).
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8):
@@ -376,7 +448,11 @@ class LearnedPrior(Prior):
         self.logit_rate = PyroParam(torch.full((num_features,), self.prior_prob).logit())
 
     def rate(self):
-        """The learned rates rho_k."""
+        """The learned rates rho_k.
+
+        Returns:
+            The K rates, the sigmoid of the learned logits.
+        """
         return self.logit_rate.sigmoid()
 
 
@@ -390,6 +466,11 @@ class BetaBernoulliPrior(Prior):
     The data set the rates: q(rate) tends to the conjugate posterior, the hyperprior counting as a + b pseudo-rows
     against 2N real ones, but on a large data set training gets its mean there, not its spread (docs/METHOD.md,
     "Hierarchical rates").
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the Beta mean a / (a + b) in (0, 1) (default 0.8).
+        concentration: a + b > 0, how strongly the rates are tied to that mean (default 10).
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, concentration: float = 10.0):
@@ -400,23 +481,54 @@ class BetaBernoulliPrior(Prior):
         self.register_buffer("b", torch.full((num_features,), b))
 
     def rate(self):
-        """A draw of the rates rho_k from Beta(a, b)."""
+        """A draw of the rates rho_k from Beta(a, b).
+
+        Returns:
+            The K rates, sampled at the latent site ``rate``.
+        """
         return pyro.sample("rate", dist.Beta(self.a, self.b).to_event(1))
 
     def make_guide(self):
-        """q(rate), a Beta per dimension."""
+        """q(rate), a Beta per dimension.
+
+        Returns:
+            A :class:`BetaRateGuide` started at the prior's a and b.
+        """
         return BetaRateGuide(self.a, self.b)
 
     def mean_rate(self, guide=None, num_draws=256):
-        """The Beta mean of q(rate), or of the prior without a guide."""
+        """The Beta mean of q(rate), or of the prior without a guide: exact, no draws.
+
+        Args:
+            guide: the trained q of the prior's global latents (:meth:`make_guide`'s); None: the prior itself.
+            num_draws: unused: the mean is exact (kept for :meth:`Prior.mean_rate`'s signature).
+
+        Returns:
+            The K means a / (a + b), detached.
+        """
         return (guide.posterior() if guide is not None else dist.Beta(self.a, self.b)).mean.detach()
 
     def optimum_concentration(self, num_rows: int) -> float:
-        """The concentration a + b of the conjugate posterior q(rate) tends to, mean over features (docs/METHOD.md)."""
+        """The concentration a + b of the conjugate posterior q(rate) tends to, mean over features (docs/METHOD.md).
+
+        Args:
+            num_rows: 2N, the view-rows of the training set: each adds one to the conjugate posterior's a + b.
+
+        Returns:
+            The prior's a + b (mean over features) plus ``num_rows``.
+        """
         return (self.a + self.b).mean().item() + num_rows
 
     def convergence(self, guide, num_rows):
-        """(q(rate)'s concentration a + b, that of the conjugate posterior it tends to), means over features."""
+        """(q(rate)'s concentration a + b, that of the conjugate posterior it tends to), means over features.
+
+        Args:
+            guide: the trained q(rate), a :class:`BetaRateGuide`.
+            num_rows: 2N, the view-rows of the training set.
+
+        Returns:
+            (q's a + b, :meth:`optimum_concentration`), each a mean over features.
+        """
         return (guide.a + guide.b).mean().item(), self.optimum_concentration(num_rows)
 
 
@@ -509,6 +621,11 @@ class StickBreakingPrior(Prior):
     sticks' running products. A Beta q per stick has an analytic KL but not a stable gradient: gates that want every
     rate near 1 grew its first stick's a twofold a step until Beta's reparameterised gradient was NaN (step 36 of a
     compositional run at ``--gate-density 0.3``), where a logit's location moves linearly and its sigmoid saturates.
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the rates' prior mean over the K dimensions, in (0, 1) (default 0.8); it fixes alpha_0.
+        shape: > 0, the shape of alpha's Gamma hyperprior (default 2: a coefficient of variation of 0.71).
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, shape: float = 2.0):
@@ -522,7 +639,11 @@ class StickBreakingPrior(Prior):
         self.register_buffer("b", torch.ones(num_features))
 
     def rate(self):
-        """The rates rho_k = v_1 ... v_k from a draw of alpha and of the sticks given it."""
+        """The rates rho_k = v_1 ... v_k from a draw of alpha and of the sticks given it.
+
+        Returns:
+            The K rates, the running product of the sticks (latent sites ``alpha`` and ``stick``).
+        """
         alpha = pyro.sample("alpha", dist.Gamma(self.shape, self.alpha_rate))
         # a float32 product of many sticks can round to 0 (or a first stick to 1): the default forward clamps
         return pyro.sample("stick", dist.Beta(alpha.expand(self.num_features), self.b).to_event(1)).cumprod(-1)
@@ -534,6 +655,14 @@ class StickBreakingPrior(Prior):
         Under the default q, prod_{j <= k} E[v_j] (the sticks are independent under q), each E[sigmoid(u_j)] by
         Gauss-Hermite; under the prior, E_alpha[(alpha / (alpha + 1))^k], by Gauss-Laguerre over alpha. A guide of the
         user's own: the mean over ``num_draws`` draws (:meth:`Prior.mean_rate`).
+
+        Args:
+            guide: the trained q of alpha and the sticks (the default ``AutoNormal``, or a guide of the user's); None:
+                the prior itself.
+            num_draws: the draws for a guide of the user's own (default 256); unused otherwise.
+
+        Returns:
+            The K mean rates.
         """
         if isinstance(guide, AutoNormal) and hasattr(guide, "locs"):  # the default guide, set up: logit-normal sticks
             return _mean_sigmoid(guide.locs.stick, guide.scales.stick).cumprod(-1)
@@ -553,6 +682,11 @@ class LogitNormalPrior(Prior):
 
     ``prior_prob`` is the rate at the prior's median (its mean is pulled towards 1/2 by ``scale``); ``scale`` is how
     far the dimensions' rates may spread, in logits.
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the rate in (0, 1) at the prior's median, sigmoid of the logits' mean (default 0.8).
+        scale: > 0, the standard deviation of the logits (default 1).
     """
 
     def __init__(self, num_features: int, prior_prob: float = 0.8, scale: float = 1.0):
@@ -564,16 +698,32 @@ class LogitNormalPrior(Prior):
         self.register_buffer("scale", torch.full((num_features,), float(scale)))
 
     def rate(self):
-        """The rates: the sigmoid of a draw of their logits."""
+        """The rates: the sigmoid of a draw of their logits.
+
+        Returns:
+            The K rates (the logits sampled at the latent site ``logit_rate``).
+        """
         return pyro.sample("logit_rate", dist.Normal(self.loc, self.scale).to_event(1)).sigmoid()
 
     def make_guide(self):
-        """q(logit rate), a Normal per dimension."""
+        """q(logit rate), a Normal per dimension.
+
+        Returns:
+            A :class:`NormalLogitGuide` started at the prior's location and scale.
+        """
         return NormalLogitGuide(self.loc, self.scale)
 
     @torch.no_grad()
     def mean_rate(self, guide=None, num_draws=256):
-        """E[sigmoid(l_k)] under q (or the prior) by Gauss-Hermite quadrature on 64 nodes (no draws)."""
+        """E[sigmoid(l_k)] under q (or the prior) by Gauss-Hermite quadrature on 64 nodes (no draws).
+
+        Args:
+            guide: the trained q of the prior's global latents (:meth:`make_guide`'s); None: the prior itself.
+            num_draws: unused: the mean is by quadrature (kept for :meth:`Prior.mean_rate`'s signature).
+
+        Returns:
+            The K mean rates.
+        """
         loc, scale = (guide.loc, guide.scale) if guide is not None else (self.loc, self.scale)
         return _mean_sigmoid(loc, scale)
 
@@ -603,6 +753,11 @@ class PerImagePrior(Prior):
     its KL one pathwise draw: a Beta q's concentration, pulled by an image's 2K gates at once, ran from 10 to 5.6e17 by
     step 34 on 3 of 10 seeds of a compositional run at ``--gate-density 0.3`` (one thread), where a logit's location
     moves linearly.
+
+    Args:
+        num_features: K, the number of gates (the head's ``proj_dim``).
+        prior_prob: the Beta mean a / (a + b) in (0, 1) (default 0.8).
+        concentration: a + b > 0 (default 10).
     """
 
     row_latents = True
@@ -614,19 +769,43 @@ class PerImagePrior(Prior):
         self.register_buffer("b", torch.tensor((1 - self.prior_prob) * concentration))
 
     def forward(self, rows, plate):
-        """Each image's sparsity s_i (in the images plate), and its two views' gates at rate s_i."""
+        """Each image's sparsity s_i (in the images plate), and its two views' gates at rate s_i.
+
+        Args:
+            rows: R = 2B, the view-rows ``[view 1 of B images; view 2 of the same B]``.
+            plate: the plate over the B images, inside which s_i is sampled (latent site ``image_rate``).
+
+        Returns:
+            p(g) of the R rows' gates, ``Bernoulli(s_i).to_event(1)``, an image's two rows at its s_i.
+        """
         with plate:
             rate = pyro.sample("image_rate", dist.Beta(self.a, self.b).expand([rows // 2]))
         rate = rate.repeat(2)  # rows [view 1 of B images; view 2 of the same B]: an image's views share its rate
         return dist.Bernoulli(rate.unsqueeze(-1).expand(rows, self.num_features)).to_event(1)
 
     def make_guide(self, in_dim):
-        """The amortized q(s_i | x_i) of backbone features of width ``in_dim``."""
+        """The amortized q(s_i | x_i) of each image's backbone features.
+
+        Args:
+            in_dim: D, the width of the backbone features it reads.
+
+        Returns:
+            An :class:`AmortizedLogitGuide`, started at the Beta prior's logit moments.
+        """
         return AmortizedLogitGuide(in_dim, self.num_features, self.a, self.b)
 
     @torch.no_grad()
     def row_rates(self, guide=None, h=None, num_draws=256):
-        """E[s_i] for each image, without draws: q's by Gauss-Hermite given the image's features, or the prior's."""
+        """E[s_i] for each image, without draws: q's by Gauss-Hermite given the image's features, or the prior's.
+
+        Args:
+            guide: the trained :class:`AmortizedLogitGuide`; None: the prior itself.
+            h: R x D backbone features, one row an image, needed with a guide; None without one.
+            num_draws: unused: the mean is by quadrature (kept for :meth:`Prior.row_rates`' signature).
+
+        Returns:
+            R x K rates, each image's E[s_i] for all its gates (1 x K under the prior).
+        """
         _check_features(guide, h)
         if guide is None:
             mean = (self.a / (self.a + self.b)).reshape(1)

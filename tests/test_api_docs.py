@@ -23,57 +23,6 @@ napoleon = pytest.importorskip("sphinx.ext.napoleon",
                                reason="the documentation site's packages: pip install -e '.[docs]'")
 from sphinx.ext.napoleon.docstring import GoogleDocstring  # noqa: E402 -- after the skip
 
-# Gaps in two files being rewritten on another branch (infer/head.py, models/priors.py): each entry is a callable's
-# path and what its docstring lacks. An entry that passes fails the test (it must then leave the list), so the list
-# only shrinks; it is to be emptied once that rewrite lands.
-PENDING = {
-    "bayesncl_pyro.infer.head.BayesNCLHead": "11 argument(s)",
-    "bayesncl_pyro.infer.head.BayesNCLHead.elbo": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.elbo_terms": "7 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.forward": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.gate_mask": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.gate_probs": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.mode_nce": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.objective_draw": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.param_groups": "3 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.prior_parameters": "Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.program": "3 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.pulls": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.representation": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.svi_program": "Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.training_program": "5 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.ungated_features": "1 argument(s), Returns",
-    "bayesncl_pyro.infer.head.BayesNCLHead.update_density": "1 argument(s)",
-    "bayesncl_pyro.models.priors.BernoulliPrior": "2 argument(s)",
-    "bayesncl_pyro.models.priors.BernoulliPrior.rate": "Returns",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior": "3 argument(s)",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior.convergence": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior.make_guide": "Returns",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior.mean_rate": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior.optimum_concentration": "1 argument(s), Returns",
-    "bayesncl_pyro.models.priors.BetaBernoulliPrior.rate": "Returns",
-    "bayesncl_pyro.models.priors.LearnedPrior": "2 argument(s)",
-    "bayesncl_pyro.models.priors.LearnedPrior.rate": "Returns",
-    "bayesncl_pyro.models.priors.LogitNormalPrior": "3 argument(s)",
-    "bayesncl_pyro.models.priors.LogitNormalPrior.make_guide": "Returns",
-    "bayesncl_pyro.models.priors.LogitNormalPrior.mean_rate": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.LogitNormalPrior.rate": "Returns",
-    "bayesncl_pyro.models.priors.PerImagePrior": "3 argument(s)",
-    "bayesncl_pyro.models.priors.PerImagePrior.forward": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.PerImagePrior.make_guide": "1 argument(s), Returns",
-    "bayesncl_pyro.models.priors.PerImagePrior.row_rates": "3 argument(s), Returns",
-    "bayesncl_pyro.models.priors.Prior": "2 argument(s)",
-    "bayesncl_pyro.models.priors.Prior.convergence": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.Prior.forward": "1 argument(s), Returns",
-    "bayesncl_pyro.models.priors.Prior.make_guide": "Returns",
-    "bayesncl_pyro.models.priors.Prior.mean_rate": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.Prior.rate": "Returns",
-    "bayesncl_pyro.models.priors.Prior.row_rates": "3 argument(s), Returns",
-    "bayesncl_pyro.models.priors.StickBreakingPrior": "3 argument(s)",
-    "bayesncl_pyro.models.priors.StickBreakingPrior.mean_rate": "2 argument(s), Returns",
-    "bayesncl_pyro.models.priors.StickBreakingPrior.rate": "Returns",
-}
-
 
 @functools.cache
 def documented() -> dict[str, object]:
@@ -204,17 +153,10 @@ def test_the_check_finds_an_argument_run_into_its_neighbours_text_and_a_missing_
 @pytest.mark.parametrize("path", sorted(documented()))
 def test_every_argument_and_return_value_is_described(path):
     problems = gaps(documented()[path])
-    if path in PENDING:
-        assert problems, f"{path} passes now: take it out of PENDING"
-        pytest.xfail(f"pending: {PENDING[path]}")
     assert not problems, f"{path}: " + "; ".join(problems)
 
 
 # -- an example per name, run here ---------------------------------------------------------------------------------
-
-# names whose docstrings live in the files being rewritten on another branch; to be emptied with PENDING
-EXAMPLES_PENDING = {"BayesNCLHead", "Prior", "PRIORS", "register"}
-
 
 def _named() -> dict[str, object]:
     """Every name the API pages list: the public ones and what they give back."""
@@ -236,12 +178,11 @@ def run_dir(tmp_path_factory) -> str:
 
 
 def test_every_name_has_an_example():
-    missing = [n for n, obj in _named().items() if n not in EXAMPLES_PENDING and ">>>" not in (obj.__doc__ or "")]
+    missing = [n for n, obj in _named().items() if ">>>" not in (obj.__doc__ or "")]
     assert not missing
-    assert all(">>>" not in (_named()[n].__doc__ or "") for n in EXAMPLES_PENDING), "take it out of EXAMPLES_PENDING"
 
 
-@pytest.mark.parametrize("name", sorted(set(_named()) - EXAMPLES_PENDING))
+@pytest.mark.parametrize("name", sorted(_named()))
 def test_the_examples_run(name, run_dir, tmp_path, monkeypatch, capsys):
     """Each name's examples (its docstring's and its methods'), as a user reads them: the public names imported, a
     trained run at ``run_dir`` and an empty ``folder``; files the examples write go to a temporary folder."""

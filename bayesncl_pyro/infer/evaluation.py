@@ -49,11 +49,26 @@ class HeadEvaluation:
     """The evaluation API of :class:`~bayesncl_pyro.infer.head.BayesNCLHead`, which it is mixed into."""
 
     def objective_draw(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One draw of the objective with the exact KL, whatever the estimator trained (:func:`objective_draw`)."""
+        """One draw of the objective with the exact KL, whatever the estimator trained (:func:`objective_draw`).
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            0-d values by name: ``neg_elbo`` (-ELBO / 2N at the draw), ``nce`` (its InfoNCE term) and ``kl`` (its KL
+            term per row).
+        """
         return objective_draw(self, h)
 
     def mode_nce(self, h: torch.Tensor) -> torch.Tensor:
-        """The InfoNCE of the evaluation's representation, mean per row (:func:`mode_nce`)."""
+        """The InfoNCE of the evaluation's representation, mean per row (:func:`mode_nce`).
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            The 0-d mean InfoNCE per row of :meth:`representation`.
+        """
         return mode_nce(self, h)
 
     def _need_gates(self):
@@ -64,8 +79,13 @@ class HeadEvaluation:
         """After ``loss.backward()``: how hard InfoNCE and the prior pull on the step's gates.
 
         The step is the one that returned ``out``; the figures are ``gate_nce_pull`` and ``gate_prior_pull``
-        (``gate_pulls``, the prior's at the probabilities, the rates and the lambda the step's KL used). Empty
-        before the backward, or without gates.
+        (``gate_pulls``, the prior's at the probabilities, the rates and the lambda the step's KL used).
+
+        Args:
+            out: the :class:`HeadOutput` of the step, after its loss's ``backward()``.
+
+        Returns:
+            ``{"gate_nce_pull": float, "gate_prior_pull": float}``; empty before the backward, or without gates.
         """
         gates = out.gates
         if gates is None or gates.grad is None:
@@ -79,6 +99,15 @@ class HeadEvaluation:
         """The posterior inclusion probabilities q(g_k = 1 | x), R x K, from backbone features h.
 
         q's family is the gate estimator's.
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            R x K probabilities in (0, 1).
+
+        Raises:
+            UserError: the head has no gates (NCL or CL).
         """
         self._need_gates()
         return self.guide.posterior(h).probs
@@ -88,6 +117,15 @@ class HeadEvaluation:
         """The 0/1 gates the evaluation uses, R x K, from backbone features h: the posterior mode.
 
         The mode is 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the mask is the reference's, 1[sigmoid(l) > 0.5].
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            The R x K mask of 0s and 1s.
+
+        Raises:
+            UserError: the head has no gates (NCL or CL).
         """
         self._need_gates()
         return self.estimator.mask(self.guide.posterior(h))
@@ -98,6 +136,12 @@ class HeadEvaluation:
 
         normalise(features(z) * m) with m the evaluation mask (:meth:`gate_mask`) with gates, features(z) without
         (normalise(relu(z)) for NCL, normalise(z) for CL).
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            F, R x K, each row of unit norm (or zero).
         """
         feats = self.ungated_features(h)
         if self.gated:
@@ -106,5 +150,12 @@ class HeadEvaluation:
 
     @torch.no_grad()
     def ungated_features(self, h: torch.Tensor) -> torch.Tensor:
-        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's."""
+        """The features of backbone features h with every gate open: normalise(relu(z)), as NCL's.
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+
+        Returns:
+            The R x K features before gating, L2-normalised: non-negative as ``nonneg`` says, top-k if ``topk``.
+        """
         return self.model.features(self.projector(h))

@@ -60,33 +60,65 @@ def _no_guide(z, h):
 class BayesNCLHead(HeadEvaluation, nn.Module):
     """Backbone features of 2B view-rows -> (loss, monitoring values).
 
+    The arguments are named as the command-line flags of ``experiments/run_svi.py``; the defaults are the published
+    CIFAR recipe's. Each is checked when the head is built (``infer/checks.py``): a bad value is one
+    :class:`~bayesncl_pyro.errors.UserError` naming the argument and the fix.
+
     Args:
-        in_dim: D, the backbone's feature width. The arguments are named as the command-line flags of
-            ``experiments/run_svi.py``; the defaults are the published CIFAR recipe's.
-        proj_dim: K, the number of features and gates; proj_hidden: the projector's and gating head's width.
-        num_train: N, images in the training set (the ELBO's rows plate is 2N).
-        prior: a registry name (``bernoulli``, ``learned``, ``beta-bernoulli``), ``package.module:Class``, a
-            :class:`~bayesncl_pyro.models.priors.Prior`, or None for NCL / CL (no gates).
-        prior_prob: rho, the prior inclusion rate (or its mean); prior_args: the other arguments of a prior given
-            by name.
-        kl_weight: lambda; kl_clamp: the KL's rates are clamped to [c, 1 - c] (0.01 as the reference, 0 = the
-            exact KL); gate_density: D, a constraint on the share of open gates (of the evaluation mask) with a
-            Lagrange multiplier of its own, stepped by :meth:`update_density` after every training step, lambda
-            unchanged (``bayesncl_pyro/infer/density.py``; None: none); gate: how training differentiates through the
-            gates, a name in ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, ``relaxed``,
-            ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``; it also picks q's family); gate_temperature,
-            head_depth, logit_bound: the guide's; gate_head: ``mlp`` (the reference's) or ``bayesian`` (latent
-            weights, ``guides.gates.BayesianHead``).
-        temperature: InfoNCE tau; nonneg: ``rep_relu`` | ``relu`` | ``none`` (SimCLR); topk: keep the k
-            largest features per row (0: all).
-        gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows
-            of every rank (global negatives; a plain run is unaffected).
+        in_dim: D, the width of the backbone's features h (2048 for a ResNet-50 without its ``fc``).
+        proj_dim: K, the number of features the projector gives and of gates, one per feature (default 256).
+        proj_hidden: the hidden width of the projector's 2-layer MLP and of the gating head (default 2048).
+        num_train: N, the number of images in the training set (at least 2): the ELBO's rows plate is 2N view-rows,
+            and each batch is scaled up to it; pass ``len(train_set)``.
+        prior: the prior over the gates: a registry name of :data:`~bayesncl_pyro.models.priors.PRIORS`
+            (``bernoulli``, the default and the paper's; ``learned``, ``beta-bernoulli``, ``ibp``, ``logit-normal``,
+            ``per-image``), ``package.module:Class``, a built :class:`~bayesncl_pyro.models.priors.Prior` of
+            ``proj_dim`` gates, or None for NCL (and with ``nonneg="none"``, SimCLR): no gates, no latent variables.
+        prior_prob: rho, the prior's inclusion rate in (0, 1), or for a prior with a hyperprior its mean (default
+            0.8, the published rate); used when ``prior`` is given by name.
+        prior_args: the other constructor arguments of a prior given by name (``--prior-arg name=value``), e.g.
+            ``{"concentration": 10.0}`` for ``beta-bernoulli``; None for none.
+        kl_weight: lambda > 0, the weight of the KL term in the ELBO (the temperature of the Gibbs posterior; default
+            3e-5, the published value). It stays this value with ``gate_density``, which has a multiplier of its own.
+        kl_clamp: c in [0, 0.5): the KL is taken at the rates clamped to [c, 1 - c] (default 0.01, the reference's;
+            0 is the exact KL).
+        gate: how training differentiates through the discrete gates, a name of
+            ``bayesncl_pyro/infer/estimators.py``'s ``GATES`` (``ste``, the default and the reference's surrogate;
+            ``relaxed``, ``st-sampled``, ``leg``, ``gs``, ``gs-reference-kl``); it also picks q's family.
+        gate_temperature: the temperature of q's relaxation, for the estimators whose family has one (``relaxed``,
+            ``gs``, ``gs-reference-kl``; default 1.0).
+        head_depth: the number of linear layers of the gating head, the MLP that maps h.detach() to the gates' logits
+            (default 2).
+        logit_bound: the gates' logits are squashed smoothly into (-bound, bound), so a saturated gate still gets a
+            gradient and can come back (default 5.0).
+        temperature: tau, InfoNCE's temperature (default 0.2, the reference's).
+        nonneg: how the features are made non-negative: ``rep_relu`` (the default: ReLU forward, GELU's gradient
+            backward), ``relu``, or ``none`` (SimCLR's features).
+        topk: keep only the k largest features of each row, in [0, ``proj_dim``] (default 0: all of them).
+        gather_distributed: under ``torch.distributed`` with several ranks, contrast each row against the rows of
+            every rank (global negatives); a run on one process is unaffected (default False).
+        gate_density: D in (0, 1), a target share of open gates: a constraint on the share of the evaluation mask's
+            gates that are open, with a Lagrange multiplier of its own, stepped by :meth:`update_density` after every
+            training step; lambda is unchanged (``bayesncl_pyro/infer/density.py``). None (the default): no target.
+            It needs a prior.
+        gate_head: the gating head: ``mlp`` (the default, the reference's: weights as point estimates) or
+            ``bayesian`` (latent weights with a prior and a mean-field Normal q, ``guides.gates.BayesianHead``).
 
     The prior's global parameters get their gradient divided by lambda (``nn/gradient_scale.py``). ``kl_kind``:
     how the ELBO takes each latent site's KL (``infer/kl.py``), logged once at DEBUG when the head is built. A forward
     pass changes nothing of the head. With ``gate_density``, a training loop calls :meth:`update_density` with the
     step's output after ``optimizer.step()``: that moves the constraint's multiplier. For Pyro's ``SVI``:
     :meth:`svi_program` and :meth:`elbo`.
+
+    Examples:
+        >>> head = BayesNCLHead(64, proj_dim=16, proj_hidden=32, num_train=100)  # the bernoulli prior, rho = 0.8
+        >>> h = torch.rand(8, 64)  # backbone features of 4 images' two views, [view 1; view 2]
+        >>> loss, out = head(h)
+        >>> loss.backward()
+        >>> head.representation(h).shape, head.gate_mask(h).shape  # R x K
+        (torch.Size([8, 16]), torch.Size([8, 16]))
+        >>> [group["name"] for group in head.param_groups(lr=0.3)]  # the bernoulli prior has no parameters
+        ['encoder', 'gate_head']
     """
 
     def __init__(self, in_dim: int, proj_dim: int = 256, proj_hidden: int = 2048, *, num_train: int,
@@ -134,12 +166,18 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
         return self.model.num_rows
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, HeadOutput]:
-        """h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]``.
+        """One training step's loss and what it computed, from the backbone's features of a batch.
 
-        Returns the loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for ``ste`` and
-        ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), and what the step computed
-        (:class:`HeadOutput`). Nothing of the head changes: with a density target, call :meth:`update_density` after
-        the optimizer step.
+        Nothing of the head changes: with a density target, call :meth:`update_density` after the optimizer step.
+
+        Args:
+            h: R x D backbone features of the rows ``[view 1 of B images; view 2 of the same B images]`` (R = 2B,
+                at least 4 rows on one process, at most 2N).
+
+        Returns:
+            ``(loss, out)``: the 0-d loss training minimises, ``-ELBO / 2N`` as the gate estimator estimates it (for
+            ``ste`` and ``gs-reference-kl`` the reference's surrogate instead: :attr:`objective`), plus with
+            ``gate_density`` the constraint's term, of value 0; and what the step computed (:class:`HeadOutput`).
         """
         check_rows(h, self.num_rows, self.gather_distributed and distributed.world_size() > 1, self.estimator)
         z = self.projector(h)  # under the caller's autocast, if any
@@ -177,10 +215,13 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
     def update_density(self, out: HeadOutput | torch.Tensor):
         """With a density target, one dual step of the constraint's multiplier from a training step's output.
 
-        The target is ``gate_density``, and the step is taken from the share of open gates of ``out`` (its evaluation
-        mask's on the batch; for Pyro's ``SVI``, which returns no output, pass the share itself,
-        ``head.gate_mask(h).float().mean()``). Call it once per training step, after ``optimizer.step()``; the next
-        step's loss carries the new multiplier. Without a target it does nothing.
+        The target is ``gate_density``. Call it once per training step, after ``optimizer.step()``; the next step's
+        loss carries the new multiplier. Without a target it does nothing.
+
+        Args:
+            out: the step's :class:`HeadOutput` (the second value :meth:`forward` returns), whose share of open gates
+                of the evaluation mask on the batch the step reads; or, for Pyro's ``SVI``, which returns no output,
+                that share itself as a 0-d tensor, ``head.gate_mask(h).float().mean()``.
         """
         if self.density is not None:
             self.density.update(out.gates_open if isinstance(out, HeadOutput) else out)
@@ -193,13 +234,21 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
     def program(self, gather=None, kl_weight=None, family=None):
         """The head's Pyro program for one batch, as written: ``(model, guide)``.
 
-        Both are Pyro callables of (z, h) (projector outputs and backbone features); with ``gather``
-        (``distributed.gather_rows``), the model contrasts each row against every rank's. The KL's weight is
-        ``kl_weight`` (default: :attr:`kl_weight` when the program runs); ``family``: q's family (default the guide's).
         Its gate site is discrete (no gate estimator applied): ``pyro.infer.Predictive`` draws from q, and Pyro's ELBOs
         take the score function through it. The model returns what it computed (``models/bayesncl.py``), which
         :meth:`forward` reads from the trace. Run them inside :func:`own_params`, as :meth:`elbo_terms` does; for Pyro's
         ``SVI``, :meth:`svi_program`.
+
+        Args:
+            gather: None to contrast the batch's rows with each other, or ``distributed.gather_rows`` to contrast each
+                row against every rank's rows.
+            kl_weight: lambda for the KL; None (the default): :attr:`kl_weight`, read when the program runs.
+            family: q's family of the gates (``guides.gates.BernoulliGates`` or ``GumbelSigmoidGates``); None (the
+                default): the guide's.
+
+        Returns:
+            ``(model, guide)``, Pyro callables of (z, h), projector outputs R x K and backbone features R x D; for NCL
+            and CL the guide samples nothing.
         """
         return self._program(self.guide, gather, kl_weight, family)
 
@@ -207,10 +256,19 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
                          mlp_dtype=None):
         """:meth:`program` with a gate estimator applied to the guide's gate site.
 
-        The estimator is the head's by default, applied with ``poutine.reparam``. This is what training differentiates,
-        with the estimator's ELBO (``GateEstimator.elbo``: its KL clamp, and ``leg``'s head gradient, which this
-        program's traces alone lack). q's family is the guide's unless ``family`` says otherwise; ``mlp_dtype``: the
-        autocast dtype of the gating MLP (``GateGuide.logits``), None for none.
+        This is what training differentiates, with the estimator's ELBO (``GateEstimator.elbo``: its KL clamp, and
+        ``leg``'s head gradient, which this program's traces alone lack). The prior's parameters and its guide's get
+        their gradient through it divided by lambda (``nn/gradient_scale.py``).
+
+        Args:
+            estimator: the gate estimator applied with ``poutine.reparam``; None (the default): the head's.
+            gather: as :meth:`program`'s: None, or ``distributed.gather_rows`` for every rank's rows as negatives.
+            kl_weight: lambda for the KL; None (the default): :attr:`kl_weight`, read when the program runs.
+            family: q's family of the gates; None (the default): the guide's.
+            mlp_dtype: the autocast dtype the gating MLP runs under (``GateGuide.logits``); None: no autocast.
+
+        Returns:
+            ``(model, guide)``, Pyro callables of (z, h); for NCL and CL, :meth:`program`'s.
         """
         if not self.gated:
             return self.program(gather, kl_weight, family)
@@ -252,8 +310,12 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
     def elbo(self, estimator: GateEstimator | None = None) -> MeanFieldELBO:
         """The ELBO the head trains with.
 
-        It is the ``GateEstimator.elbo`` of the head's estimator (or of ``estimator``), which holds the KL clamp;
-        for NCL and CL the mean-field ELBO (no latent site).
+        Args:
+            estimator: the gate estimator whose ELBO to give; None (the default): the head's.
+
+        Returns:
+            The estimator's ``GateEstimator.elbo``, which holds its KL clamp; for NCL and CL the mean-field ELBO (no
+            latent site).
         """
         if not self.gated:
             return MeanFieldELBO()
@@ -268,6 +330,9 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
         name, and the program alone names none for the ``bernoulli`` and ``learned`` priors. With a density target the
         model adds the constraint's term, a factor of value 0. Step inside :func:`own_params` (the parameters enter
         Pyro's param store); call :meth:`update_density` after each step.
+
+        Returns:
+            ``(model, guide)``, Pyro callables of R x D backbone features h (rows ``[view 1; view 2]``).
         """
         model, guide = self.training_program()
 
@@ -289,11 +354,22 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
                    family=None, kl_weight=None, mlp_dtype=None) -> ELBOTerms:
         """The one place the head's Pyro program runs in training: loss, KL per row, traces.
 
-        The diagnostics run the program here too, passing another gate ``estimator`` and q ``family``. From projector
-        outputs z and backbone features h it gives the loss (:meth:`forward`), its KL term per row (detached) and the
-        traces, where what the program computed is read, with the ELBO's per-site figures (:class:`ELBOTerms`).
-        ``kl_weight``: the step's lambda (default :attr:`kl_weight`); ``mlp_dtype``: :meth:`training_program`'s. It
-        runs inside :func:`own_params`, so no parameter reaches Pyro's global param store.
+        The diagnostics run the program here too, passing another gate ``estimator`` and q ``family``. It runs inside
+        :func:`own_params`, so no parameter reaches Pyro's global param store.
+
+        Args:
+            z: R x K projector outputs of the rows.
+            h: R x D backbone features of the same rows (the gating head reads them).
+            gather: None, or ``distributed.gather_rows`` for every rank's rows as negatives (:meth:`program`).
+            estimator: the gate estimator; None (the default): the head's.
+            family: q's family of the gates; None (the default): the guide's.
+            kl_weight: the step's lambda; None (the default): :attr:`kl_weight`.
+            mlp_dtype: the autocast dtype of the gating MLP (:meth:`training_program`'s); None: no autocast.
+
+        Returns:
+            The ELBO's :class:`ELBOTerms`: the loss (:meth:`forward`'s, -ELBO / 2N as the estimator estimates it), its
+            KL term per row (detached, divided by lambda), and the model's and guide's traces, where what the program
+            computed is read, with the ELBO's per-site figures.
         """
         kl_weight = self.kl_weight if kl_weight is None else kl_weight
         model, guide = self.training_program(estimator, gather, kl_weight, family, mlp_dtype)
@@ -317,10 +393,19 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
     def param_groups(self, lr: float, gate_lr: float = 0.1, backbone: nn.Module | None = None) -> list[dict]:
         """Optimizer groups: encoder, gating head and the prior's global parameters.
 
-        The backbone (if given) and the projector at ``lr``; the gating head at ``gate_lr`` (0.1 published, not
-        batch-scaled); the prior's global parameters at ``gate_lr`` too, without weight decay, their gradients divided
-        by lambda (``nn/gradient_scale.py``; ``grad_scale`` records by what, and marks a checkpoint of this
-        scheme). Clip gradients by group: the prior's are not on the loss's scale.
+        Clip gradients by group: the prior's are not on the loss's scale.
+
+        Args:
+            lr: the learning rate of the encoder group, the backbone (if given) and the projector.
+            gate_lr: the learning rate of the gating head (0.1 published, not batch-scaled) and of the prior's global
+                parameters (default 0.1).
+            backbone: the backbone, whose parameters join the encoder group; None (the default): the projector alone.
+
+        Returns:
+            A list of ``torch.optim`` parameter groups, each with a ``name``: ``encoder`` at ``lr``; with gates,
+            ``gate_head`` at ``gate_lr``; and for a prior with parameters ``prior`` at ``gate_lr`` without weight
+            decay, their gradients divided by lambda (``nn/gradient_scale.py``; its ``grad_scale`` records by what,
+            and marks a checkpoint of this scheme).
         """
         encoder = [*(backbone.parameters() if backbone is not None else ()), *self.projector.parameters()]
         groups = [dict(name="encoder", params=encoder, lr=lr)]
@@ -333,7 +418,12 @@ class BayesNCLHead(HeadEvaluation, nn.Module):
         return groups
 
     def prior_parameters(self) -> list[nn.Parameter]:
-        """The prior's global parameters, the prior's and its guide's: their ``.grad`` is divided by lambda."""
+        """The prior's global parameters, the prior's and its guide's: their ``.grad`` is divided by lambda.
+
+        Returns:
+            The parameters of the prior and of its guide of global latents, a list; empty for NCL and CL and for a
+            prior with none (``bernoulli``).
+        """
         if not self.gated:
             return []
         rate_guide = self.guide.rate_guide
