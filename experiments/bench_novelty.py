@@ -30,18 +30,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=10_000)
     p.add_argument("--draws", type=int, default=32)
+    p.add_argument("--train", type=int, default=4000, help="training images the scorer is fitted on (default: 4000)")
     p.add_argument("--gate-head", default="mlp", choices=("mlp", "bayesian"))
     args = p.parse_args(argv)
     torch.manual_seed(0)
     cfg = resolve(Config(dataset="compositional", gate_head=args.gate_head, out="/nonexistent"))
-    learner = ContrastiveLearner(cfg, in_channels=3, num_train=4000).eval()
-    x_train, x = torch.rand(4000, 3, 32, 32), torch.rand(args.images, 3, 32, 32)
+    learner = ContrastiveLearner(cfg, in_channels=3, num_train=args.train).eval()
+    x_train, x = torch.rand(args.train, 3, 32, 32), torch.rand(args.images, 3, 32, 32)
     with torch.no_grad():
         start = time.perf_counter()
         h = torch.cat([learner.backbone(chunk) for chunk in x.split(512)])
         backbone_s = time.perf_counter() - start
         h_train = torch.cat([learner.backbone(chunk) for chunk in x_train.split(512)])
-    y_train = torch.arange(4000) % 8
+    y_train = torch.arange(args.train) % 8
     start = time.perf_counter()
     scorer = NoveltyScorer(learner, h_train, y_train, 8, draws=args.draws)
     fit_s = time.perf_counter() - start
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     scores = scorer(h)
     score_s = time.perf_counter() - start
     print(f"{len(scores)} scores of {args.images} images, S = {args.draws} draws, {torch.get_num_threads()} threads")
-    print(f"fit on 4,000 training images: {fit_s:.1f} s; scoring: {score_s:.1f} s "
+    print(f"fit on {args.train:,} training images: {fit_s:.1f} s; scoring: {score_s:.1f} s "
           f"(x{score_s / BUDGET_S:.2f} of the {BUDGET_S:.0f} s budget); the backbone's pass: {backbone_s:.1f} s "
           f"(scoring x{score_s / backbone_s:.2f} of it)")
     return 0

@@ -65,7 +65,10 @@ def _write(path: Path, text: str):
 
 def _directive(name: str, obj) -> str:
     if isinstance(obj, type):
-        return f".. autoclass:: {name}\n   :members:\n   :show-inheritance:\n"
+        # the head's program and evaluation live in mixins of their own (infer/program.py, infer/evaluation.py): its
+        # page shows them, not nn.Module's
+        inherited = "   :inherited-members: Module\n" if name.endswith("BayesNCLHead") else ""
+        return f".. autoclass:: {name}\n   :members:\n{inherited}   :show-inheritance:\n"
     if callable(obj):
         return f".. autofunction:: {name}\n"
     return f".. autodata:: {name}\n   :no-value:\n"

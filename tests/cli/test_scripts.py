@@ -36,7 +36,7 @@ SCRIPTS = {
     # it writes novelty.json into the run folder: into a copy of the session's run
     "novelty.py": lambda tmp, run: [shutil.copytree(run, tmp / "run"), "--no-controls", "--novel",
                                     f"noise={_noise_images(tmp / 'noise')}"],
-    "bench_novelty.py": lambda tmp, run: ["--images", "64", "--draws", "2"],
+    "bench_novelty.py": lambda tmp, run: ["--images", "64", "--draws", "2", "--train", "256"],
     "bench_coupled_kl.py": lambda tmp, run: ["--features", "8", "--rows", "16", "--repeats", "1"],
 }
 
