@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bayesncl_pyro import rundir
 from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.pipeline import EpochSampler
@@ -79,7 +80,9 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['estimator']:<16}" + "".join(f" {r[key]:>14.4f}" for _, key in columns))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        # by the rule of rundir, as every writer: written whole by a rename, never through a link
+        rundir.output_folder(args.json.parent, named=True)
+        rundir.atomic_save((json.dumps(results, indent=1) + "\n").encode(), args.json)
     return 0
 
 
