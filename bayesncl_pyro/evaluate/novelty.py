@@ -228,13 +228,13 @@ class NoveltyScorer:
                    msp_representation=MaxSoftmax.score(logits_f), energy_representation=EnergyBased.score(logits_f),
                    knn_representation=self.knn_f.predict_features(f),
                    mahalanobis_representation=self.maha_f.predict_features(f))
-        if self.selects:
+        if self.selects:  # every gated run selects: its ungated features serve the posterior's scores too
             ungated, k = self._ungated(h), self._k(h)
             out.update(topk_margin=topk_margin(ungated, k),
                        topk_atypicality=atypicality(topk_mask(ungated, k), self.frequencies))
         head = self.learner.head
         if head.gated:
-            out.update(self._posterior(h))
+            out.update(self._posterior(h, ungated))
             if head.guide.bayesian:
                 probs = head.guide.weight_probs(self._on(h), self.draws).float().cpu()
                 out.update(weight_mi=mutual_information(probs), q_spread=probs.std(0).mean(1))
@@ -242,11 +242,10 @@ class NoveltyScorer:
                 out.update(self._controls(h))
         return {name: v.double().cpu() for name, v in out.items()}
 
-    def _posterior(self, h) -> dict[str, torch.Tensor]:
+    def _posterior(self, h, ungated) -> dict[str, torch.Tensor]:
         head = self.learner.head
         probs = head.gate_probs(self._on(h)).float().cpu()
         rate = self._prior_rate(h)
-        ungated = self._ungated(h)
         generator = torch.Generator().manual_seed(self.seed)
         predictions = torch.stack([
             self.probe_f(normalize(ungated * torch.bernoulli(probs, generator=generator))).softmax(-1)

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from bayesncl_pyro.config import Config
+from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.images import IMAGE_EXTENSIONS, open_image
 from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
@@ -188,8 +189,6 @@ class TrainedRun:
     def data(self):
         """The run's data (``DataSpec``), loaded as the run loaded it, at the first read."""
         if "_data" not in self.__dict__:
-            from bayesncl_pyro.data import load_dataset  # late: only novelty scores read the data here
-
             cfg = self.cfg
             self._data = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed, holdout=cfg.holdout_cells)
         return self._data
