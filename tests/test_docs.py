@@ -162,11 +162,19 @@ def test_in_chromium_the_index_shows_the_navigation(site, tab):
     assert all((site / href).exists() for href in links.values())
     for caption in ("Guide", "Notebooks", "Reference", "Background"):
         assert tab.page.locator(".sidebar-tree p.caption", has_text=caption).is_visible()
-    # the API reference, one click away, lists every public name as a link to its entry
+    # the API reference, one click away, lists every public name as a link to its entry in its first table, and in
+    # its second ("What they give back") what they return, each a link into its module's page
     tab.page.click(".sidebar-tree a:text-is('API reference')")
     tab.page.wait_for_url("**/api/index.html")
-    names = tab.page.locator("article table a.reference code").all_inner_texts()
+    public, returned = (tab.page.locator(f"article section#{s} > .table-wrapper a.reference") for s in ("api-reference",
+                                                                                             "what-they-give-back"))
+    names = public.locator("code").all_inner_texts()
     assert sorted(n.removeprefix("bayesncl_pyro.") for n in names) == bayesncl_pyro.__all__
+    assert "bayesncl_pyro.evaluate.run.TrainedRun" in returned.locator("code").all_inner_texts()
+    for link in public.all() + returned.all():
+        page, _, anchor = link.get_attribute("href").partition("#")
+        target = (site / "api" / page).resolve()
+        assert target.is_file() and (not anchor or f'id="{anchor}"' in target.read_text()), link.get_attribute("href")
     assert tab.errors == [] and all(url.startswith("file://") for url in tab.requests)  # nothing from the network
 
 
