@@ -107,11 +107,12 @@ class ContrastiveModel(PyroModule):
         prior_grad_scale: None, or a factor on the gradient into the prior's parameters through this call
         (``nn.gradient_scale``: the head's 1 / lambda). Rows are ``[view 1 of B images; view 2 of the same B images]``.
 
-        Besides the gate site ``g`` and the factor ``nce``, it returns what it computed, detached, for whoever reads
-        the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw (R x K); and
-        with gates ``ungated``, the same rows before gating (R x K). A return value, not ``pyro.deterministic`` sites:
-        each such site is a sample statement through every handler (``docs/PERFORMANCE.md``, the Pyro layer's cost),
-        for values no term of the ELBO uses.
+        Besides the gate site ``g`` and the factor ``nce`` (marked with the gates' draw and the features they
+        gate: :func:`likelihood_site`, :func:`gate_site`), it returns what it computed, detached, for
+        whoever reads the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw
+        (R x K); and with gates ``ungated``, the same rows before gating (R x K). A return value, not
+        ``pyro.deterministic`` sites: each such site is a sample statement through every handler
+        (``docs/PERFORMANCE.md``, the Pyro layer's cost), for values no term of the ELBO uses.
         """
         u = ungated = self.features(z)
         rows = u.shape[0]
@@ -132,8 +133,13 @@ class ContrastiveModel(PyroModule):
         else:
             columns, offset = gather(u)
             nce = info_nce_rows(u, self.temperature, columns, offset)
-        # one factor for the batch: InfoNCE couples the rows (module docstring), scaled as the plate scales
-        with poutine.scale(scale=self.num_rows / rows):
+        # one factor for the batch: InfoNCE couples the rows (module docstring), scaled as the plate scales; marked
+        # with what it is a function of, for an inference that differentiates it itself (leg: likelihood_site), the
+        # gates' draw included (gate_site): a mark on the sample site itself would not survive replay against the
+        # guide, whose site's infer dict replaces the model's
+        mark = {} if self.prior is None else dict(info_nce=dict(gates=g, ungated=ungated.detach(),
+                                                                 temperature=self.temperature))
+        with poutine.scale(scale=self.num_rows / rows), poutine.infer_config(config_fn=lambda site: mark):
             pyro.factor("nce", -nce.sum())
         values = dict(row_nce=nce.detach(), features=u.detach())
         if self.prior is not None:
@@ -158,6 +164,30 @@ def scaled_call(module: torch.nn.Module, scale, *args):
         return module(*args)
     with pyro.settings.context(module_local_params=True), poutine.block(hide_types=["param"]):
         return functional_call(module, {name: scale_grad(p, scale) for name, p in params.items()}, args)
+
+
+def gate_site(model_trace) -> dict:
+    """The gate site of a model's trace: the one whose draw its InfoNCE factor is a likelihood of.
+
+    An inference that treats the gates apart (the head's monitoring, ``leg``'s ELBO, the gradient-bias study) finds
+    them so, not by a site name: a model of its own names its sites as it likes, and a handler may rename them
+    (``pyro.contrib.autoname.scope``). The site of the same name in a guide's trace is q's.
+    """
+    gates = likelihood_site(model_trace)["infer"]["info_nce"]["gates"]
+    return next(site for site in model_trace.nodes.values() if site["type"] == "sample" and site["value"] is gates)
+
+
+def likelihood_site(model_trace) -> dict:
+    """The InfoNCE factor of a trace, found by its mark.
+
+    ``site["infer"]["info_nce"]`` holds the gates' draw (``gates``), the features they gate (``ungated``, R x K,
+    detached) and its ``temperature``; ``site["scale"]`` is its scale. Exactly one is expected; more, or none
+    (a model without gates), is an error that says so.
+    """
+    sites = [site for site in model_trace.nodes.values() if site["type"] == "sample" and "info_nce" in site["infer"]]
+    if len(sites) != 1:
+        raise ValueError(f"the program marks {len(sites)} factors as its InfoNCE (infer['info_nce']); one is expected")
+    return sites[0]
 
 
 def computed(model_trace) -> dict[str, torch.Tensor]:

@@ -72,7 +72,7 @@ from pyro.infer.reparam.reparam import Reparam
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.guides.gates import BernoulliGates, GumbelSigmoidGates
 from bayesncl_pyro.infer.elbo import MeanFieldELBO
-from bayesncl_pyro.models.bayesncl import computed
+from bayesncl_pyro.models.bayesncl import gate_site, likelihood_site
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP, info_nce_flip_differences
 from bayesncl_pyro.plugins import Registry
 
@@ -125,12 +125,11 @@ class GateEstimator(Reparam):
         """The 0/1 gates of the evaluation (the representation F, eval.json's ``gates_open``): q's mode."""
         return q.mode
 
-    def elbo(self, temperature: float) -> MeanFieldELBO:
+    def elbo(self) -> MeanFieldELBO:
         """The ELBO that trains with this estimator.
 
-        It is for an InfoNCE factor at ``temperature``: the mean-field ELBO with this estimator's KL (clamped at
-        ``kl_clamp``, taken at :meth:`kl_probs`), the estimator's gradient carried by the gates' value; ``leg`` adds
-        its head gradient there.
+        The mean-field ELBO with this estimator's KL (clamped at ``kl_clamp``, taken at :meth:`kl_probs`), the
+        estimator's gradient carried by the gates' value; ``leg`` adds its head gradient there.
         """
         return MeanFieldELBO(kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
@@ -220,9 +219,9 @@ class LocalExpectation(Draw):
 
     unbiased = True
 
-    def elbo(self, temperature):
+    def elbo(self):
         """The mean-field ELBO with leg's head gradient."""
-        return LocalExpectationELBO(temperature, kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
+        return LocalExpectationELBO(kl_clamp=self.kl_clamp, kl_probs=self.kl_probs)
 
 
 class LocalExpectationELBO(MeanFieldELBO):
@@ -235,34 +234,32 @@ class LocalExpectationELBO(MeanFieldELBO):
         sum_ik (p_ik - sg(p_ik)) * sg(D_ik),   D = ``info_nce_flip_differences(ungated, g)``,
 
     whose gradient with respect to q's parameters is sum_ik D_ik dp_ik, the local expectation gradient of the
-    batch's summed InfoNCE (module docstring). It reads from the traces the gate site ``g`` (q's probabilities from
-    the guide's site, the draw from the model), the model's ``ungated`` features and the scale of its ``nce``
-    factor; ``temperature`` is that factor's. The probabilities enter through a node of their own, which it returns
-    as the particle's ``gate_probs``: its gradient after backward is InfoNCE's alone (the KL's reaches q through another
+    batch's summed InfoNCE (module docstring). It finds in the traces what the program marks, not sites by name:
+    the gate site (``models.bayesncl.gate_site``: the draw from the model's trace, q's probabilities from the guide's
+    site of that name) and the InfoNCE factor (``models.bayesncl.likelihood_site``: the features it gates, its
+    temperature and its scale). The probabilities enter through a node of their own, which it returns as the
+    particle's ``gate_probs``: its gradient after backward is InfoNCE's alone (the KL's reaches q through another
     path).
     """
-
-    def __init__(self, temperature: float, **kwargs):
-        super().__init__(**kwargs)
-        self.temperature = temperature
 
     def particle(self, model_trace, guide_trace):
         """The mean-field particle plus :func:`local_expectation_term`, its probabilities node returned."""
         particle = super().particle(model_trace, guide_trace)
-        term, probs = local_expectation_term(model_trace, guide_trace, self.temperature)
+        term, probs = local_expectation_term(model_trace, guide_trace)
         return particle._replace(loss=particle.loss + term, gate_probs=probs)
 
 
-def local_expectation_term(model_trace, guide_trace, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def local_expectation_term(model_trace, guide_trace) -> tuple[torch.Tensor, torch.Tensor]:
     """(:class:`LocalExpectationELBO`'s term for one pair of traces, its node of q's probabilities).
 
     The term has value 0 and is on the loss's scale.
     """
-    probs = guide_trace.nodes["g"]["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
-    features = computed(model_trace)["ungated"]
+    gates, factor = gate_site(model_trace), likelihood_site(model_trace)
+    probs = guide_trace.nodes[gates["name"]]["fn"].base_dist.probs * 1.0  # a node of its own (LocalExpectationELBO)
+    features, temperature = factor["infer"]["info_nce"]["ungated"], factor["infer"]["info_nce"]["temperature"]
     dtype = torch.promote_types(features.dtype, torch.float32)
-    d = info_nce_flip_differences(features.to(dtype), model_trace.nodes["g"]["value"], temperature).to(probs.dtype)
-    return ((probs - probs.detach()) * d).sum() * model_trace.nodes["nce"]["scale"], probs
+    d = info_nce_flip_differences(features.to(dtype), gates["value"], temperature).to(probs.dtype)
+    return ((probs - probs.detach()) * d).sum() * factor["scale"], probs
 
 
 @register("gs")

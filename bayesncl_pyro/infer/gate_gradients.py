@@ -31,7 +31,7 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.elbo import own_params
 from bayesncl_pyro.infer.estimators import GATES, Draw, gate_class
 from bayesncl_pyro.infer.kl import gates_of, site_kl
-from bayesncl_pyro.models.bayesncl import computed, image_features, images_plate
+from bayesncl_pyro.models.bayesncl import computed, gate_site, image_features, images_plate
 from bayesncl_pyro.nn.losses import bernoulli_kl_grad, info_nce_flip_differences
 
 
@@ -184,5 +184,6 @@ def _score_loss(head, z: torch.Tensor, h: torch.Tensor, estimator) -> torch.Tens
     """
     terms = head.elbo_terms(z, h, estimator=Draw(estimator.kl_clamp), family=estimator.family)
     loss, model_trace, guide_trace = terms.loss, terms.model_trace, terms.guide_trace
-    q, gates = guide_trace.nodes["g"]["fn"].base_dist, model_trace.nodes["g"]["value"]
+    site = gate_site(model_trace)
+    q, gates = guide_trace.nodes[site["name"]]["fn"].base_dist, site["value"]
     return loss + computed(model_trace)["row_nce"].mean() * q.log_prob(gates).sum()

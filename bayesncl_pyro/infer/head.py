@@ -44,7 +44,7 @@ from bayesncl_pyro.infer.evaluation import HeadEvaluation
 from bayesncl_pyro.infer.output import HeadOutput
 from bayesncl_pyro.infer.output import gate_pulls as gate_pulls  # re-exported: its old home
 from bayesncl_pyro.infer.program import HeadProgram
-from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed
+from bayesncl_pyro.models.bayesncl import ContrastiveModel, computed, gate_site
 from bayesncl_pyro.models.priors import Prior
 from bayesncl_pyro.nn.encoders import mlp
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP
@@ -190,12 +190,12 @@ class BayesNCLHead(HeadProgram, HeadEvaluation, nn.Module):
         gated, loss = {}, terms.loss
         if self.gated:
             # the tensor whose gradient is InfoNCE's alone: the gates, for leg the probabilities its ELBO used
-            gate_site = terms.model_trace.nodes["g"]
-            gates = gate_site["value"] if terms.gate_probs is None else terms.gate_probs
+            site = gate_site(terms.model_trace)
+            gates = site["value"] if terms.gate_probs is None else terms.gate_probs
             if gates.requires_grad:
                 gates.retain_grad()  # read by pulls() after backward
-            q = terms.guide_trace.nodes["g"]["fn"].base_dist
-            gated = dict(kl_weight=kl_weight, gates=gates, q=q, prior=gate_site["fn"], estimator=self.estimator)
+            q = terms.guide_trace.nodes[site["name"]]["fn"].base_dist
+            gated = dict(kl_weight=kl_weight, gates=gates, q=q, prior=site["fn"], estimator=self.estimator)
             if self.density is not None:  # the constraint's term, of value 0: the loss stays the head's
                 loss = loss + self.density.term(self.estimator.mask_probs(q))
                 gated["density_multiplier"] = self.density.multiplier()

@@ -106,7 +106,7 @@ class HeadProgram:
         """
         if not self.gated:
             return MeanFieldELBO()
-        return (estimator or self.estimator).elbo(self.model.temperature)
+        return (estimator or self.estimator).elbo()
 
     def svi_program(self):
         """``(model, guide)`` for Pyro's ``SVI`` with :meth:`elbo`, callables of backbone features h.

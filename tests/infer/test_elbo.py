@@ -46,13 +46,9 @@ class PyroWithJacobian(TraceMeanField_ELBO):
 class PyroLocalExpectation(PyroWithJacobian):
     """Pyro's ELBO with leg's head-gradient term added to each particle, as ``LocalExpectationELBO`` adds it to ours."""
 
-    def __init__(self, temperature):
-        super().__init__()
-        self.temperature = temperature
-
     def _differentiable_loss_particle(self, model_trace, guide_trace):
         loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)
-        return loss, surrogate + local_expectation_term(model_trace, guide_trace, self.temperature)[0]
+        return loss, surrogate + local_expectation_term(model_trace, guide_trace)[0]
 
 
 def _loss_and_grads(learner, elbo, x):
@@ -81,7 +77,7 @@ def test_fast_elbo_matches_trace_mean_field(method, prior, gate):
     x = torch.randn(12, 1, 8, 8)
     with pyro.validation_enabled(False):  # with validation on the fast ELBO defers to its parent
         fast, fast_grads = _loss_and_grads(learner, None, x)
-        pyros = PyroLocalExpectation(learner.model.temperature) if gate == "leg" else PyroWithJacobian()
+        pyros = PyroLocalExpectation() if gate == "leg" else PyroWithJacobian()
         plain, plain_grads = _loss_and_grads(learner, pyros, x)
     torch.testing.assert_close(fast, plain)
     assert fast_grads.keys() == plain_grads.keys()
@@ -174,7 +170,7 @@ def test_svi_the_elbo_and_the_trainer_train_one_objective(gate, prior):
     learner = ContrastiveLearner(cfg, in_channels=1, num_train=100)
     head, x = learner.head, torch.randn(12, 1, 8, 8)
     model, guide = head.training_program()
-    elbo = head.estimator.elbo(head.model.temperature)
+    elbo = head.estimator.elbo()
 
     def svi_model(z, h):
         pyro.module("learner", learner)  # SVI trains the parameters the program's param sites name
@@ -311,3 +307,29 @@ def test_the_loss_summed_without_negations_is_the_negated_elbo_bit_for_bit(metho
     assert grads.keys() == want_grads.keys() and any(n.startswith("head.projector.") for n in grads)
     for name in grads:
         assert torch.equal(grads[name], want_grads[name]), name
+
+
+def test_leg_finds_the_gates_by_the_programs_mark_whatever_the_sites_are_called():
+    """leg's ELBO reads the gate site and the InfoNCE factor by what the program marks, not by their names: under
+    ``pyro.contrib.autoname.scope`` (every site renamed ``mine/...``) it gives the same loss and the same gradient in
+    the gating head as on the program's own names."""
+    from pyro.contrib.autoname import scope
+
+    torch.manual_seed(0)
+    head = BayesNCLHead(12, 8, 16, num_train=50, prior="bernoulli", prior_prob=0.3, kl_weight=1e-3, gate="leg")
+    h = torch.randn(10, 12)
+    z = head.projector(h).detach()
+    model, guide = head.training_program()
+    params = list(head.guide.head.parameters())
+    results = []
+    for wrap in (lambda fn: fn, lambda fn: scope(fn, prefix="mine")):
+        torch.manual_seed(1)
+        with own_params():
+            terms = head.elbo().terms(wrap(model), wrap(guide), z, h)
+        assert ("mine/g" in terms.model_trace.nodes) == (len(results) == 1)
+        results.append((terms.loss, torch.autograd.grad(terms.loss, params)))
+    (loss, grads), (scoped_loss, scoped_grads) = results
+    assert scoped_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    for a, b in zip(grads, scoped_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert any(g.abs().sum() > 0 for g in grads)
