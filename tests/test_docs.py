@@ -104,7 +104,8 @@ def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, mon
     index = (tmp_path / "index.rst").read_text()
     assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
     assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
-    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules()}
+    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules(),
+                                                         *ext.maths_modules()}
 
 
 def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():
@@ -139,6 +140,54 @@ def test_a_notebook_copy_whose_cells_changed_is_not_taken_as_executed(tmp_path):
     ext._site_links(stored)  # as stored, but its links to docs/ made right from the site's docs/notebooks/
     assert nbformat.read(tmp_path / "out" / INSPECT.name, as_version=4) == stored
     assert "](../docs/" in INSPECT.read_text() and "](../docs/" not in (tmp_path / "out" / INSPECT.name).read_text()
+
+
+CODE_LINK = re.compile(r'<a class="reference internal" href="(api/[^"#]+)#([^"]+)"[^>]*><code class="xref py')
+
+
+def _article(page: Path) -> str:
+    """A page's own text, without the navigation around it."""
+    html = page.read_text()
+    return html[html.index("<article"):html.index("</article>")]
+
+
+def test_every_equation_of_the_maths_page_is_followed_by_a_link_to_the_code_that_computes_it(site):
+    """Each display equation of maths.md is followed, in the paragraph after it, by a link to the API entry of the code
+    that computes it (whose [source] opens that code), and so is each gate estimator's row of its table; each link's
+    entry exists."""
+    html = _article(site / "maths.html")
+    blocks = html.split('<div class="math notranslate nohighlight">')[1:]
+    source = (DOCS / "maths.md").read_text().splitlines()
+    assert len(blocks) == source.count("$$") // 2 >= 6
+    for block in blocks:
+        after = block.split("</div>", 1)[1].removeprefix("\n</div>")  # past the equation and its wrapper
+        paragraph = re.match(r"\s*<p>(.*?)</p>", after, re.S)
+        assert paragraph and CODE_LINK.search(paragraph.group(1)), block[:300]
+    estimators = html[html.index('id="gate-estimators"'):html.index('id="the-bayesian-gating-head"')]
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", estimators[estimators.index("<tbody"):], re.S)
+    assert len(rows) == 5 and all(CODE_LINK.search(row) for row in rows)
+    for page, anchor in CODE_LINK.findall(html):
+        assert f'id="{anchor}"' in (site / page).read_text(), (page, anchor)
+
+
+def test_a_guide_pages_link_to_code_that_names_nothing_fails_the_build(monkeypatch):
+    """Outside its nitpicky mode Sphinx renders such a link as plain code, silently: the site's extension warns (so
+    ``-W`` fails) for a link on a guide page or a notebook, not for the API pages' type hints (torch's types, which
+    have no page here)."""
+    logging = pytest.importorskip("sphinx.util.logging", reason="the documentation site's packages")
+    said = []
+
+    class Logger:
+        def warning(self, message, *args, **kwargs):
+            said.append(message % args)
+
+    monkeypatch.setattr(logging, "getLogger", lambda name: Logger())
+    ext = docs_extension()
+    for refdoc, domain, target in (("maths", "py", "bayesncl_pyro.nope"), ("notebooks/inspect_gates", "py", "x.y"),
+                                   ("api/bayesncl_pyro.config", "py", "torch.Tensor"), ("maths", "std", "nope")):
+        ext.broken_code_link(None, None, {"refdomain": domain, "reftype": "func", "reftarget": target,
+                                          "refdoc": refdoc}, None)
+    assert [m.split(",")[0] for m in said] == ["func link to 'bayesncl_pyro.nope'", "func link to 'x.y'"]
 
 
 # -- in a browser ----------------------------------------------------------------------------------------------
