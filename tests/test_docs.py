@@ -2,6 +2,7 @@
 document every public name of bayesncl_pyro on the page of the module that defines it, a new public name gets its
 entry with no edit to the site, and in Chromium the index shows the navigation and a notebook page its figures."""
 
+import html as html_module
 import importlib
 import os
 import re
@@ -188,6 +189,67 @@ def test_a_guide_pages_link_to_code_that_names_nothing_fails_the_build(monkeypat
         ext.broken_code_link(None, None, {"refdomain": domain, "reftype": "func", "reftarget": target,
                                           "refdoc": refdoc}, None)
     assert [m.split(",")[0] for m in said] == ["func link to 'bayesncl_pyro.nope'", "func link to 'x.y'"]
+
+
+def _pages() -> dict[str, Path]:
+    """The site's pages written by hand, by their path on the site: docs/*.md (the README's and the changelog's parts
+    included) and the notebooks."""
+    return {p.stem: p for p in DOCS.glob("*.md")} | {f"notebooks/{p.stem}": p for p in NOTEBOOKS}
+
+
+def unlinked_mentions(html: str, titles: set[str], files: set[str]) -> list[str]:
+    """Where a page's text names another page (``docs/RESULTS.md``, ``inspect_gates.ipynb``, or a page's title in
+    quotes) outside a link: each with the text around it. Code blocks and a code span that holds more than the name
+    (a command such as ``git log -- docs/RESULTS.md``) are not mentions."""
+    article = html[html.index("<article"):html.index("</article>")]
+    article = re.sub(r"<a [^>]*>.*?</a>|<pre.*?</pre>", " ", article, flags=re.S)
+    name = r"(?:docs/|notebooks/|\.\./)?(?:%s)" % "|".join(re.escape(f) for f in sorted(files))
+    article = re.sub(r'<code class="docutils literal notranslate">(.*?)</code>', lambda m: m.group(0) if re.fullmatch(
+        name, re.sub(r"<[^>]+>", "", m.group(1))) else " ", article, flags=re.S)
+    text = html_module.unescape(re.sub(r"<[^>]+>", "", article))
+    short = {re.split(r"[:,]", t)[0] for t in titles}  # "Looking at the gates" for "Looking at the gates, and ..."
+    found = [m for m in re.finditer(r"\b" + name + r"\b", text)]
+    found += [m for m in re.finditer(r"[\"\u201c]([^\"\u201d]{3,90})[\"\u201d]", text) if m.group(1) in titles | short]
+    return [text[max(0, m.start() - 50):m.end() + 20] for m in found]
+
+
+def test_the_pages_mention_other_pages_only_as_links(site):
+    """A page that names another (``docs/RESULTS.md``, a notebook, a page's title in quotes) links it, so that the
+    site resolves it (the build fails on a link to no page); the README's links are repository paths that work on
+    GitHub and that the site's pages rewrite (``:relative-docs:``). The API pages are the docstrings', read in a
+    terminal too."""
+    pages = _pages()
+    titles = {_title(path).replace("`", "") for path in pages.values()}
+    files = {path.name for path in pages.values()}
+    for page in pages:
+        assert not unlinked_mentions((site / f"{page}.html").read_text(), titles, files), page
+    # what the check finds: a page's file named in text or as code, a title quoted; not a command, a link or a block
+    html = ('<article><p>see docs/RESULTS.md, <code class="docutils literal notranslate"><span class="pre">'
+            'inspect_gates.ipynb</span></code> and \u201cLooking at the gates\u201d; <code class="docutils literal '
+            'notranslate">git log -- docs/RESULTS.md</code>, <a href="RESULTS.html">docs/RESULTS.md</a></p>'
+            "<pre>docs/  METHOD.md</pre></article>")
+    assert len(unlinked_mentions(html, titles, files)) == 3
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading (as MyST's ``myst_heading_anchors`` does): lower case, punctuation
+    dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md"])
+def test_the_readmes_links_work_on_github(name):
+    """The README and the changelog are read on GitHub as well as on the site: each relative link names a file of the
+    repository from its root, and its anchor a heading of that file."""
+    text = re.sub(r"```.*?```", "", (ROOT / name).read_text(), flags=re.S)
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", link)]
+    assert len(links) >= 5
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = ROOT / (path or name)
+        assert target.exists(), link
+        if anchor:
+            assert anchor in {_github_anchor(h) for h in re.findall(r"^#+ (.*)$", target.read_text(), re.M)}, link
 
 
 # -- in a browser ----------------------------------------------------------------------------------------------
