@@ -6,17 +6,17 @@ side (``bayesncl_pyro/infer/estimators.py``). Both families are Bernoulli distri
 ``log_prob``, ``entropy``, ``enumerate_support`` and KL are the Bernoulli's, with one reparameterised draw
 attached as ``rsample`` (hard values, a relaxed gradient):
 
-=========================  ==============================  ===================================================
-family                     P(g = 1 | x)                    ``rsample``: its straight-through draw
-=========================  ==============================  ===================================================
-:class:`BernoulliGates`    sigmoid(l)                      Pyro's ``RelaxedBernoulliStraightThrough`` with the
-                                                           head's logits: the binary Concrete's draw, hard
-                                                           forward (on with probability sigmoid(l) at any
-                                                           temperature), its relaxation's gradient backward
-:class:`GumbelSigmoidGates` 1 + 1e-4 - exp(1e-4 - e^l)     the reference's Gumbel-sigmoid draw: on iff
-                           (clamped to [0, 1])             l + G > 0 with one Gumbel-like G, straight-through
-                                                           to sigmoid((l + G) / T)
-=========================  ==============================  ===================================================
+===========================  ==============================  ===================================================
+family                       P(g = 1 | x)                    ``rsample``: its straight-through draw
+===========================  ==============================  ===================================================
+:class:`BernoulliGates`      sigmoid(l)                      Pyro's ``RelaxedBernoulliStraightThrough`` with the
+                                                             head's logits: the binary Concrete's draw, hard
+                                                             forward (on with probability sigmoid(l) at any
+                                                             temperature), its relaxation's gradient backward
+:class:`GumbelSigmoidGates`  1 + 1e-4 - exp(1e-4 - e^l)      the reference's Gumbel-sigmoid draw: on iff
+                             (clamped to [0, 1])             l + G > 0 with one Gumbel-like G, straight-through
+                                                             to sigmoid((l + G) / T)
+===========================  ==============================  ===================================================
 
 (l: the head's logits.) Why not Pyro's ``RelaxedBernoulliStraightThrough`` itself: its draws are hard, but
 its ``log_prob`` is the relaxed density of the unquantised draw and its ``sample()`` returns soft values, so
@@ -58,6 +58,7 @@ class BernoulliGates(dist.Bernoulli):
         logits: the gating head's logits l (any shape).
         temperature: of the relaxation (``rsample``'s gradient only: the hard draw is on with probability
             sigmoid(l) at any temperature).
+        validate_args: torch's check of the arguments (default: torch's setting).
     """
 
     has_rsample = False  # discrete: Pyro's ELBOs take the score function unless an estimator says otherwise
@@ -94,13 +95,25 @@ class GumbelSigmoidGates(BernoulliGates):
 
     Here G = -log(-log(u + 1e-4) + 1e-4), u ~ U(0, 1); P(g = 1) = 1 + 1e-4 - exp(1e-4 - e^l) (module docstring), not
     sigmoid(l). ``rsample`` is the reference's draw, straight-through to y = sigmoid((l + G) / T).
+
+    Args:
+        logits: the gating head's logits l (any shape).
+        temperature: T of the straight-through gradient (the hard draw does not depend on it).
+        validate_args: torch's check of the arguments (default: torch's setting).
     """
 
     EPS = 1e-4  # the reference's two offsets inside the Gumbel transform
 
     @staticmethod
     def inclusion(logits):
-        """P(g = 1) of the reference's Gumbel gate at logits l."""
+        """P(g = 1) of the reference's Gumbel gate at logits l.
+
+        Args:
+            logits: l (any shape).
+
+        Returns:
+            1 + 1e-4 - exp(1e-4 - e^l), clamped to [0, 1], ``logits``' shape.
+        """
         eps = GumbelSigmoidGates.EPS
         # on iff u > exp(eps - e^l) - eps; expm1 keeps the small probabilities precise
         return (eps - torch.expm1(eps - logits.exp())).clamp(0.0, 1.0)
@@ -149,7 +162,11 @@ class BayesianHead(PyroModule):
         return [layer for layer in self.net if isinstance(layer, nn.Linear)]
 
     def prior(self):
-        """The model's statement of W ~ p(W): each weight and bias sampled from its prior."""
+        """The model's statement of W ~ p(W): each weight and bias sampled from its prior.
+
+        Returns:
+            Each linear layer's (weight, bias), as drawn (or replayed) at their sample sites.
+        """
         with self._pyro_context:  # a PyroSample attribute is a sample site only inside its module's context
             return [(layer.weight, layer.bias) for layer in self._linears()]
 
@@ -173,10 +190,14 @@ class GateGuide(PyroModule):
     """q(rate) q(g | h): the prior's own posterior for global latents (if any) and amortized gates.
 
     Args:
-        in_dim: backbone feature width; hidden, depth: gating-head MLP shape; num_features: K.
+        in_dim: backbone feature width.
+        hidden: the gating-head MLP's hidden width.
+        num_features: K, the gates per row.
         num_rows: rows in the whole training set (2 per image), for minibatch scaling.
         family: the variational family of the gates, :class:`BernoulliGates` or :class:`GumbelSigmoidGates`
-            (the estimator's, ``bayesncl_pyro.infer.estimators``); temperature: its relaxation's temperature.
+            (the estimator's, ``bayesncl_pyro.infer.estimators``).
+        depth: the gating-head MLP's number of layers.
+        temperature: the family's relaxation temperature.
         logit_bound: logits are squashed smoothly into (-bound, bound): a saturated gate would get no
             gradient and never come back.
         kl_weight: lambda, applied here and in the model (a mean-field ELBO scales the KL by the guide's scale).
@@ -216,12 +237,18 @@ class GateGuide(PyroModule):
             self.head.prior()
 
     def logits(self, h: torch.Tensor, mlp_dtype: torch.dtype | None = None, weights="mean") -> torch.Tensor:
-        """Gate logits (R x K) from backbone features h (R x D); the head never trains the backbone.
+        """Gate logits l = b tanh(MLP(sg(h)) / b), b the logit bound: the head never trains the backbone.
 
-        ``mlp_dtype``: None, or the dtype in which the MLP's matmuls run under autocast (the logits and all after them
-        in h's dtype): ``BayesNCLHead.forward`` passes its caller's autocast, as the backbone's and projector's.
-        ``weights`` (a Bayesian head's): ``"mean"``, q(W)'s mean; None, a draw from q(W) as a traced site (the
-        guide's); or a dict of site values (one of :meth:`BayesianHead.weight_draws`).
+        Args:
+            h: R x D backbone features, read detached.
+            mlp_dtype: None, or the dtype in which the MLP's matmuls run under autocast (the logits and all after
+                them in h's dtype): ``BayesNCLHead.forward`` passes its caller's autocast, as the backbone's and
+                projector's.
+            weights: a Bayesian head's: ``"mean"``, q(W)'s mean; None, a draw from q(W) as a traced site (the
+                guide's); or a dict of site values (one of :meth:`BayesianHead.weight_draws`).
+
+        Returns:
+            R x K logits, in (-b, b).
         """
         b = self.logit_bound
         if self.bayesian:

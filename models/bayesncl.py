@@ -101,18 +101,28 @@ class ContrastiveModel(PyroModule):
     def forward(self, z: torch.Tensor, h: torch.Tensor, gather=None, kl_weight=None, prior_grad_scale=None):
         """Sample the gates, gate the features and add the batch's InfoNCE factor.
 
-        z: R x K projector output, h: R x D backbone features (used by the guide only); gather: None, or under DDP
-        this rank's rows -> (every rank's rows, the offset of ours), for global negatives
-        (``bayesncl_pyro.distributed.gather_rows``); kl_weight: this call's lambda (default: the constructor's);
-        prior_grad_scale: None, or a factor on the gradient into the prior's parameters through this call
-        (``nn.gradient_scale``: the head's 1 / lambda). Rows are ``[view 1 of B images; view 2 of the same B images]``.
+        Rows are ``[view 1 of B images; view 2 of the same B images]``. The gates ``g ~ prior`` under lambda and the
+        rows plate; the features ``u = normalize(features(z) * g)``; the factor ``nce``, ``-sum_i l_i`` scaled by
+        2N / R.
 
-        Besides the gate site ``g`` and the factor ``nce`` (marked with the gates' draw and the features they
-        gate: :func:`likelihood_site`, :func:`gate_site`), it returns what it computed, detached, for
-        whoever reads the trace (:func:`computed`): ``row_nce``, the per-row InfoNCE (R); ``features``, the rows it saw
-        (R x K); and with gates ``ungated``, the same rows before gating (R x K). A return value, not
-        ``pyro.deterministic`` sites: each such site is a sample statement through every handler
-        (``docs/PERFORMANCE.md``, the Pyro layer's cost), for values no term of the ELBO uses.
+        Args:
+            z: R x K projector output.
+            h: R x D backbone features (used by the guide only).
+            gather: None, or under DDP this rank's rows -> (every rank's rows, the offset of ours), for global
+                negatives (``bayesncl_pyro.distributed.gather_rows``).
+            kl_weight: this call's lambda (default: the constructor's).
+            prior_grad_scale: None, or a factor on the gradient into the prior's parameters through this call
+                (``nn.gradient_scale``: the head's 1 / lambda).
+
+        The factor ``nce`` is marked with the gates' draw, the features they gate and its temperature
+        (:func:`likelihood_site`, :func:`gate_site`): an inference that differentiates it itself finds the gates so.
+
+        Returns:
+            What it computed, detached, for whoever reads the trace (:func:`computed`): ``row_nce``, the per-row
+            InfoNCE (R); ``features``, the rows it saw (R x K); and with gates ``ungated``, the same rows before
+            gating (R x K). A return value, not ``pyro.deterministic`` sites: each such site is a sample statement
+            through every handler (``docs/PERFORMANCE.md``, the Pyro layer's cost), for values no term of the ELBO
+            uses.
         """
         u = ungated = self.features(z)
         rows = u.shape[0]

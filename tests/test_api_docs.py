@@ -2,7 +2,8 @@
 
 The callables checked are those the site's API pages show (docs/_ext/bayesncl_docs.py): the public names of
 ``bayesncl_pyro._PUBLIC``, what they return (``RETURNED``), every prior registered for ``--prior``, and the methods
-of each of these classes that autodoc lists (its own public ones). Each docstring is read as the site reads it, through
+of each of these classes that autodoc lists (its own public ones); and the code the maths page links to (``MATHS``),
+a class with the methods listed there. Each docstring is read as the site reads it, through
 napoleon's Google parser: an argument whose text is run into a neighbour's entry (a wrong indent) has no entry of its
 own and fails here, as on the page.
 """
@@ -45,7 +46,7 @@ def documented() -> dict[str, object]:
                     found[f"{obj.__module__}.{obj.__qualname__}.{name}"] = member
         elif inspect.isfunction(obj):
             found[f"{obj.__module__}.{obj.__qualname__}"] = obj
-    return found
+    return found | ext.maths_objects()
 
 
 def fields(doc: str, obj, what: str) -> tuple[dict[str, str], str | None]:
@@ -121,7 +122,8 @@ def test_the_checked_set_holds_every_public_name_and_what_it_returns():
     for name in ("bayesncl_pyro.evaluate.run.TrainedRun.novelty", "bayesncl_pyro.evaluate.run.load_run",
                  "bayesncl_pyro.infer.head.BayesNCLHead.forward", "bayesncl_pyro.evaluate.report.write_report",
                  "bayesncl_pyro.evaluate.figures.inspect", "bayesncl_pyro.config.Config.from_dict",
-                 "bayesncl_pyro.train.trainer.Trainer.fit"):
+                 "bayesncl_pyro.train.trainer.Trainer.fit", "bayesncl_pyro.models.bayesncl.ContrastiveModel.forward",
+                 "bayesncl_pyro.infer.estimators.ModeStraightThrough.value", "bayesncl_pyro.nn.losses.bernoulli_kl"):
         assert name in found, name
 
 
@@ -159,7 +161,8 @@ def test_every_argument_and_return_value_is_described(path):
 # -- an example per name, run here ---------------------------------------------------------------------------------
 
 def _named() -> dict[str, object]:
-    """Every name the API pages list: the public ones and what they give back."""
+    """Every name a user calls that the API pages list: the public ones and what they give back (the code the maths
+    page links to is read beside its equations, not called)."""
     ext = docs_extension()
     return {**{n: getattr(bayesncl_pyro, n) for n in bayesncl_pyro._PUBLIC},
             **{n: getattr(importlib.import_module(m), n) for n, m in ext.RETURNED.items()}}

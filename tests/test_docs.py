@@ -2,6 +2,7 @@
 document every public name of bayesncl_pyro on the page of the module that defines it, a new public name gets its
 entry with no edit to the site, and in Chromium the index shows the navigation and a notebook page its figures."""
 
+import html as html_module
 import importlib
 import os
 import re
@@ -104,7 +105,8 @@ def test_a_new_public_name_gets_its_entry_with_no_edit_to_the_site(tmp_path, mon
     index = (tmp_path / "index.rst").read_text()
     assert ":py:obj:`bayesncl_pyro.MeanFieldELBO`" in index and "   bayesncl_pyro.infer.elbo\n" in index
     assert not (tmp_path / "bayesncl_pyro.gone.rst").exists()
-    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules()}
+    assert {p.stem for p in tmp_path.glob("*.rst")} == {"index", *ext.public_modules(), *ext.returned_modules(),
+                                                         *ext.maths_modules()}
 
 
 def test_an_indented_block_after_a_paragraph_of_a_docstring_is_shown_as_written():
@@ -139,6 +141,115 @@ def test_a_notebook_copy_whose_cells_changed_is_not_taken_as_executed(tmp_path):
     ext._site_links(stored)  # as stored, but its links to docs/ made right from the site's docs/notebooks/
     assert nbformat.read(tmp_path / "out" / INSPECT.name, as_version=4) == stored
     assert "](../docs/" in INSPECT.read_text() and "](../docs/" not in (tmp_path / "out" / INSPECT.name).read_text()
+
+
+CODE_LINK = re.compile(r'<a class="reference internal" href="(api/[^"#]+)#([^"]+)"[^>]*><code class="xref py')
+
+
+def _article(page: Path) -> str:
+    """A page's own text, without the navigation around it."""
+    html = page.read_text()
+    return html[html.index("<article"):html.index("</article>")]
+
+
+def test_every_equation_of_the_maths_page_is_followed_by_a_link_to_the_code_that_computes_it(site):
+    """Each display equation of maths.md is followed, in the paragraph after it, by a link to the API entry of the code
+    that computes it (whose [source] opens that code), and so is each gate estimator's row of its table; each link's
+    entry exists."""
+    html = _article(site / "maths.html")
+    blocks = html.split('<div class="math notranslate nohighlight">')[1:]
+    source = (DOCS / "maths.md").read_text().splitlines()
+    assert len(blocks) == source.count("$$") // 2 >= 6
+    for block in blocks:
+        after = block.split("</div>", 1)[1].removeprefix("\n</div>")  # past the equation and its wrapper
+        paragraph = re.match(r"\s*<p>(.*?)</p>", after, re.S)
+        assert paragraph and CODE_LINK.search(paragraph.group(1)), block[:300]
+    estimators = html[html.index('id="gate-estimators"'):html.index('id="the-bayesian-gating-head"')]
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", estimators[estimators.index("<tbody"):], re.S)
+    assert len(rows) == 5 and all(CODE_LINK.search(row) for row in rows)
+    for page, anchor in CODE_LINK.findall(html):
+        assert f'id="{anchor}"' in (site / page).read_text(), (page, anchor)
+
+
+def test_a_guide_pages_link_to_code_that_names_nothing_fails_the_build(monkeypatch):
+    """Outside its nitpicky mode Sphinx renders such a link as plain code, silently: the site's extension warns (so
+    ``-W`` fails) for a link on a guide page or a notebook, not for the API pages' type hints (torch's types, which
+    have no page here)."""
+    logging = pytest.importorskip("sphinx.util.logging", reason="the documentation site's packages")
+    said = []
+
+    class Logger:
+        def warning(self, message, *args, **kwargs):
+            said.append(message % args)
+
+    monkeypatch.setattr(logging, "getLogger", lambda name: Logger())
+    ext = docs_extension()
+    for refdoc, domain, target in (("maths", "py", "bayesncl_pyro.nope"), ("notebooks/inspect_gates", "py", "x.y"),
+                                   ("api/bayesncl_pyro.config", "py", "torch.Tensor"), ("maths", "std", "nope")):
+        ext.broken_code_link(None, None, {"refdomain": domain, "reftype": "func", "reftarget": target,
+                                          "refdoc": refdoc}, None)
+    assert [m.split(",")[0] for m in said] == ["func link to 'bayesncl_pyro.nope'", "func link to 'x.y'"]
+
+
+def _pages() -> dict[str, Path]:
+    """The site's pages written by hand, by their path on the site: docs/*.md (the README's and the changelog's parts
+    included) and the notebooks."""
+    return {p.stem: p for p in DOCS.glob("*.md")} | {f"notebooks/{p.stem}": p for p in NOTEBOOKS}
+
+
+def unlinked_mentions(html: str, titles: set[str], files: set[str]) -> list[str]:
+    """Where a page's text names another page (``docs/RESULTS.md``, ``inspect_gates.ipynb``, or a page's title in
+    quotes) outside a link: each with the text around it. Code blocks and a code span that holds more than the name
+    (a command such as ``git log -- docs/RESULTS.md``) are not mentions."""
+    article = html[html.index("<article"):html.index("</article>")]
+    article = re.sub(r"<a [^>]*>.*?</a>|<pre.*?</pre>", " ", article, flags=re.S)
+    name = r"(?:docs/|notebooks/|\.\./)?(?:%s)" % "|".join(re.escape(f) for f in sorted(files))
+    article = re.sub(r'<code class="docutils literal notranslate">(.*?)</code>', lambda m: m.group(0) if re.fullmatch(
+        name, re.sub(r"<[^>]+>", "", m.group(1))) else " ", article, flags=re.S)
+    text = html_module.unescape(re.sub(r"<[^>]+>", "", article))
+    short = {re.split(r"[:,]", t)[0] for t in titles}  # "Looking at the gates" for "Looking at the gates, and ..."
+    found = [m for m in re.finditer(r"\b" + name + r"\b", text)]
+    found += [m for m in re.finditer(r"[\"\u201c]([^\"\u201d]{3,90})[\"\u201d]", text) if m.group(1) in titles | short]
+    return [text[max(0, m.start() - 50):m.end() + 20] for m in found]
+
+
+def test_the_pages_mention_other_pages_only_as_links(site):
+    """A page that names another (``docs/RESULTS.md``, a notebook, a page's title in quotes) links it, so that the
+    site resolves it (the build fails on a link to no page); the README's links are repository paths that work on
+    GitHub and that the site's pages rewrite (``:relative-docs:``). The API pages are the docstrings', read in a
+    terminal too."""
+    pages = _pages()
+    titles = {_title(path).replace("`", "") for path in pages.values()}
+    files = {path.name for path in pages.values()}
+    for page in pages:
+        assert not unlinked_mentions((site / f"{page}.html").read_text(), titles, files), page
+    # what the check finds: a page's file named in text or as code, a title quoted; not a command, a link or a block
+    html = ('<article><p>see docs/RESULTS.md, <code class="docutils literal notranslate"><span class="pre">'
+            'inspect_gates.ipynb</span></code> and \u201cLooking at the gates\u201d; <code class="docutils literal '
+            'notranslate">git log -- docs/RESULTS.md</code>, <a href="RESULTS.html">docs/RESULTS.md</a></p>'
+            "<pre>docs/  METHOD.md</pre></article>")
+    assert len(unlinked_mentions(html, titles, files)) == 3
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading (as MyST's ``myst_heading_anchors`` does): lower case, punctuation
+    dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md"])
+def test_the_readmes_links_work_on_github(name):
+    """The README and the changelog are read on GitHub as well as on the site: each relative link names a file of the
+    repository from its root, and its anchor a heading of that file."""
+    text = re.sub(r"```.*?```", "", (ROOT / name).read_text(), flags=re.S)
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", link)]
+    assert len(links) >= 5
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = ROOT / (path or name)
+        assert target.exists(), link
+        if anchor:
+            assert anchor in {_github_anchor(h) for h in re.findall(r"^#+ (.*)$", target.read_text(), re.M)}, link
 
 
 # -- in a browser ----------------------------------------------------------------------------------------------

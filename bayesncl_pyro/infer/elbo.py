@@ -99,8 +99,19 @@ class MeanFieldELBO(TraceMeanField_ELBO):
     def terms(self, model, guide, *args, **kwargs) -> ELBOTerms:
         """The differentiable loss, its KL part, the traces and the per-site KL terms (:class:`ELBOTerms`).
 
-        The KL is summed as the loss is, not recovered from it: a difference of two large float32 numbers would
-        lose it.
+        Per particle, -ELBO = sum over latent sites of scale * KL(q || p) - sum over observed sites of scale *
+        log p (the InfoNCE factor), averaged over ``num_particles``. The KL is summed as the loss is, not recovered
+        from it: a difference of two large float32 numbers would lose it.
+
+        Args:
+            model: the model program.
+            guide: the guide program.
+            *args: the programs' arguments.
+            **kwargs: the programs' keyword arguments.
+
+        Returns:
+            :class:`ELBOTerms`: the loss (-ELBO), its KL part, the last particle's traces, its per-site KL terms,
+            how each was estimated and its gate probabilities node.
         """
         loss = kl = None
         for _ in range(self.num_particles):

@@ -110,7 +110,14 @@ class GateEstimator(Reparam):
         self.kl_clamp = kl_clamp
 
     def value(self, q: BernoulliGates) -> torch.Tensor:
-        """The gates InfoNCE sees in training, with the gradient they carry to q's parameters."""
+        """The gates InfoNCE sees in training, with the gradient they carry to q's parameters.
+
+        Args:
+            q: the guide's gate distribution at the site.
+
+        Returns:
+            The gates, q's shape, exact 0/1 values (its own estimator's gradient path attached).
+        """
         raise NotImplementedError
 
     def kl_probs(self, q: BernoulliGates) -> torch.Tensor:
@@ -160,13 +167,23 @@ class ModeStraightThrough(GateEstimator):
 
     The mode is 1[p > 0.5], and the backward pass is the identity to p. Deterministic: InfoNCE is taken at the mode
     of q, not averaged over it (the paper's "BayesNCL (STE)").
+
+    Args:
+        kl_clamp: the KL's clamp, as :class:`GateEstimator`'s.
     """
 
     objective = "the reference's surrogate: InfoNCE at the mode of q + lambda * KL (not -ELBO)"
     loss_name = "the reference's surrogate per row (not -ELBO)"
 
     def value(self, q):
-        """The mode 1[p > 0.5], straight-through to p."""
+        """The mode 1[p > 0.5], straight-through to p.
+
+        Args:
+            q: the guide's gate distribution at the site.
+
+        Returns:
+            1[p > 0.5] + p - sg(p): the mode forward, the identity to p backward.
+        """
         p = q.probs
         return q.mode + (p - p.detach())  # exact 0/1 values: (p - p.detach()) is exactly 0
 
@@ -176,10 +193,20 @@ class Relaxed(GateEstimator):
     """A draw from q, differentiated through its relaxation.
 
     It is q's own ``rsample`` (for ``BernoulliGates``, Pyro's ``RelaxedBernoulliStraightThrough``).
+
+    Args:
+        kl_clamp: the KL's clamp, as :class:`GateEstimator`'s.
     """
 
     def value(self, q):
-        """The relaxed draw of q."""
+        """The relaxed draw of q.
+
+        Args:
+            q: the guide's gate distribution at the site.
+
+        Returns:
+            q's ``rsample``: a hard draw, its relaxation's gradient backward.
+        """
         return q.rsample()
 
 
@@ -189,10 +216,20 @@ class SampledStraightThrough(GateEstimator):
 
     A draw b ~ q forward, straight-through to p backward (b + p - sg(p)): the local derivative of InfoNCE at
     the draw stands in for the gate's exact effect. Costs nothing over ``ste``.
+
+    Args:
+        kl_clamp: the KL's clamp, as :class:`GateEstimator`'s.
     """
 
     def value(self, q):
-        """A draw b ~ q, straight-through to p."""
+        """A draw b ~ q, straight-through to p.
+
+        Args:
+            q: the guide's gate distribution at the site.
+
+        Returns:
+            b + p - sg(p): the draw forward, the identity to p backward.
+        """
         p = q.probs
         return q.sample() + (p - p.detach())
 
@@ -215,6 +252,9 @@ class LocalExpectation(Draw):
     A draw b ~ q forward, the encoder's gradient pathwise at b, and for the gating head, per gate, the exact
     difference of the batch's InfoNCE with that gate on and off at the other gates' draw (its ELBO,
     :class:`LocalExpectationELBO`). Why it is unbiased: the module docstring.
+
+    Args:
+        kl_clamp: the KL's clamp, as :class:`GateEstimator`'s.
     """
 
     unbiased = True
@@ -240,10 +280,22 @@ class LocalExpectationELBO(MeanFieldELBO):
     temperature and its scale). The probabilities enter through a node of their own, which it returns as the
     particle's ``gate_probs``: its gradient after backward is InfoNCE's alone (the KL's reaches q through another
     path).
+
+    Args:
+        temperature: tau, the InfoNCE factor's temperature.
+        **kwargs: :class:`MeanFieldELBO`'s (``kl_clamp``, ``kl_probs``, ``num_particles``, ...).
     """
 
     def particle(self, model_trace, guide_trace):
-        """The mean-field particle plus :func:`local_expectation_term`, its probabilities node returned."""
+        """The mean-field particle plus :func:`local_expectation_term`, its probabilities node returned.
+
+        Args:
+            model_trace: the model's trace, replayed against the guide's.
+            guide_trace: the guide's trace.
+
+        Returns:
+            The mean-field particle with the term added to its loss and the probabilities node as ``gate_probs``.
+        """
         particle = super().particle(model_trace, guide_trace)
         term, probs = local_expectation_term(model_trace, guide_trace)
         return particle._replace(loss=particle.loss + term, gate_probs=probs)
@@ -268,6 +320,9 @@ class GumbelSigmoid(Relaxed):
 
     A draw from the reference's own family (P(on) = 1 + 1e-4 - exp(1e-4 - e^l), not sigmoid(l)), straight-through to
     y = sigmoid((l + G) / T).
+
+    Args:
+        kl_clamp: the KL's clamp, as :class:`GateEstimator`'s.
     """
 
     family = GumbelSigmoidGates

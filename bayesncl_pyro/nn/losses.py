@@ -165,6 +165,14 @@ def bernoulli_kl(alpha: torch.Tensor, rho: torch.Tensor | float, clamp: float) -
     gradient). The reference clamps at 0.01 (:data:`REFERENCE_KL_CLAMP`): that bounds the KL, so the prior
     can never push a logit to infinity, but it is not the KL: KL(0.5 || 0.999) is 1.61 clamped against 2.76,
     and a rate past the clamp (sigmoid(l) > 0.99 at l > 4.6) gets no gradient from it.
+
+    Args:
+        alpha: q's inclusion probabilities pi (any shape).
+        rho: the prior's rate, a number or a tensor that broadcasts against ``alpha``.
+        clamp: c, both rates clamped to [c, 1 - c]; 0 for the exact KL.
+
+    Returns:
+        The KL of each gate, ``alpha``'s shape: ``pi log(pi / rho) + (1 - pi) log((1 - pi) / (1 - rho))``.
     """
     lo = max(clamp, torch.finfo(alpha.dtype).eps)
     alpha = alpha.clamp(lo, 1 - lo)

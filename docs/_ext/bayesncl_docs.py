@@ -8,13 +8,16 @@ page without an edit here:
   names that live there, under their top-level path (``bayesncl_pyro.BayesNCLHead``); the priors' module also gets
   every prior registered for ``--prior``. What those names give back and the functions beside them (``RETURNED``:
   ``load_run``'s ``TrainedRun``, the head's ``HeadOutput``, the report) are documented under their module's path, on
-  that module's page. ``api/index.rst`` lists every name with its page.
+  that module's page. So is the code that the equations of ``maths.md`` link to (``MATHS``: the model's and the
+  guide's parts, the ELBO, the estimators), a class with the methods that compute them. ``api/index.rst`` lists every
+  name with its page.
 * ``notebooks/<name>.ipynb``: each notebook of the repository's ``notebooks/``, taken executed from
   ``BAYESNCL_EXECUTED_NOTEBOOKS`` (default ``docs/_build/executed``, where tests/test_notebook.py writes the copies it
   ran) where a copy there has the same cells, else as it is stored (no outputs), for myst-nb to execute.
 
-The docstrings' indented blocks (code examples, layouts) are shown as written (:func:`literal_blocks`). A file is
-rewritten only when its text changes, so an unchanged page is not read again by an incremental build.
+The docstrings' indented blocks (code examples, layouts) are shown as written (:func:`literal_blocks`). A guide page's
+link to code that names nothing fails the build (:func:`broken_code_link`). A file is rewritten only when its text
+changes, so an unchanged page is not read again by an incremental build.
 """
 
 import importlib
@@ -36,6 +39,26 @@ RETURNED = {
     "Report": "bayesncl_pyro.evaluate.report",
     "write_report": "bayesncl_pyro.evaluate.report",
     "inspect": "bayesncl_pyro.evaluate.figures",
+}
+# the code that computes the equations of maths.md, which links each to its entry (and so to its [source]), each with
+# its module: a class is shown with the methods named here ("Class.method"), those that compute the maths
+MATHS = {
+    "BernoulliGates": "bayesncl_pyro.guides.gates",
+    "GumbelSigmoidGates.inclusion": "bayesncl_pyro.guides.gates",
+    "GateGuide.logits": "bayesncl_pyro.guides.gates",
+    "BayesianHead.prior": "bayesncl_pyro.guides.gates",
+    "ContrastiveModel.forward": "bayesncl_pyro.models.bayesncl",
+    "info_nce_rows": "bayesncl_pyro.nn.losses",
+    "info_nce_flip_differences": "bayesncl_pyro.nn.losses",
+    "bernoulli_kl": "bayesncl_pyro.nn.losses",
+    "MeanFieldELBO.terms": "bayesncl_pyro.infer.elbo",
+    "GateEstimator.value": "bayesncl_pyro.infer.estimators",
+    "ModeStraightThrough.value": "bayesncl_pyro.infer.estimators",
+    "SampledStraightThrough.value": "bayesncl_pyro.infer.estimators",
+    "Relaxed.value": "bayesncl_pyro.infer.estimators",
+    "LocalExpectation": "bayesncl_pyro.infer.estimators",
+    "LocalExpectationELBO.particle": "bayesncl_pyro.infer.estimators",
+    "GumbelSigmoid": "bayesncl_pyro.infer.estimators",
 }
 
 
@@ -63,7 +86,11 @@ def _write(path: Path, text: str):
         path.write_text(text)
 
 
-def _directive(name: str, obj) -> str:
+def _directive(name: str, obj, members: list[str] | None = None) -> str:
+    """The autodoc directive of ``name``; a class with every documented member, or only ``members`` where given."""
+    if members is not None:
+        listed = f"   :members: {', '.join(members)}\n" if members else ""
+        return f".. autoclass:: {name}\n{listed}   :show-inheritance:\n"
     if isinstance(obj, type):
         # the head's program and evaluation live in mixins of their own (infer/program.py, infer/evaluation.py): its
         # page shows them, not nn.Module's
@@ -99,12 +126,36 @@ def _registered_priors() -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(blocks)
 
 
-def returned_modules() -> dict[str, list[str]]:
-    """The modules of ``RETURNED``'s names, each with its names."""
+def _by_module(names: dict[str, str]) -> dict[str, list[str]]:
     modules: dict[str, list[str]] = {}
-    for name, module in RETURNED.items():
+    for name, module in names.items():
         modules.setdefault(module, []).append(name)
     return modules
+
+
+def returned_modules() -> dict[str, list[str]]:
+    """The modules of ``RETURNED``'s names, each with its names."""
+    return _by_module(RETURNED)
+
+
+def maths_modules() -> dict[str, dict[str, list[str]]]:
+    """The modules of ``MATHS``' names, each with its classes and functions, a class with its methods listed there."""
+    modules: dict[str, dict[str, list[str]]] = {}
+    for name, module in MATHS.items():
+        owner, _, member = name.partition(".")
+        modules.setdefault(module, {}).setdefault(owner, []).extend([member] if member else [])
+    return modules
+
+
+def maths_objects() -> dict[str, object]:
+    """Every class, method and function of ``MATHS``, by its path: what the API pages show of it."""
+    found = {}
+    for module, names in maths_modules().items():
+        here = importlib.import_module(module)
+        for name, members in names.items():
+            obj = found[f"{module}.{name}"] = getattr(here, name)
+            found |= {f"{module}.{name}.{m}": getattr(obj, m) for m in members}
+    return found
 
 
 def _table(rows: list[tuple[str, str, object]]) -> list[str]:
@@ -118,7 +169,7 @@ def write_api_pages(out: Path = DOCS / "api"):
     """``api/index.rst`` and a page per module that documents a name; pages of modules no longer named are removed."""
     import bayesncl_pyro
 
-    modules, returned = public_modules(), returned_modules()
+    modules, returned, maths = public_modules(), returned_modules(), maths_modules()
     texts: dict[str, str] = {}
     for module, names in modules.items():
         body = [_title(module), f".. automodule:: {module}", "   :no-members:", "", ".. currentmodule:: bayesncl_pyro",
@@ -136,6 +187,14 @@ def write_api_pages(out: Path = DOCS / "api"):
                  f"Imported as ``from {module} import {', '.join(names)}``.", ""]
         body += [_directive(name, getattr(here, name)) for name in names]
         texts[module] = texts.get(module, "") + "\n".join(body)
+    for module, names in maths.items():
+        here = importlib.import_module(module)
+        body = ["", _title("What computes the maths", "-")] if module in texts else [
+            _title(module), f".. automodule:: {module}", "   :no-members:", ""]
+        body += [f".. currentmodule:: {module}", "", "The code of the equations of :doc:`/maths`.", ""]
+        body += [_directive(name, obj, members if isinstance(obj, type) else None)
+                 for name, members in names.items() for obj in [getattr(here, name)]]
+        texts[module] = texts.get(module, "") + "\n".join(body)
     index = [_title("API reference"),
              "The public names, importable from the top level (``from bayesncl_pyro import Config``); each stays",
              "there when its module moves. A page per module that defines them:", "",
@@ -145,6 +204,10 @@ def write_api_pages(out: Path = DOCS / "api"):
              "their module (``from bayesncl_pyro.evaluate.report import Report``):", "",
              *_table([(f"{m}.{n}", m, getattr(importlib.import_module(m), n)) for m, ns in returned.items()
                       for n in ns]),
+             "", _title("What computes the maths", "-"),
+             "The classes and functions that compute the equations of :doc:`/maths`, each linked from its equation:",
+             "", *_table([(f"{m}.{n}", m, getattr(importlib.import_module(m), n)) for m, ns in maths.items()
+                          for n in ns]),
              "", ".. toctree::", "   :maxdepth: 1", "", *(f"   {m}" for m in texts), ""]
     for module, text in texts.items():
         _write(out / f"{module}.rst", text)
@@ -212,6 +275,21 @@ def literal_blocks(app, what, name, obj, options, lines):
         i += 1
 
 
+def broken_code_link(app, env, node, contnode):
+    """A guide page's (or a notebook's) link to code whose target is documented nowhere: a warning, so ``-W`` fails.
+
+    Sphinx warns of an unresolved reference only in its nitpicky mode, which would also flag every type in the API
+    pages' signatures that has no page here (torch's, Python's: no intersphinx); a guide page names its code on
+    purpose, and a name that moved or was misspelt would render as plain code with no link.
+    """
+    from sphinx.util import logging  # Sphinx's own only here: the tests read the rest of this file without it
+
+    if node.get("refdomain") == "py" and not node.get("refdoc", "").startswith("api/"):
+        logging.getLogger(__name__).warning(
+            "%s link to %r, which no API page documents: name it by its documented path (api/index)",
+            node.get("reftype"), node.get("reftarget"), location=node, type="ref", subtype="py")
+
+
 def _generate(app, config):
     write_api_pages()
     for name, ran in copy_notebooks().items():
@@ -223,4 +301,5 @@ def setup(app):
     """Writes the generated sources when the build starts."""
     app.connect("config-inited", _generate)
     app.connect("autodoc-process-docstring", literal_blocks)
+    app.connect("missing-reference", broken_code_link)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
