@@ -22,13 +22,14 @@ MOVED = {
     # one run's controls stay in evaluate/matched; the pairing across seeds, its table and its figures moved out
     "bayesncl_pyro.evaluate.matched": {
         **{n: f"bayesncl_pyro.evaluate.pairing:{n}" for n in (
-            "interpolate", "MECHANISM", "TOPK_KEYS", "MATCH_ON", "WITHOUT_NCL", "topk_at_rate", "METRICS",
+            "interpolate", "MECHANISM", "TOPK_KEYS", "MATCH_ON", "topk_at_rate", "METRICS",
             "TOPK_BASELINES", "BASELINES", "default_prior_name", "baseline_value", "paired", "paired_table",
             "MECHANISM_BASELINES", "LABELS", "flat_controls", "family")},
         **{n: f"bayesncl_pyro.evaluate.comparison_figures:{n}" for n in ("plot_paired", "paired_figure",
                                                                           "plot_matched")},
         **{n: f"bayesncl_pyro.evaluate.comparison:{n}" for n in ("MATCHED_COLUMNS", "TOPN_COLUMNS")},
-        **{n: f"bayesncl_pyro.evaluate.stats:{n}" for n in ("interval", "holm")}},
+        **{n: f"bayesncl_pyro.evaluate.stats:{n}" for n in ("interval", "holm")},
+        "WITHOUT_NCL": "bayesncl_pyro.evaluate.keys:WITHOUT_NCL"},
     "bayesncl_pyro.evaluate.comparison": {"plot": "bayesncl_pyro.evaluate.comparison_figures:plot",
                                          "mean_std": "bayesncl_pyro.evaluate.stats:mean_sd"},
     # one KL label: the estimator's, which says what its KL term computes

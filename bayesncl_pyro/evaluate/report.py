@@ -33,6 +33,7 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.diagnostics import budget_note, trained_steps
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.novelty import binary_entropy
@@ -220,12 +221,13 @@ def factor_table(feats: TestFeatures, scores: dict) -> dict:
     closed = dm.gates_closed(feats) if feats.gated else None
     rows = []
     for k in used.nonzero().flatten().tolist():
-        row = dict(dim=k, **{f"{name}_information": _num(s["information"][k]) for name, s in scores.items()},
-                   tracks=next((n for n, s in scores.items() if s["tracks"][k]), None))
+        row = dict(dim=k)
+        for r in (keys.F, keys.UNGATED) if feats.gated else (keys.F,):
+            information, tracks = keys.format("information", r), keys.format("tracks", r)
+            row.update({f"{name}_{information}": _num(s[information][k]) for name, s in scores.items()})
+            row[tracks] = next((n for n, s in scores.items() if s[tracks][k]), None)
         if feats.gated:
-            row.update({f"{name}_information_ungated": _num(s["information_ungated"][k]) for name, s in scores.items()},
-                       tracks_ungated=next((n for n, s in scores.items() if s["tracks_ungated"][k]), None),
-                       gates_closed=_num(closed[k]))
+            row["gates_closed"] = _num(closed[k])
         rows.append(row)
     values = {name: feats.classes if name == "class" else FACTOR_VALUES.get(name) or [
         str(v) for v in range(int(feats.factors[name].max()) + 1)] for name in scores}
