@@ -30,8 +30,12 @@ MOVED = {
         **{n: f"bayesncl_pyro.evaluate.comparison:{n}" for n in ("MATCHED_COLUMNS", "TOPN_COLUMNS")},
         **{n: f"bayesncl_pyro.evaluate.stats:{n}" for n in ("interval", "holm")},
         "WITHOUT_NCL": "bayesncl_pyro.evaluate.keys:WITHOUT_NCL"},
+    # which runs compare.py trains and what their records keep: train/plan, which only cli/ imports
     "bayesncl_pyro.evaluate.comparison": {"plot": "bayesncl_pyro.evaluate.comparison_figures:plot",
-                                         "mean_std": "bayesncl_pyro.evaluate.stats:mean_sd"},
+                                         "mean_std": "bayesncl_pyro.evaluate.stats:mean_sd",
+                                         **{n: f"bayesncl_pyro.train.plan:{n}" for n in (
+                                             "METHOD_NAMES", "RECORD", "method_configs", "recorded_run", "record",
+                                             "train_time", "shared_settings")}},
     # one KL label: the estimator's, which says what its KL term computes
     "bayesncl_pyro.evaluate.dimensions": {"kl_label": "bayesncl_pyro.infer.estimators:GateEstimator.kl_label"},
 }

@@ -1,15 +1,14 @@
 """Several methods' runs side by side (experiments/compare.py).
 
-The methods' Config fields, the runs' records, their means over seeds in tables, the paper's published numbers beside
-ours, and comparison.md and comparison.json.
+The finished runs' figures and their pairing by seed in comparison.json, rebuilt from a record's runs by today's code;
+their means over seeds in tables, the paper's published numbers beside ours, and comparison.md. Which runs to train
+and what their records keep is ``train/plan.py``'s.
 """
 
-import itertools
 from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro._deprecated import moved
-from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import design, keys, novelty
 from bayesncl_pyro.evaluate.comparison_figures import plot, plot_matched, plot_paired
@@ -27,9 +26,6 @@ from bayesncl_pyro.evaluate.pairing import (
     topk_at_rate,
 )
 from bayesncl_pyro.evaluate.stats import POWER, mean_sd
-from bayesncl_pyro.infer.estimators import GATES
-
-METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
 
 _CONS, _TOPN, _HS, _LP = "semantic_consistency", "semantic_consistency_topn", "semantic_entropy", "linear_probe_top1"
 _CLASS, _BG = "dims_tracking_class", "dims_tracking_background"
@@ -119,87 +115,14 @@ PAPER = {
 }
 METHOD_DOC = 'docs/METHOD.md, section "Published numbers"'  # in the repository; comparison.md points there
 
-RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
-
-
-def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
-                   kl_weights: list[float] | None = None, densities: list[float] | None = None,
-                   gate_heads: list[str] | None = None) -> dict[str, dict]:
-    """Run name -> the Config fields that make that method.
-
-    BayesNCL once per prior and, given several ``kl_weights``, once per lambda (one lambda is a shared setting), once
-    per density in ``densities`` (named <method>-d<D> even for one: a density target makes another method than a
-    fixed lambda), and once per gating head in ``gate_heads`` (a Bayesian one named <method>-bayesian); NCL+TopK once
-    per k given several.
-    """
-    made = {}
-    several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
-    topks = topk if isinstance(topk, list) else [topk]
-    for m in methods:
-        if m.startswith("bayesncl-"):
-            for prior, lam, d, head in itertools.product(priors, several(kl_weights), densities or [None],
-                                                         gate_heads or ["mlp"]):
-                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
-                    + ("" if d is None else f"-d{d:g}") + ("" if head == "mlp" else f"-{head}")
-                made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
-                                  **({} if lam is None else {"kl_weight": lam}),
-                                  **({} if d is None else {"gate_density": d}),
-                                  **({} if head == "mlp" else {"gate_head": head}))
-        elif m == "ncl+topk" and len(topks) > 1:
-            made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
-        else:
-            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topks[0] if m == "ncl+topk" else 0)
-    return made
-
-
-def recorded_run(folder: Path, cfg: Config) -> bool:
-    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``); a link is refused."""
-    folder = rundir.inner_folder(folder)  # the user names the record, not the folders in it: one may point anywhere
-    return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
-
-
-def record(run_dir: Path, folder: Path):
-    """Copy a finished run's record into ``folder`` (``--record``).
-
-    ``folder`` is a real folder of the record's, by the rule of ``rundir``: read and written never through a link, the
-    three files replaced together.
-    """
-    folder = rundir.output_folder(folder)
-    rundir.save_together([(rundir.read_bytes(run_dir / name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
-
-
-def train_time(run_dir: Path, batch_size: int) -> float:
-    """Seconds a run spent in training steps, from its log.jsonl.
-
-    Summed from log.jsonl (each line's images / images_per_s); steps replayed after a resume are counted once.
-    """
-    by_step = {rec["step"]: rec["images_per_s"] for rec in rundir.read_log(run_dir)}
-    total, last = 0.0, 0
-    for step in sorted(by_step):
-        total += (step - last) * batch_size / by_step[step]
-        last = step
-    return total
-
-
-def summarise(runs: list[dict], keys: list[str]) -> dict:
-    """Method -> {key: [mean, std]} over its seeds, for the keys its runs have."""
+def summarise(runs: list[dict], names: list[str]) -> dict:
+    """Method -> {key: [mean, std]} over its seeds, for the keys of ``names`` its runs have."""
     out = {}
     for run in runs:
         out.setdefault(run["name"], [])
         out[run["name"]].append(run)
-    return {name: {k: list(mean_sd([r[k] for r in rs])) for k in keys if all(k in r for r in rs)}
+    return {name: {k: list(mean_sd([r[k] for r in rs])) for k in names if all(k in r for r in rs)}
             for name, rs in out.items()}
-
-
-def shared_settings(cfg: Config, several_lambdas: bool) -> dict:
-    """The settings every run of a comparison shares: ``cfg``'s identity less what differs between runs.
-
-    ``cfg``: one run's Config, a gated one's where there are gates; lambda differs too where there are
-    ``several_lambdas``.
-    """
-    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density", "gate_head"} | (
-        {"kl_weight"} if several_lambdas else set())
-    return {k: v for k, v in cfg.identity().items() if k not in per_run}
 
 
 def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: dict,
@@ -211,15 +134,15 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     paired rows on the consistencies split by it into the primary family (``paired_primary``) and the exploratory rows
     (``paired``), and, where the runs have them, the rows on :data:`pairing.MECHANISM` (``paired_mechanism``:
     exploratory, another table, another family for Holm), the novelty scores' means (``novelty``) and the declared
-    novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings`` (:func:`shared_settings`).
+    novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings`` (``plan.shared_settings``).
     """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
-    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
-                              + TOPN_COLUMNS + MECHANISM_COLUMNS))
+    shown = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
+                               + TOPN_COLUMNS + MECHANISM_COLUMNS))
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     rows = paired(runs)
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
-                summary=summarise(runs, keys), design=design.declaration(),
+                summary=summarise(runs, shown), design=design.declaration(),
                 paired_primary=sorted((r for r in rows if r["role"] == "primary"),  # in the declared order
                                       key=lambda r: [BASELINES[b] for b in design.PRIMARY_BASELINES].index(
                                           r["baseline"])),
@@ -439,4 +362,4 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
 
 
 def __getattr__(name: str):
-    return moved(__name__, name)  # the figures and the sample sd moved out (bayesncl_pyro._deprecated)
+    return moved(__name__, name)  # the figures, the sample sd and the runs' planning moved out (_deprecated)
