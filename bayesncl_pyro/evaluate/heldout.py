@@ -306,6 +306,21 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
     return results
 
 
+def by_representation(results: dict) -> dict[str, dict]:
+    """An eval dict's figures by representation, in the order of ``keys.REPRESENTATIONS``, then by metric.
+
+    Each key is read by ``keys.parse``; the blocks (``representations``, ``controls``, ...) and ``random_mask_keep``
+    are left out, and so is a representation without figures (all but F for CL and NCL).
+    """
+    columns = {r: {} for r in keys.REPRESENTATIONS}
+    for k, v in results.items():
+        if isinstance(v, dict) or k == "random_mask_keep":  # representations, controls: in eval.json
+            continue
+        metric, representation = keys.parse(k)
+        columns[representation][metric] = v
+    return {r: figures for r, figures in columns.items() if figures}
+
+
 COLUMN_NAMES = {keys.F: "gated", keys.UNGATED: "ungated", keys.POSTERIOR_MEAN: "q's mean", keys.Q_DRAWS: "q draws",
                 keys.RANDOM_MASK: "random mask"}
 """The end-of-run table's column of each representation (``matched.DEFINITIONS`` says what each is)."""
@@ -318,13 +333,8 @@ def format_table(results: dict) -> str:
     ``keys.REPRESENTATIONS``) each get a column beside the gated one, so that a metric is one row however many of them
     there are; ``random_mask_keep`` and the matched controls stay in eval.json.
     """
-    columns = {r: {} for r in keys.REPRESENTATIONS}
-    for k, v in results.items():
-        if isinstance(v, dict) or k == "random_mask_keep":  # representations, controls: in eval.json
-            continue
-        metric, representation = keys.parse(k)
-        columns[representation][metric] = v
-    shown = [r for r in keys.REPRESENTATIONS if columns[r]]
+    columns = by_representation(results)
+    shown = list(columns)
     cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else printable(str(v))  # noqa: E731
     rows = [(printable(k), *(cell(columns[s].get(k)) for s in shown)) for k in columns[keys.F]]
     width = max(len(r[0]) for r in rows)
