@@ -23,7 +23,8 @@ Its layers, from the ground up; a module imports only from its own layer and fro
     infer/      how the program learns: the ELBO, the gate estimators, BayesNCLHead, the learner
     evaluate/   what a trained run says: metrics, probes, the test split's features, diagnostics, report, loading a run;
                 several runs side by side
-    train/      the loop: a Config made whole, the trainer, its guard, its monitor; the epochs a time budget allows
+    train/      the loop: a Config made whole, the trainer, its guard, its monitor; a comparison's runs and the epochs
+                a time budget allows
     cli/        the scripts' main(argv): flags in, the layers below called, figures out
 
 models/ and guides/ sit at the top of the repository, where the Pyro program is looked for, and install as

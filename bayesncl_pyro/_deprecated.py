@@ -22,15 +22,20 @@ MOVED = {
     # one run's controls stay in evaluate/matched; the pairing across seeds, its table and its figures moved out
     "bayesncl_pyro.evaluate.matched": {
         **{n: f"bayesncl_pyro.evaluate.pairing:{n}" for n in (
-            "interpolate", "MECHANISM", "TOPK_KEYS", "MATCH_ON", "WITHOUT_NCL", "topk_at_rate", "METRICS",
+            "interpolate", "MECHANISM", "TOPK_KEYS", "MATCH_ON", "topk_at_rate", "METRICS",
             "TOPK_BASELINES", "BASELINES", "default_prior_name", "baseline_value", "paired", "paired_table",
             "MECHANISM_BASELINES", "LABELS", "flat_controls", "family")},
         **{n: f"bayesncl_pyro.evaluate.comparison_figures:{n}" for n in ("plot_paired", "paired_figure",
                                                                           "plot_matched")},
         **{n: f"bayesncl_pyro.evaluate.comparison:{n}" for n in ("MATCHED_COLUMNS", "TOPN_COLUMNS")},
-        **{n: f"bayesncl_pyro.evaluate.stats:{n}" for n in ("interval", "holm")}},
+        **{n: f"bayesncl_pyro.evaluate.stats:{n}" for n in ("interval", "holm")},
+        "WITHOUT_NCL": "bayesncl_pyro.evaluate.keys:WITHOUT_NCL"},
+    # which runs compare.py trains and what their records keep: train/plan, which only cli/ imports
     "bayesncl_pyro.evaluate.comparison": {"plot": "bayesncl_pyro.evaluate.comparison_figures:plot",
-                                         "mean_std": "bayesncl_pyro.evaluate.stats:mean_sd"},
+                                         "mean_std": "bayesncl_pyro.evaluate.stats:mean_sd",
+                                         **{n: f"bayesncl_pyro.train.plan:{n}" for n in (
+                                             "METHOD_NAMES", "RECORD", "method_configs", "recorded_run", "record",
+                                             "train_time", "shared_settings")}},
     # one KL label: the estimator's, which says what its KL term computes
     "bayesncl_pyro.evaluate.dimensions": {"kl_label": "bayesncl_pyro.infer.estimators:GateEstimator.kl_label"},
 }

@@ -65,14 +65,14 @@ def test_every_key_of_eval_json_is_on_the_run_folder_page():
     by their suffix) and each key of the novelty block."""
     import torch
 
-    from bayesncl_pyro.evaluate import novelty
+    from bayesncl_pyro.evaluate import keys, novelty
 
     page = (ROOT / "docs" / "run_folder.md").read_text().split("## eval.json, key by key")[1].split("\n## ")[0]
     documented = set(re.findall(r"`([^`]+)`", page))
     record = json.loads((ROOT / "docs" / "results" / "verdict-comp" / "bayesncl-ste-seed0" / "eval.json").read_text())
-    families = ("_ungated", "_random_mask", "_posterior_mean", "_q_draws")
     for key in record:
-        family = next((f"*{s}" for s in families if key.endswith(s)), None)
+        representation = keys.parse(key)[1]
+        family = f"*{keys.suffix(representation)}" if representation else None
         factor = re.sub(r"_(class|background)$", "_<factor>", key)
         assert key in documented or family in documented or factor in documented, key
     scores = {"kl_prior": torch.rand(20)}

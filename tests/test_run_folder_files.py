@@ -23,8 +23,8 @@ from bayesncl_pyro.cli import inspect_gates, run_svi
 from bayesncl_pyro.cli import report as report_script
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import record, recorded_run
 from bayesncl_pyro.evaluate.run import load_run
+from bayesncl_pyro.train.plan import record, recorded_run
 from bayesncl_pyro.train.trainer import Trainer
 
 KINDS = ["link", "dev-zero", "fifo"]

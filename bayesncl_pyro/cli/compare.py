@@ -77,18 +77,9 @@ from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import (
-    METHOD_NAMES,
-    comparison,
-    method_configs,
-    rebuild,
-    record,
-    recorded_run,
-    shared_settings,
-    train_time,
-    write_comparison,
-)
+from bayesncl_pyro.evaluate.comparison import comparison, rebuild, write_comparison
 from bayesncl_pyro.evaluate.pairing import family
+from bayesncl_pyro.train.plan import METHOD_NAMES, method_configs, record, recorded_run, shared_settings, train_time
 from bayesncl_pyro.train.resolve import resolve
 
 DEFAULT_METHODS = "cl,ncl,bayesncl-ste"

@@ -53,6 +53,7 @@ try:  # a Ctrl-C while the libraries load (seconds) is a stop like any other: on
     )
     from bayesncl_pyro.data import DATASETS
     from bayesncl_pyro.errors import Stopped, printable
+    from bayesncl_pyro.evaluate import keys
     from bayesncl_pyro.evaluate.verdict import closing_sentence
     from bayesncl_pyro.infer.estimators import GATES
     from bayesncl_pyro.models.priors import PRIORS
@@ -342,30 +343,31 @@ def outcome(results: dict, cfg: Config) -> str:
     """
     if "gates_open" not in results:
         return ""
-    gated, ungated = results["semantic_consistency"], results["semantic_consistency_ungated"]
+    opened = {metric: v for (metric, r), v in zip(map(keys.parse, results), results.values()) if r == keys.UNGATED}
+    gated, ungated = results["semantic_consistency"], opened["semantic_consistency"]
     posthoc = results.get("controls", {}).get("posthoc_topk")
     lines = [f"the gates keep {results['gates_open']:.0%} of the (image, feature) pairs open; the paper's semantic "
              f"consistency {gated:.3f} with the gates, {ungated:.3f} with every gate open "
              f"({gated / max(ungated, 1e-12):.2f}x)" + (
                  f", {posthoc['semantic_consistency']:.3f} for post-hoc TopK (the same features, each image keeping "
                  "its largest entries, as many as its gates kept)" if posthoc else "")
-             + f"; active dims {results['active_dims']} of {results['active_dims_ungated']}"]
+             + f"; active dims {results['active_dims']} of {opened['active_dims']}"]
     if posthoc and "semantic_consistency_topn" in posthoc:
         n, topn, chance = results["topn_n"], results["semantic_consistency_topn"], results["topn_chance"]
         lines.append(f"top-{n} consistency (each dim judged on its {n} strongest test images: {chance:.3f} for a "
                      f"class-blind dim, however sparse): {topn:.3f} with the gates ({results['topn_coverage_dims']} "
-                     f"dims judged), {results['semantic_consistency_topn_ungated']:.3f} with every gate open, "
+                     f"dims judged), {opened['semantic_consistency_topn']:.3f} with every gate open, "
                      f"{posthoc['semantic_consistency_topn']:.3f} for post-hoc TopK")
-    factors = [k.removeprefix("ungated_dims_tracking_") for k in results if k.startswith("ungated_dims_tracking_")]
+    factors = [m.removeprefix("dims_tracking_") for m in opened if m.startswith("dims_tracking_")]
     if factors:  # generated data that records its factors: which of them the dims follow, before and after gating
-        def tracking(prefix: str) -> str:
-            counts = [results[f"{prefix}dims_tracking_{f}"] for f in factors]
+        def tracking(figures: dict) -> str:
+            counts = [figures[f"dims_tracking_{f}"] for f in factors]
             names = [printable(f) for f in factors]  # an eval.json from elsewhere: no escape reaches the terminal
             return f"{counts[0]} dim{'s track' if counts[0] != 1 else ' tracks'} the {names[0]}" + "".join(
                 f" and {n} the {f}" for n, f in zip(counts[1:], names[1:]))
         off = " and ".join(str(results[f"gated_off_dims_{f}"]) for f in factors)
-        lines += [f"with every gate open, {tracking('ungated_')}; the gates switch off {off} of them (closed in most "
-                  "images where they fire)", f"with the gates, {tracking('')}"]
+        lines += [f"with every gate open, {tracking(opened)}; the gates switch off {off} of them (closed in most "
+                  "images where they fire)", f"with the gates, {tracking(results)}"]
     if posthoc and "semantic_consistency_topn" in posthoc:
         lines.append(closing_sentence(results, cfg))
     return "\n".join(lines)

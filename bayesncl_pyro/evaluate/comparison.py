@@ -1,17 +1,16 @@
 """Several methods' runs side by side (experiments/compare.py).
 
-The methods' Config fields, the runs' records, their means over seeds in tables, the paper's published numbers beside
-ours, and comparison.md and comparison.json.
+The finished runs' figures and their pairing by seed in comparison.json, rebuilt from a record's runs by today's code;
+their means over seeds in tables, the paper's published numbers beside ours, and comparison.md. Which runs to train
+and what their records keep is ``train/plan.py``'s.
 """
 
-import itertools
 from pathlib import Path
 
 from bayesncl_pyro import rundir
 from bayesncl_pyro._deprecated import moved
-from bayesncl_pyro.config import Config
 from bayesncl_pyro.errors import UserError, quoted
-from bayesncl_pyro.evaluate import design, novelty
+from bayesncl_pyro.evaluate import design, keys, novelty
 from bayesncl_pyro.evaluate.comparison_figures import plot, plot_matched, plot_paired
 from bayesncl_pyro.evaluate.heldout import describe_protocol
 from bayesncl_pyro.evaluate.pairing import (
@@ -27,13 +26,15 @@ from bayesncl_pyro.evaluate.pairing import (
     topk_at_rate,
 )
 from bayesncl_pyro.evaluate.stats import POWER, mean_sd
-from bayesncl_pyro.infer.estimators import GATES
 
-METHOD_NAMES = ("cl", "ncl", "ncl+topk", *(f"bayesncl-{g}" for g in GATES))
+_CONS, _TOPN, _HS, _LP = "semantic_consistency", "semantic_consistency_topn", "semantic_entropy", "linear_probe_top1"
+_CLASS, _BG = "dims_tracking_class", "dims_tracking_background"
+_U, _MEAN, _DRAWS, _RANDOM = keys.UNGATED, keys.POSTERIOR_MEAN, keys.Q_DRAWS, keys.RANDOM_MASK
+_key, _topk = keys.format, keys.topk  # every column's eval key is keys'
 
 # (column, eval key, scale, format): fractions are shown in percent as in the paper's tables
-COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("H_s", "semantic_entropy", 1, ".3f"),
-           ("Act.", "activation_rate", 100, ".2f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
+COLUMNS = [("Cons.", _CONS, 100, ".2f"), ("H_s", _HS, 1, ".3f"),
+           ("Act.", "activation_rate", 100, ".2f"), ("LP@1", _LP, 100, ".2f"),
            ("LP@5", "linear_probe_top5", 100, ".2f"), ("kNN", "knn_top1", 100, ".2f"),
            ("P@1", "retrieval_p@1", 100, ".2f"), ("P@3", "retrieval_p@3", 100, ".2f"),
            ("P@5", "retrieval_p@5", 100, ".2f"), ("P@10", "retrieval_p@10", 100, ".2f"),
@@ -43,13 +44,13 @@ COLUMNS = [("Cons.", "semantic_consistency", 100, ".2f"), ("H_s", "semantic_entr
 _COLUMN = {c[1]: c for c in COLUMNS}
 # the gate estimators' experiment: what the gates add, and the objective itself on the test split (eval.json's
 # test_* keys: -ELBO from draws of q, whatever the estimator trained with)
-OBJECTIVE_COLUMNS = [_COLUMN["semantic_consistency"], ("Cons. ungated", "semantic_consistency_ungated", 100, ".2f"),
-                     _COLUMN["gates_open"], _COLUMN["linear_probe_top1"],
+OBJECTIVE_COLUMNS = [_COLUMN[_CONS], ("Cons. ungated", _key(_CONS, _U), 100, ".2f"),
+                     _COLUMN["gates_open"], _COLUMN[_LP],
                      ("test -ELBO", "test_neg_elbo", 1, ".4f"), ("E_q InfoNCE", "test_nce", 1, ".4f"),
                      ("InfoNCE at F", "test_nce_mode", 1, ".4f"), ("KL per row", "test_kl", 1, ".3f")]
-FACTOR_COLUMNS = [("bg dims (F)", "dims_tracking_background", 1, ".1f"),
-                  ("class dims (F)", "dims_tracking_class", 1, ".1f"),
-                  ("bg dims (ungated)", "ungated_dims_tracking_background", 1, ".1f"),
+FACTOR_COLUMNS = [("bg dims (F)", _BG, 1, ".1f"),
+                  ("class dims (F)", _CLASS, 1, ".1f"),
+                  ("bg dims (ungated)", _key(_BG, _U), 1, ".1f"),
                   ("bg dims gated off %", "gated_off_share_background", 100, ".1f"),
                   ("class dims gated off %", "gated_off_share_class", 100, ".1f")]
 # what the gates select and do, against the known factors (eval.json's controls.mask_jaccard*, dci_*, conflict_*)
@@ -65,46 +66,44 @@ MECHANISM_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"),
                                                                       1, ".1f")]
 
 MATCHED_COLUMNS = [("Act.", "activation_rate", 100, ".1f"), ("Sparsity", "sparsity", 100, ".1f"),
-                   ("Dims", "active_dims", 1, ".0f"), ("Cons.", "semantic_consistency", 100, ".2f"),
-                   ("class dims", "dims_tracking_class", 1, ".1f"), ("bg dims", "dims_tracking_background", 1, ".1f"),
-                   ("TopK Cons. at Act.", "topk_semantic_consistency_at_rate", 100, ".2f"),
-                   ("TopK class dims at Act.", "topk_dims_tracking_class_at_rate", 1, ".1f"),
-                   ("TopK Cons. at Sparsity", "topk_semantic_consistency_at_sparsity", 100, ".2f"),
-                   ("TopK Cons. at Sparsity (TopK runs only)", "topk_semantic_consistency_at_sparsity_without_ncl",
-                    100, ".2f"),
-                   ("TopK class dims at Sparsity", "topk_dims_tracking_class_at_sparsity", 1, ".1f"),
-                   ("random-mask Cons.", "semantic_consistency_random_mask", 100, ".2f"),
-                   ("random-mask class dims", "dims_tracking_class_random_mask", 1, ".1f"),
-                   ("post. mean Cons.", "semantic_consistency_posterior_mean", 100, ".2f"),
-                   ("post. mean Act.", "activation_rate_posterior_mean", 100, ".1f"),
-                   ("q draws Cons.", "semantic_consistency_q_draws", 100, ".2f"),
-                   ("q draws class dims", "dims_tracking_class_q_draws", 1, ".1f"),
-                   ("Gates on", "gates_open", 100, ".1f"), ("LP@1", "linear_probe_top1", 100, ".2f"),
-                   ("TopK LP@1 at Act.", "topk_linear_probe_top1_at_rate", 100, ".2f"),
-                   ("TopK LP@1 at Sparsity", "topk_linear_probe_top1_at_sparsity", 100, ".2f")]
+                   ("Dims", "active_dims", 1, ".0f"), ("Cons.", _CONS, 100, ".2f"),
+                   ("class dims", _CLASS, 1, ".1f"), ("bg dims", _BG, 1, ".1f"),
+                   ("TopK Cons. at Act.", _topk(_CONS, "rate"), 100, ".2f"),
+                   ("TopK class dims at Act.", _topk(_CLASS, "rate"), 1, ".1f"),
+                   ("TopK Cons. at Sparsity", _topk(_CONS, "sparsity"), 100, ".2f"),
+                   ("TopK Cons. at Sparsity (TopK runs only)", _topk(_CONS, "sparsity", without_ncl=True), 100, ".2f"),
+                   ("TopK class dims at Sparsity", _topk(_CLASS, "sparsity"), 1, ".1f"),
+                   ("random-mask Cons.", _key(_CONS, _RANDOM), 100, ".2f"),
+                   ("random-mask class dims", _key(_CLASS, _RANDOM), 1, ".1f"),
+                   ("post. mean Cons.", _key(_CONS, _MEAN), 100, ".2f"),
+                   ("post. mean Act.", _key("activation_rate", _MEAN), 100, ".1f"),
+                   ("q draws Cons.", _key(_CONS, _DRAWS), 100, ".2f"),
+                   ("q draws class dims", _key(_CLASS, _DRAWS), 1, ".1f"),
+                   ("Gates on", "gates_open", 100, ".1f"), ("LP@1", _LP, 100, ".2f"),
+                   ("TopK LP@1 at Act.", _topk(_LP, "rate"), 100, ".2f"),
+                   ("TopK LP@1 at Sparsity", _topk(_LP, "sparsity"), 100, ".2f")]
 """compare.py's table at matched sparsity: each run's figures beside the baselines at its own sparsity."""
 
-TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", "semantic_consistency", 100, ".2f"),
-                ("Cons. top-N", "semantic_consistency_topn", 100, ".2f"),
+TOPN_COLUMNS = [("Sparsity", "sparsity", 100, ".1f"), ("Cons. (paper's)", _CONS, 100, ".2f"),
+                ("Cons. top-N", _TOPN, 100, ".2f"),
                 ("top-N dims", "topn_coverage_dims", 1, ".1f"), ("top-N images", "topn_coverage_images", 100, ".1f"),
                 ("chance", "topn_chance", 100, ".2f"),
-                ("TopK top-N at Sparsity", "topk_semantic_consistency_topn_at_sparsity", 100, ".2f"),
-                ("TopK top-N at Sparsity (TopK runs only)", "topk_semantic_consistency_topn_at_sparsity_without_ncl",
-                 100, ".2f"),
+                ("TopK top-N at Sparsity", _topk(_TOPN, "sparsity"), 100, ".2f"),
+                ("TopK top-N at Sparsity (TopK runs only)", _topk(_TOPN, "sparsity", without_ncl=True), 100, ".2f"),
                 *((f"{short}: {label}", f"control_{name}_{key}", 100, ".2f")
                   for name, short in (("posthoc_topk", "post-hoc TopK"), ("random_per_image", "random per image"),
                                       ("random_pruned", "random pruned"))
-                  for label, key in (("Cons.", "semantic_consistency"), ("top-N", "semantic_consistency_topn"))),
-                ("ungated top-N", "semantic_consistency_topn_ungated", 100, ".2f"),
-                ("q's mean top-N", "semantic_consistency_topn_posterior_mean", 100, ".2f"),
-                ("q draws top-N", "semantic_consistency_topn_q_draws", 100, ".2f")]
+                  for label, key in (("Cons.", _CONS), ("top-N", _TOPN))),
+                ("ungated top-N", _key(_TOPN, _U), 100, ".2f"),
+                ("q's mean top-N", _key(_TOPN, _MEAN), 100, ".2f"),
+                ("q draws top-N", _key(_TOPN, _DRAWS), 100, ".2f")]
 """compare.py's table of the two consistencies: each run's, beside its controls as sparse as F image by image
 (eval.json's ``controls``, flattened to ``control_<name>_<key>`` by :func:`flat_controls`)."""
 
 # The paper's numbers (docs/METHOD.md, "Published numbers": ResNet-18, 200 epochs on CIFAR, 100 on ImageNet-100,
 # the reference's evaluation protocol), in the units of COLUMNS: dataset -> method -> eval key -> value. The paper's
 # "BayesNCL (GS)" trained the reference's loss, which is gs-reference-kl here (gs takes the KL at q's own probability)
-_CONS, _HS, _LP, _GS = "semantic_consistency", "semantic_entropy", "linear_probe_top1", "bayesncl-gs-reference-kl"
+_GS = "bayesncl-gs-reference-kl"
 PAPER = {
     "cifar10": {"cl": {_CONS: 10.00, _LP: 87.88}, "ncl": {_CONS: 53.82, _LP: 87.80}, "ncl+topk": {_CONS: 51.81},
                 _GS: {_CONS: 53.68}, "bayesncl-ste": {_CONS: 56.50, _LP: 88.02}},
@@ -116,87 +115,14 @@ PAPER = {
 }
 METHOD_DOC = 'docs/METHOD.md, section "Published numbers"'  # in the repository; comparison.md points there
 
-RECORD = (rundir.CONFIG, rundir.EVAL, rundir.LOG)  # what --record keeps of a run: kilobytes, no checkpoint
-
-
-def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
-                   kl_weights: list[float] | None = None, densities: list[float] | None = None,
-                   gate_heads: list[str] | None = None) -> dict[str, dict]:
-    """Run name -> the Config fields that make that method.
-
-    BayesNCL once per prior and, given several ``kl_weights``, once per lambda (one lambda is a shared setting), once
-    per density in ``densities`` (named <method>-d<D> even for one: a density target makes another method than a
-    fixed lambda), and once per gating head in ``gate_heads`` (a Bayesian one named <method>-bayesian); NCL+TopK once
-    per k given several.
-    """
-    made = {}
-    several = lambda values: values if values and len(values) > 1 else [None]  # noqa: E731
-    topks = topk if isinstance(topk, list) else [topk]
-    for m in methods:
-        if m.startswith("bayesncl-"):
-            for prior, lam, d, head in itertools.product(priors, several(kl_weights), densities or [None],
-                                                         gate_heads or ["mlp"]):
-                name = (m if prior == "bernoulli" else f"{m}+{prior}") + ("" if lam is None else f"-lambda{lam:g}") \
-                    + ("" if d is None else f"-d{d:g}") + ("" if head == "mlp" else f"-{head}")
-                made[name] = dict(method="bayesncl", gate=m.removeprefix("bayesncl-"), prior=prior,
-                                  **({} if lam is None else {"kl_weight": lam}),
-                                  **({} if d is None else {"gate_density": d}),
-                                  **({} if head == "mlp" else {"gate_head": head}))
-        elif m == "ncl+topk" and len(topks) > 1:
-            made.update({f"ncl+topk-k{k}": dict(method="ncl", topk=k) for k in topks})
-        else:
-            made[m] = dict(method="cl") if m == "cl" else dict(method="ncl", topk=topks[0] if m == "ncl+topk" else 0)
-    return made
-
-
-def recorded_run(folder: Path, cfg: Config) -> bool:
-    """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``); a link is refused."""
-    folder = rundir.inner_folder(folder)  # the user names the record, not the folders in it: one may point anywhere
-    return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
-
-
-def record(run_dir: Path, folder: Path):
-    """Copy a finished run's record into ``folder`` (``--record``).
-
-    ``folder`` is a real folder of the record's, by the rule of ``rundir``: read and written never through a link, the
-    three files replaced together.
-    """
-    folder = rundir.output_folder(folder)
-    rundir.save_together([(rundir.read_bytes(run_dir / name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
-
-
-def train_time(run_dir: Path, batch_size: int) -> float:
-    """Seconds a run spent in training steps, from its log.jsonl.
-
-    Summed from log.jsonl (each line's images / images_per_s); steps replayed after a resume are counted once.
-    """
-    by_step = {rec["step"]: rec["images_per_s"] for rec in rundir.read_log(run_dir)}
-    total, last = 0.0, 0
-    for step in sorted(by_step):
-        total += (step - last) * batch_size / by_step[step]
-        last = step
-    return total
-
-
-def summarise(runs: list[dict], keys: list[str]) -> dict:
-    """Method -> {key: [mean, std]} over its seeds, for the keys its runs have."""
+def summarise(runs: list[dict], names: list[str]) -> dict:
+    """Method -> {key: [mean, std]} over its seeds, for the keys of ``names`` its runs have."""
     out = {}
     for run in runs:
         out.setdefault(run["name"], [])
         out[run["name"]].append(run)
-    return {name: {k: list(mean_sd([r[k] for r in rs])) for k in keys if all(k in r for r in rs)}
+    return {name: {k: list(mean_sd([r[k] for r in rs])) for k in names if all(k in r for r in rs)}
             for name, rs in out.items()}
-
-
-def shared_settings(cfg: Config, several_lambdas: bool) -> dict:
-    """The settings every run of a comparison shares: ``cfg``'s identity less what differs between runs.
-
-    ``cfg``: one run's Config, a gated one's where there are gates; lambda differs too where there are
-    ``several_lambdas``.
-    """
-    per_run = {"method", "gate", "prior", "topk", "seed", "gate_density", "gate_head"} | (
-        {"kl_weight"} if several_lambdas else set())
-    return {k: v for k, v in cfg.identity().items() if k not in per_run}
 
 
 def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict], settings: dict,
@@ -208,15 +134,15 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     paired rows on the consistencies split by it into the primary family (``paired_primary``) and the exploratory rows
     (``paired``), and, where the runs have them, the rows on :data:`pairing.MECHANISM` (``paired_mechanism``:
     exploratory, another table, another family for Holm), the novelty scores' means (``novelty``) and the declared
-    novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings`` (:func:`shared_settings`).
+    novelty comparisons (``paired_novelty``: ``novelty.paired``), and ``settings`` (``plan.shared_settings``).
     """
     runs = [dict(r, **flat_controls(r)) for r in topk_at_rate(runs)]
-    keys = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
-                              + TOPN_COLUMNS + MECHANISM_COLUMNS))
+    shown = list(dict.fromkeys(c[1] for c in COLUMNS + OBJECTIVE_COLUMNS + FACTOR_COLUMNS + MATCHED_COLUMNS
+                               + TOPN_COLUMNS + MECHANISM_COLUMNS))
     protocol = ", ".join(sorted({r["protocol"] for r in runs}))  # one: it is a shared setting
     rows = paired(runs)
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
-                summary=summarise(runs, keys), design=design.declaration(),
+                summary=summarise(runs, shown), design=design.declaration(),
                 paired_primary=sorted((r for r in rows if r["role"] == "primary"),  # in the declared order
                                       key=lambda r: [BASELINES[b] for b in design.PRIMARY_BASELINES].index(
                                           r["baseline"])),
@@ -328,7 +254,7 @@ def markdown(report: dict) -> str:
         md += ["", "Dimensions by the ground-truth factor they track (bg = background). (F): in the evaluated "
                "representation; ungated: BayesNCL's features before its gates; gated off: share of the dims that "
                "the gates close in most samples where they fire.", "", table(summary, FACTOR_COLUMNS, len(seeds))]
-    if any("topk_semantic_consistency_at_rate" in r or "semantic_consistency_random_mask" in r for r in runs):
+    if any(_topk(_CONS, "rate") in r or _key(_CONS, _RANDOM) in r for r in runs):
         md += ["", f"At matched sparsity ({stem_name('matched_sparsity', report)}): each run's consistency and dims "
                "tracking the class beside NCL+TopK's at the same activation rate of F and at the same sparsity "
                "(linear in it between the two nearest k of the run's own seed, NCL as k = K, or TopK runs only where "
@@ -436,4 +362,4 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
 
 
 def __getattr__(name: str):
-    return moved(__name__, name)  # the figures and the sample sd moved out (bayesncl_pyro._deprecated)
+    return moved(__name__, name)  # the figures, the sample sd and the runs' planning moved out (_deprecated)

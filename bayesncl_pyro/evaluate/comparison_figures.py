@@ -7,6 +7,7 @@ runs on machines without a display) and written by ``rundir.save_figure``.
 import math
 from pathlib import Path
 
+from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.pairing import LABELS
 from bayesncl_pyro.evaluate.stats import mean_sd
 from bayesncl_pyro.rundir import save_figure
@@ -126,7 +127,7 @@ def plot_matched(runs: list[dict], path):
                 ax.errorbar(x, [100 * m for m, _ in y], xerr=xerr, yerr=[100 * s for _, s in y], marker="o",
                             capsize=3, color=f"C{i}", label=fam)
             if flip:  # the null keeps F's active entries, so it sits at F's point on this axis only
-                null = [stats(rs, "semantic_consistency_random_mask") for _, rs in points]
+                null = [stats(rs, keys.format("semantic_consistency", keys.RANDOM_MASK)) for _, rs in points]
                 if not any(math.isnan(m) for m, _ in null):
                     row[0].errorbar(x, [100 * m for m, _ in null], yerr=[100 * s for _, s in null], ls=":",
                                     marker="x", capsize=2, color=f"C{i}", label=f"{fam}: random masks as sparse")

@@ -31,6 +31,7 @@ from pyro import poutine
 from bayesncl_pyro._deprecated import moved, renamed
 from bayesncl_pyro.data import DataSpec, load_dataset
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
 from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.evaluate.metrics import (
@@ -290,10 +291,10 @@ def factor_scores(feats: TestFeatures) -> dict[str, dict[str, torch.Tensor]]:
     ``dims_tracking_*`` counts the ``tracks``.
     """
     out = {name: {} for name in feats.factors}
-    for suffix, features in [("", feats.features)] + ([("_ungated", feats.ungated)] if feats.gated else []):
+    for r, features in [(keys.F, feats.features)] + ([(keys.UNGATED, feats.ungated)] if feats.gated else []):
         information = {name: factor_information(features, v) for name, v in feats.factors.items()}
         for name, mask in tracked_factors(information).items():
-            out[name].update({"information" + suffix: information[name], "tracks" + suffix: mask})
+            out[name].update({keys.format("information", r): information[name], keys.format("tracks", r): mask})
     return out
 
 

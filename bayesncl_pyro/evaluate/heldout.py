@@ -17,13 +17,13 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.compositional import NOVEL_KINDS
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.errors import printable
-from bayesncl_pyro.evaluate import novelty
+from bayesncl_pyro.evaluate import keys, novelty
 from bayesncl_pyro.evaluate.dci import dci
 from bayesncl_pyro.evaluate.diagnostics import conflict_by_factor, conflict_table
 from bayesncl_pyro.evaluate.matched import (
     CONTROLS,
+    DEFINITIONS,
     MASK_OVERLAP,
-    REPRESENTATIONS,
     count_matched_controls,
     posterior_representations,
     random_mask_null,
@@ -140,7 +140,6 @@ def test_features(learner, data, device: str | torch.device | None = None,
     return out
 
 
-UNGATED = "_ungated"  # suffix of the metrics of a gated learner's features with its gates left open
 OBJECTIVE_DRAWS = 8  # draws of q(g | x) per test batch for the test-split ELBO
 
 
@@ -259,7 +258,7 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
     probe = linear_probe(h_tr, y_tr, h_te, y_te, data.num_classes, recipe, seed=cfg.seed, progress=progress)
     results = dict(interpretability_metrics(f_te, y_te), topn_n=topn_size(len(y_te)), topn_chance=topn_chance(y_te))
     if learner.gated:
-        results.update({k + UNGATED: v for k, v in interpretability_metrics(ungated, y_te).items()})
+        results.update({keys.format(k, keys.UNGATED): v for k, v in interpretability_metrics(ungated, y_te).items()})
     results.update(linear_probe_top1=probe["top1"], linear_probe_top5=probe["top5"],
                    knn_top1=knn_top1(h_tr, y_tr, h_te, y_te))
     ks = tuple(k for k in (1, 3, 5, 10) if k < len(f_te))  # a tiny test split has fewer neighbours
@@ -281,9 +280,9 @@ def evaluate(learner, data, cfg: Config, device, progress: Progress | None = Non
                        control_definitions={**CONTROLS, **MASK_OVERLAP})
     if data.novel_sets is not None:
         results["novelty"] = novelty_evaluation(learner, data, cfg, device, h_tr, y_tr, h_te, progress)
-    suffixes = [s for s in REPRESENTATIONS if s == "" or learner.gated]
+    shown = [r for r in keys.REPRESENTATIONS if r == keys.F or learner.gated]
     return dict(method=cfg.method, dataset=cfg.dataset, protocol=cfg.eval_protocol, **results,
-                representations={s or "(no suffix)": REPRESENTATIONS[s] for s in suffixes})
+                representations={keys.suffix(r) or "(no suffix)": DEFINITIONS[r] for r in shown})
 
 
 def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
@@ -301,37 +300,43 @@ def factor_report(features, factors: dict, ungated=None, gates=None) -> dict:
         closed = closed_share(ungated, gates)
         for name, mask in factor_tracking(ungated, factors).items():
             switched_off = (closed[mask] > 0.5).double()
-            results[f"ungated_dims_tracking_{name}"] = int(mask.sum())
+            results[keys.format(f"dims_tracking_{name}", keys.UNGATED)] = int(mask.sum())
             results[f"gated_off_dims_{name}"] = int(switched_off.sum())
             results[f"gated_off_share_{name}"] = float(switched_off.mean()) if mask.any() else 0.0
     return results
 
 
-COLUMN_NAMES = {"": "gated", "_ungated": "ungated", "_posterior_mean": "q's mean", "_q_draws": "q draws",
-                "_random_mask": "random mask"}
-"""The end-of-run table's column of each representation's suffix (``REPRESENTATIONS`` says what each is)."""
+def by_representation(results: dict) -> dict[str, dict]:
+    """An eval dict's figures by representation, in the order of ``keys.REPRESENTATIONS``, then by metric.
+
+    Each key is read by ``keys.parse``; the blocks (``representations``, ``controls``, ...) and ``random_mask_keep``
+    are left out, and so is a representation without figures (all but F for CL and NCL).
+    """
+    columns = {r: {} for r in keys.REPRESENTATIONS}
+    for k, v in results.items():
+        if isinstance(v, dict) or k == "random_mask_keep":  # representations, controls: in eval.json
+            continue
+        metric, representation = keys.parse(k)
+        columns[representation][metric] = v
+    return {r: figures for r, figures in columns.items() if figures}
+
+
+COLUMN_NAMES = {keys.F: "gated", keys.UNGATED: "ungated", keys.POSTERIOR_MEAN: "q's mean", keys.Q_DRAWS: "q draws",
+                keys.RANDOM_MASK: "random mask"}
+"""The end-of-run table's column of each representation (``matched.DEFINITIONS`` says what each is)."""
 
 
 def format_table(results: dict) -> str:
     """An eval dict as a text table: one row a metric, one column a representation.
 
-    A gated run's other representations (every gate open, q's mean, draws of q, random masks as sparse as F: the keys
-    of ``REPRESENTATIONS``) each get a column beside the gated one, so that a metric is one row however many of them
+    A gated run's other representations (every gate open, q's mean, draws of q, random masks as sparse as F:
+    ``keys.REPRESENTATIONS``) each get a column beside the gated one, so that a metric is one row however many of them
     there are; ``random_mask_keep`` and the matched controls stay in eval.json.
     """
-    suffixes = sorted((s for s in REPRESENTATIONS if s), key=len, reverse=True)  # "_q_draws" before a shorter one
-    columns = {s: {} for s in REPRESENTATIONS}
-    for k, v in results.items():
-        if isinstance(v, dict) or k == "random_mask_keep":  # representations, controls: in eval.json
-            continue
-        if k.startswith("ungated_dims_tracking_"):  # the factor counts of u, named by a prefix: u's column
-            columns[UNGATED][k.removeprefix("ungated_")] = v
-            continue
-        suffix = next((s for s in suffixes if k.endswith(s)), "")
-        columns[suffix][k.removesuffix(suffix)] = v
-    shown = [s for s in REPRESENTATIONS if columns[s]]
+    columns = by_representation(results)
+    shown = list(columns)
     cell = lambda v: "" if v is None else f"{v:.4f}" if isinstance(v, float) else printable(str(v))  # noqa: E731
-    rows = [(printable(k), *(cell(columns[s].get(k)) for s in shown)) for k in columns[""]]
+    rows = [(printable(k), *(cell(columns[s].get(k)) for s in shown)) for k in columns[keys.F]]
     width = max(len(r[0]) for r in rows)
     if len(shown) > 1:
         rows.insert(0, ("", *(COLUMN_NAMES[s] for s in shown)))

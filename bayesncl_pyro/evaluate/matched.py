@@ -21,6 +21,7 @@ cannot game. These are one run's controls; pairing them across seeds is ``pairin
 import torch
 
 from bayesncl_pyro._deprecated import moved
+from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.metrics import (
     activation_rate,
     active_dims,
@@ -38,17 +39,17 @@ RANDOM_MASKS = 5
 Q_DRAWS = 5
 """Draws of g ~ q(g | x) the ``_q_draws`` figures are averaged over."""
 
-REPRESENTATIONS = {
-    "": "F, the evaluated representation: normalise(u * m), m the posterior mode 1[q(g = 1 | x) > 0.5] for "
-        "BayesNCL; normalise(relu(z)) (top k kept with --topk) for NCL; normalise(z) for CL",
-    "_ungated": "u = normalise(relu(z)), BayesNCL's features with every gate open",
-    "_posterior_mean": "normalise(u * p), p = q(g = 1 | x): the posterior mean's soft gating",
-    "_q_draws": f"normalise(u * g), g ~ q(g | x): the mean over {Q_DRAWS} seeded draws",
-    "_random_mask": f"normalise(u * r), r a random mask keeping each active entry of u with probability "
-                    f"random_mask_keep (= F's active entries / u's): the mean over {RANDOM_MASKS} seeded masks",
+DEFINITIONS = {
+    keys.F: "F, the evaluated representation: normalise(u * m), m the posterior mode 1[q(g = 1 | x) > 0.5] for "
+            "BayesNCL; normalise(relu(z)) (top k kept with --topk) for NCL; normalise(z) for CL",
+    keys.UNGATED: "u = normalise(relu(z)), BayesNCL's features with every gate open",
+    keys.POSTERIOR_MEAN: "normalise(u * p), p = q(g = 1 | x): the posterior mean's soft gating",
+    keys.Q_DRAWS: f"normalise(u * g), g ~ q(g | x): the mean over {Q_DRAWS} seeded draws",
+    keys.RANDOM_MASK: f"normalise(u * r), r a random mask keeping each active entry of u with probability "
+                      f"random_mask_keep (= F's active entries / u's): the mean over {RANDOM_MASKS} seeded masks",
 }
-"""What each suffix of eval.json's keys is a figure of (eval.json's ``representations``); the linear probe and kNN
-are on backbone features, the same for all."""
+"""What each representation of ``keys.REPRESENTATIONS`` is (eval.json's ``representations``, by the suffix of its
+keys); the linear probe and kNN are on backbone features, the same for all."""
 
 
 def summary(features: torch.Tensor, labels: torch.Tensor, factors: dict | None) -> dict:
@@ -64,8 +65,8 @@ def summary(features: torch.Tensor, labels: torch.Tensor, factors: dict | None) 
     return out
 
 
-def _mean(runs: list[dict], suffix: str) -> dict:
-    return {k + suffix: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+def _mean(runs: list[dict], representation: str) -> dict:
+    return {keys.format(k, representation): sum(r[k] for r in runs) / len(runs) for k in runs[0]}
 
 
 def random_mask_null(ungated: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, factors: dict | None = None,
@@ -82,7 +83,7 @@ def random_mask_null(ungated: torch.Tensor, features: torch.Tensor, labels: torc
     g = torch.Generator().manual_seed(seed)
     runs = [summary(normalize(ungated * (torch.rand(ungated.shape, generator=g) < keep)), labels, factors)
             for _ in range(RANDOM_MASKS)]
-    return dict(_mean(runs, "_random_mask"), random_mask_keep=keep)
+    return dict(_mean(runs, keys.RANDOM_MASK), random_mask_keep=keep)
 
 
 def posterior_representations(ungated: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor,
@@ -95,8 +96,8 @@ def posterior_representations(ungated: torch.Tensor, probs: torch.Tensor, labels
     g = torch.Generator().manual_seed(seed)
     draws = [summary(normalize(ungated * torch.bernoulli(probs, generator=g)), labels, factors)
              for _ in range(Q_DRAWS)]
-    return {**_mean([summary(normalize(ungated * probs), labels, factors)], "_posterior_mean"),
-            **_mean(draws, "_q_draws")}
+    return {**_mean([summary(normalize(ungated * probs), labels, factors)], keys.POSTERIOR_MEAN),
+            **_mean(draws, keys.Q_DRAWS)}
 
 
 CONTROLS = {

@@ -15,7 +15,7 @@ and each TopK row says what its difference and tests would be under each.
 import itertools
 import math
 
-from bayesncl_pyro.evaluate import design
+from bayesncl_pyro.evaluate import design, keys
 from bayesncl_pyro.evaluate.matched import CONTROLS
 from bayesncl_pyro.evaluate.stats import interval
 
@@ -73,10 +73,6 @@ entries among the dims in use, so a representation that closes whole dims can be
 and the share of zero entries over all K dims (what a TopK's k fixes, and what the random-mask null keeps)."""
 
 
-WITHOUT_NCL = "_without_ncl"
-"""Suffix of the TopK figures interpolated on TopK runs alone (:func:`topk_at_rate`)."""
-
-
 def topk_at_rate(runs: list[dict]) -> list[dict]:
     """Give each run NCL+TopK's figures at its own activation rate and sparsity, with and without NCL on the curve.
 
@@ -84,12 +80,12 @@ def topk_at_rate(runs: list[dict]) -> list[dict]:
     curve of its own seed at its own activation rate and at its own sparsity: ``topk_<key>_at_rate`` and
     ``topk_<key>_at_sparsity`` for the keys in TOPK_KEYS, interpolated linearly in that measure between the two nearest
     settings of that seed with NCL as a point of the curve (TopK with every dim kept), and the same keys ending in
-    :data:`WITHOUT_NCL` between the two nearest TopK runs alone. The two differ where NCL is one of the two nearest
+    ``_without_ncl`` between the two nearest TopK runs alone. The two differ where NCL is one of the two nearest
     points: NCL is sparser than a large k on some data (CIFAR-100's CPU arm: NCL 89 % zeros, TopK 32 88 %), and then
     brackets a gated run with a TopK run. Each is left out where the run lies outside its curve's range. A seed's curve
     is never averaged with another's: the seed draws the data too (the generated benchmark's test split). Runs of the
     curve itself get nothing. For the keys of :data:`METRICS`, each reading of :data:`READINGS` too, its key ending in
-    ``_<reading>``.
+    ``_<reading>``. Every key is ``keys.topk``'s.
     """
     curves = {}
     for r in runs:
@@ -100,18 +96,18 @@ def topk_at_rate(runs: list[dict]) -> list[dict]:
         r = dict(r)
         with_ncl = curves.get(r.get("seed"), [])
         if r["family"] not in ("ncl+topk", "ncl"):
-            for ending, curve in (("", with_ncl), (WITHOUT_NCL, [c for c in with_ncl if c["family"] == "ncl+topk"])):
+            for alone, curve in ((False, with_ncl), (True, [c for c in with_ncl if c["family"] == "ncl+topk"])):
                 if len(curve) < 2:
                     continue
-                for (suffix, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
+                for (measure, x), key in itertools.product(MATCH_ON.items(), TOPK_KEYS):
                     points = [(c[x], c[key]) for c in curve if key in c]
                     value = interpolate(r[x], points)
                     if value is not None:
-                        r[f"topk_{key}_at_{suffix}{ending}"] = value
+                        r[keys.topk(key, measure, alone)] = value
                     for reading in READINGS if key in METRICS else ():
                         value = read_curve(r[x], points, reading)
                         if value is not None:
-                            r[f"topk_{key}_at_{suffix}{ending}_{reading}"] = value
+                            r[keys.topk(key, measure, alone, reading)] = value
         out.append(r)
     return out
 
@@ -120,10 +116,10 @@ METRICS = {"semantic_consistency": "the paper's consistency", "semantic_consiste
 """The two consistencies every paired comparison is made on."""
 
 TOPK_BASELINES = {
-    "topk": ("sparsity", "", "trained TopK at its sparsity (NCL on the curve)"),
-    "topk_without_ncl": ("sparsity", WITHOUT_NCL, "trained TopK at its sparsity (TopK runs only)"),
-    "topk_rate": ("rate", "", "trained TopK at its activation rate (NCL on the curve)"),
-    "topk_rate_without_ncl": ("rate", WITHOUT_NCL, "trained TopK at its activation rate (TopK runs only)"),
+    "topk": ("sparsity", False, "trained TopK at its sparsity (NCL on the curve)"),
+    "topk_without_ncl": ("sparsity", True, "trained TopK at its sparsity (TopK runs only)"),
+    "topk_rate": ("rate", False, "trained TopK at its activation rate (NCL on the curve)"),
+    "topk_rate_without_ncl": ("rate", True, "trained TopK at its activation rate (TopK runs only)"),
 }
 """Trained TopK matched to a gated run four ways: on its share of zeros over all K dims (sparsity) or on the activation
 rate of its live dims, each interpolated with NCL as a point of the curve and on TopK runs alone
@@ -159,12 +155,12 @@ def baseline_value(run: dict, baseline: str, key: str, ncl: dict, default: dict 
         other = (default or {}).get((run.get("seed"), default_prior_name(run)))
         return None if other is None else other.get(key)
     if baseline in TOPK_BASELINES:
-        measure, ending, _ = TOPK_BASELINES[baseline]
-        return run.get(f"topk_{key}_at_{measure}{ending}" + (f"_{reading}" if reading else ""))
+        measure, alone, _ = TOPK_BASELINES[baseline]
+        return run.get(keys.topk(key, measure, alone, reading))
     if baseline in CONTROLS:
         return run.get("controls", {}).get(baseline, {}).get(key)
     if baseline == "ungated":
-        return run.get(f"{key}_ungated")
+        return run.get(keys.format(key, keys.UNGATED))
     return ncl.get(run.get("seed"), {}).get(key)
 
 

@@ -33,8 +33,9 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.data.compositional import BACKGROUNDS
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import dimensions as dm
+from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.diagnostics import budget_note, trained_steps
-from bayesncl_pyro.evaluate.heldout import TestFeatures, test_features
+from bayesncl_pyro.evaluate.heldout import COLUMN_NAMES, TestFeatures, by_representation, test_features
 from bayesncl_pyro.evaluate.novelty import binary_entropy
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class
 from bayesncl_pyro.nn.losses import bernoulli_kl
@@ -220,12 +221,13 @@ def factor_table(feats: TestFeatures, scores: dict) -> dict:
     closed = dm.gates_closed(feats) if feats.gated else None
     rows = []
     for k in used.nonzero().flatten().tolist():
-        row = dict(dim=k, **{f"{name}_information": _num(s["information"][k]) for name, s in scores.items()},
-                   tracks=next((n for n, s in scores.items() if s["tracks"][k]), None))
+        row = dict(dim=k)
+        for r in (keys.F, keys.UNGATED) if feats.gated else (keys.F,):
+            information, tracks = keys.format("information", r), keys.format("tracks", r)
+            row.update({f"{name}_{information}": _num(s[information][k]) for name, s in scores.items()})
+            row[tracks] = next((n for n, s in scores.items() if s[tracks][k]), None)
         if feats.gated:
-            row.update({f"{name}_information_ungated": _num(s["information_ungated"][k]) for name, s in scores.items()},
-                       tracks_ungated=next((n for n, s in scores.items() if s["tracks_ungated"][k]), None),
-                       gates_closed=_num(closed[k]))
+            row["gates_closed"] = _num(closed[k])
         rows.append(row)
     values = {name: feats.classes if name == "class" else FACTOR_VALUES.get(name) or [
         str(v) for v in range(int(feats.factors[name].max()) + 1)] for name in scores}
@@ -278,7 +280,10 @@ def report_data(feats: TestFeatures, run: dict, log: list[dict] | None = None, e
     n, k = feats.features.shape
     scores = dm.factor_scores(feats) if feats.factors else None
     cards = dimension_cards(feats, kl, scores)
-    out = dict(version=__version__, run=run, evaluation=evaluation, gates=gates, classes=feats.classes,
+    columns = None if evaluation is None else [[COLUMN_NAMES[r], figures]
+                                               for r, figures in by_representation(evaluation).items()]
+    out = dict(version=__version__, run=run, evaluation=evaluation, evaluation_columns=columns, gates=gates,
+               classes=feats.classes,
                sizes=dict(images=n, dims=k, dims_in_use=len(cards), dims_not_in_use=k - len(cards),
                           classes=feats.num_classes, min_support=dm.min_support(n, feats.num_classes),
                           top_images=TOP_IMAGES, thumbnail_px=THUMBNAIL_PX),
@@ -443,8 +448,9 @@ class Report:
 
     * ``version``: the bayesncl-pyro that wrote it; ``run``: the run's ``dir``, ``method``, ``dataset``, ``config``
       (config.json's) and ``steps``;
-    * ``evaluation``: the run's eval.json (None before it is evaluated); ``gates``: the gate posterior's summary
-      (gated runs; None otherwise); ``classes``: the class names;
+    * ``evaluation``: the run's eval.json (None before it is evaluated), ``evaluation_columns`` its figures by
+      representation, each a [column name, {metric: value}] (``heldout.by_representation``); ``gates``: the gate
+      posterior's summary (gated runs; None otherwise); ``classes``: the class names;
     * ``sizes``: ``images``, ``dims``, ``dims_in_use``, ``dims_not_in_use``, ``classes``, ``min_support``,
       ``top_images``, ``thumbnail_px``; ``quantiles``: those the cards' activation quantiles are taken at;
     * ``training``: the training curves from the log; ``dims``: a card per dimension in use (``dim``, its

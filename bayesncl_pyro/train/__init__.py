@@ -1,4 +1,4 @@
-"""The training loop: a Config made whole, the trainer, its guard and monitor, and the epochs for a time budget.
+"""The training loop: a Config made whole, the trainer, its guard and monitor; a comparison's runs and their epochs.
 
-Modules: budget, guard, monitor, resolve, trainer.
+Modules: budget, guard, monitor, plan, resolve, trainer.
 """

@@ -196,3 +196,17 @@ def test_the_summary_says_which_limit_stopped_training():
     assert compare.steps_note({"max_steps": 2, "epochs": 1, "batch_size": 64}, 640, "digits").startswith(
         "training stopped after 2 of its 10 steps")
     assert compare.steps_note({"epochs": 1}, 640, "digits") is None
+
+
+def test_the_runs_planning_lives_in_train_and_its_old_paths_warn():
+    """Which runs compare.py trains, their names and their records are train/plan's; evaluate/comparison keeps the
+    comparison of finished runs, and its old names of the planning still resolve, warning with the new home."""
+    from bayesncl_pyro.train import plan
+
+    made = plan.method_configs(["ncl+topk", "bayesncl-ste"], ["bernoulli", "ibp"], [4, 8], densities=[0.3])
+    assert list(made) == ["ncl+topk-k4", "ncl+topk-k8", "bayesncl-ste-d0.3", "bayesncl-ste+ibp-d0.3"]
+    for name in ("METHOD_NAMES", "RECORD", "method_configs", "recorded_run", "record", "train_time",
+                 "shared_settings"):
+        assert name not in vars(comparison), name
+        with pytest.warns(DeprecationWarning, match=f"moved to bayesncl_pyro.train.plan.{name}"):
+            assert getattr(comparison, name) is getattr(plan, name)

@@ -227,6 +227,19 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     assert sorted(tab.scroll_all("#view-baseline")) == sorted(c["dim"] for c in data["baseline"]["dims"])
     tab.open(folder / "index.html", "#overview")
     assert tab.page.locator("table.factors tbody tr").count() == len(data["factors"]["rows"])
+    # the evaluation: one column a representation, one row a metric (it was a row for each suffixed key)
+    cells = tab.page.evaluate("() => [...document.querySelectorAll('#view-overview tr')].map(r => [...r.children]"
+                              ".map(c => c.innerText))")
+    assert next(r for r in cells if r[:2] == ["metric", "gated (F)"])[2:] == [
+        "every gate open", "q's mean", "q draws", "random mask", "baseline (ncl)"]
+    ev, row = data["evaluation"], next(r for r in cells if r[0] == "semantic_consistency")
+    assert [float(x) for x in row[1:6]] == pytest.approx([ev[k] for k in (
+        "semantic_consistency", "semantic_consistency_ungated", "semantic_consistency_posterior_mean",
+        "semantic_consistency_q_draws", "semantic_consistency_random_mask")], rel=1e-3)
+    assert not any(r[0].endswith(("_ungated", "_posterior_mean", "_q_draws", "_random_mask")) for r in cells)
+    factor = next(r for r in cells if r[0] == "background")  # the factor counts: F's, u's, those the gates close
+    assert factor[1:] == [str(ev[k]) for k in ("dims_tracking_background", "ungated_dims_tracking_background",
+                                                "gated_off_dims_background")]
     shot = tmp_path / "report.png"
     tab.page.screenshot(path=str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
