@@ -61,6 +61,7 @@ def _ids(page: Path) -> set[str]:
     return set(re.findall(r'id="(bayesncl_pyro\.[A-Za-z_]\w*)"', page.read_text()))
 
 
+@pytest.mark.slow  # reads the whole site, whose build takes 25 s; .ci/run also builds it with -W
 def test_every_page_is_built_with_its_title(site):
     modules = docs_extension().public_modules()
     pages = {p.stem: _title(p) for p in DOCS.glob("*.md")}
@@ -74,6 +75,7 @@ def test_every_page_is_built_with_its_title(site):
         assert h1 and re.sub(r"<[^>]+>", "", h1.group(1)).strip().replace("\u2019", "'") == title.replace("`", ""), page
 
 
+@pytest.mark.slow  # reads the whole site, whose build takes 25 s; .ci/run also builds it with -W
 def test_every_public_name_has_an_entry_on_its_modules_page(site):
     modules = docs_extension().public_modules()
     assert sorted(n for names in modules.values() for n in names) == bayesncl_pyro.__all__
@@ -152,6 +154,7 @@ def _article(page: Path) -> str:
     return html[html.index("<article"):html.index("</article>")]
 
 
+@pytest.mark.slow  # reads the whole site, whose build takes 25 s; .ci/run also builds it with -W
 def test_every_equation_of_the_maths_page_is_followed_by_a_link_to_the_code_that_computes_it(site):
     """Each display equation of maths.md is followed, in the paragraph after it, by a link to the API entry of the code
     that computes it (whose [source] opens that code), and so is each gate estimator's row of its table; each link's
@@ -213,6 +216,7 @@ def unlinked_mentions(html: str, titles: set[str], files: set[str]) -> list[str]
     return [text[max(0, m.start() - 50):m.end() + 20] for m in found]
 
 
+@pytest.mark.slow  # reads the whole site, whose build takes 25 s; .ci/run also builds it with -W
 def test_the_pages_mention_other_pages_only_as_links(site):
     """A page that names another (``docs/RESULTS.md``, a notebook, a page's title in quotes) links it, so that the
     site resolves it (the build fails on a link to no page); the README's links are repository paths that work on
@@ -260,6 +264,7 @@ def _open(tab, page: Path):
     tab.page.wait_for_load_state("load")
 
 
+@pytest.mark.slow  # reads the whole site, whose build takes 25 s; .ci/run also builds it with -W
 def test_in_chromium_the_index_shows_the_navigation(site, tab):
     _open(tab, site / "index.html")
     nav = tab.page.locator(".sidebar-drawer .sidebar-tree")

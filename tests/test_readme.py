@@ -35,6 +35,7 @@ def test_the_section_has_a_snippet_for_the_head_a_backbone_a_prior_and_load_run(
         assert needed in code, needed
 
 
+@pytest.mark.slow  # trains the README's snippets end to end (30 s)
 def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
     pytest.importorskip("timm", reason="the section names a timm model: pip install -e '.[timm]'")
     monkeypatch.chdir(tmp_path)
@@ -71,6 +72,7 @@ def test_every_snippet_runs(tmp_path, monkeypatch, capsys):
         sys.modules.pop(name, None)
 
 
+@pytest.mark.slow  # trains a run per prior written in the README (25 s)
 def test_the_priors_from_your_own_code_are_followed_as_written_and_train(tmp_path, monkeypatch, capsys):
     """A new user's path through "Priors from your own code": the module written as shown, each command of a prior of
     theirs run as shown (shortened to two steps) trains and evaluates, the correlated prior with no guide of its own

@@ -318,6 +318,7 @@ def test_a_small_file_is_read_without_reserving_its_limit(tmp_path):
     assert peak < 2**20
 
 
+@pytest.mark.slow  # draws every figure in a capped subprocess (10 s)
 def test_inspect_gates_runs_under_a_4_gb_address_space_cap(bayes_run, tmp_path):
     run = shutil.copytree(bayes_run, tmp_path / "run")
     done = _capped("import sys; from bayesncl_pyro.cli import inspect_gates; "
@@ -326,6 +327,7 @@ def test_inspect_gates_runs_under_a_4_gb_address_space_cap(bayes_run, tmp_path):
     assert (run / "inspect" / "summary.txt").exists()
 
 
+@pytest.mark.slow  # writes and reads a log of a few hundred MB (6 s)
 def test_a_log_of_tiny_records_is_read_in_bounded_memory(tmp_path):
     """A log of {"step":1} lines cost about 27 times its size in memory: a 320 MiB log, under the 1 GiB cap, failed
     report.py under 6.5 GB. Read a line at a time, at most a million records."""
@@ -346,6 +348,7 @@ def test_a_log_of_tiny_records_is_read_in_bounded_memory(tmp_path):
     assert len(records) == 100_000 and peak - held < 2**20
 
 
+@pytest.mark.slow  # writes and reads a log of a few hundred MB (7 s)
 def test_a_log_of_lines_that_are_no_records_is_read_in_bounded_memory(tmp_path, caplog):
     """Each such line's number was kept, about 35 bytes a line: a 1 GiB log of them some 18 GiB. Now a count."""
     log = tmp_path / "log.jsonl"

@@ -54,8 +54,9 @@ def test_every_script_is_smoke_tested():
     assert sorted(p.name for p in EXPERIMENTS.glob("*.py")) == sorted(SCRIPTS)
 
 
-# bench_step.py's smoke run (10 s) is slow: test_bench_step_compares_workers_and_device_augmentation_on_jpegs runs it
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s == "bench_step.py" else s
+# the benchmarks' smoke runs (5-10 s each) are slow; test_bench_step_compares_workers_and_device_augmentation_on_jpegs
+# runs bench_step.py's
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("bench_") else s
                                     for s in sorted(s for s, args in SCRIPTS.items() if args)])
 def test_script_runs(script, tmp_path, bayes_run):
     proc = run(script, *SCRIPTS[script](tmp_path, str(bayes_run)))
@@ -136,6 +137,7 @@ def test_run_svi_trains_on_an_imagenet_tree(tmp_path):
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["dataset"] == "in100"
 
 
+@pytest.mark.slow  # a benchmark's smoke run (7 s)
 def test_bench_step_compares_workers_and_device_augmentation_on_jpegs(tmp_path):
     for i in range(54):
         write_photo(tmp_path / "data" / ("val" if i % 9 == 8 else "train") / f"c{i % 2}" / f"{i}.jpg", seed=i)

@@ -72,6 +72,7 @@ def test_the_recipe_chooses_the_evaluation_protocol(recipe, protocol):
     assert resolve(Config(**compare.shared_config(args, 50_000)[0])).eval_protocol == "fast"
 
 
+@pytest.mark.slow  # times, trains and reruns a budgeted comparison (11 s)
 def test_the_papers_command_runs_on_a_budget_and_reruns_from_its_plan(cifar100_tree, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(budget, "TIMING_STEPS", budget.TIMING_SKIP + 3)  # three timed steps: seconds, not a minute
     out = tmp_path / "cmp"
