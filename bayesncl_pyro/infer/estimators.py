@@ -282,8 +282,9 @@ class LocalExpectationELBO(MeanFieldELBO):
     path).
 
     Args:
-        temperature: tau, the InfoNCE factor's temperature.
-        **kwargs: :class:`MeanFieldELBO`'s (``kl_clamp``, ``kl_probs``, ``num_particles``, ...).
+        kl_clamp: as :class:`MeanFieldELBO`'s: the gate KL's clamp (None: each site's registered KL).
+        kl_probs: as :class:`MeanFieldELBO`'s: q's rates the clamped KL is taken at.
+        **kwargs: ``TraceMeanField_ELBO``'s (``num_particles``, ...).
     """
 
     def particle(self, model_trace, guide_trace):
