@@ -144,8 +144,8 @@ def comparison(dataset: str, seeds: list[int], notes: list[str], runs: list[dict
     return dict(dataset=dataset, seeds=seeds, protocol=protocol, notes=notes, settings=settings,
                 summary=summarise(runs, shown), design=design.declaration(),
                 paired_primary=sorted((r for r in rows if r["role"] == "primary"),  # in the declared order
-                                      key=lambda r: [BASELINES[b] for b in design.PRIMARY_BASELINES].index(
-                                          r["baseline"])),
+                                      key=lambda r: [BASELINES[b] for b in (*design.PRIMARY_BASELINES,
+                                                                            design.PRIOR_BASELINE)].index(r["baseline"])),
                 paired=[r for r in rows if r["role"] == "exploratory"],
                 paired_mechanism=paired(runs, MECHANISM, MECHANISM_BASELINES),
                 novelty=novelty.summary(runs), paired_novelty=novelty.paired(runs), runs=runs,
@@ -301,7 +301,9 @@ def markdown(report: dict) -> str:
         md += ["", f"**The primary comparisons**, declared before the runs (evaluate/design.py): {d['method']} on "
                f"{LABELS[d['metric']]} against " + ", ".join(BASELINES[b] for b in d["baselines"]) + "; one Holm "
                "family per setting of the method over the differences' and the equivalence tests' p values together "
-               f"(p (Holm) and TOST p (Holm)). The verdict rests on these rows alone; {paired_note}", "",
+               f"(p (Holm) and TOST p (Holm)); and, for runs at other priors, the question whether the prior's form "
+               f"changes what the gates select: each prior's run against {BASELINES[design.PRIOR_BASELINE]}, every "
+               f"prior of a setting in one Holm family. The verdict rests on these rows alone; {paired_note}", "",
                paired_table(report["paired_primary"]), "",
                *(f"- {r['method']} minus {r['baseline']}: {design.reading(r)}" for r in report["paired_primary"])]
     if report.get("paired"):

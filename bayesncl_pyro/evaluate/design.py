@@ -15,6 +15,12 @@ equivalence tests escaped the adjustment. This module fixes the question instead
   three equivalence tests' (TOST) p values together, six tests; a cell's adjusted p depends on nothing else in the
   file.
 
+A second question is declared the same way, for a comparison of priors: **does the prior's form change what the gates
+select, at the same density of open gates?** Its comparisons (:data:`PRIOR_BASELINE`) are each other prior's run
+against the Bernoulli prior's of the same seed, method and settings, on the same endpoint; **one Holm family** per
+setting (a density target, a lambda) holds every prior's difference and equivalence test together (2 x priors
+tests), so a file of four priors is judged as one question, not as three.
+
 Every other row (the paper's consistency, the random controls, the ungated features, other matchings of TopK, other
 gates and priors, the mechanism's figures) is **exploratory**: reported with its interval and with Holm over the
 exploratory rows of its table as a guide, and no verdict rests on it.
@@ -35,6 +41,10 @@ PRIMARY_BASELINES = ("ncl", "topk_without_ncl", "posthoc_topk")
 """The primary comparisons, keys of ``pairing.BASELINES``: NCL; trained TopK at the run's share of zeros,
 interpolated between the seed's TopK runs alone (NCL is no TopK setting: with it on the curve, "TopK" at a sparsity
 NCL brackets is mostly NCL); post-hoc TopK, the control that keeps each image's largest entries at the gates' count."""
+
+PRIOR_BASELINE = "bernoulli"
+"""The declared comparison of a run at another prior (``pairing.BASELINES``): the same method and settings at the
+Bernoulli prior, same seed."""
 
 RELATIVE_MARGIN = 0.045
 """The equivalence margin as a share of the baseline's mean over the paired seeds: 4.5 %, fixed before any comparison
@@ -57,11 +67,26 @@ def margin(baseline_values: list[float]) -> float:
 def role(method_family: str, baseline: str, metric: str) -> str:
     """A paired row's role: ``primary`` or ``exploratory``.
 
-    Primary for the declared comparisons (:data:`PRIMARY_METHOD` against :data:`PRIMARY_BASELINES` on
-    :data:`PRIMARY_METRIC`), exploratory for every other row.
+    Primary for the declared comparisons on :data:`PRIMARY_METRIC`: :data:`PRIMARY_METHOD` against
+    :data:`PRIMARY_BASELINES`, and the same method at another prior against :data:`PRIOR_BASELINE`; exploratory for
+    every other row.
     """
-    declared = method_family == PRIMARY_METHOD and baseline in PRIMARY_BASELINES and metric == PRIMARY_METRIC
+    if metric != PRIMARY_METRIC:
+        return "exploratory"
+    declared = (method_family == PRIMARY_METHOD and baseline in PRIMARY_BASELINES) or (
+        method_family.startswith(PRIMARY_METHOD + "+") and baseline == PRIOR_BASELINE)
     return "primary" if declared else "exploratory"
+
+
+def family_name(row: dict) -> str:
+    """The Holm family of a primary row: its method's setting, or for a prior's comparison every prior at that setting.
+
+    A prior's row names the run it is compared with (``baseline_run``, ``bayesncl-ste-d0.3`` for
+    ``bayesncl-ste+ibp-d0.3``): every prior compared with that run is one family.
+    """
+    if "baseline_run" in row:
+        return f"primary: the prior's form, {row['baseline_run']} (each prior against {PRIOR_BASELINE})"
+    return f"primary: {row['method']}"
 
 
 def adjust(rows: list[dict]) -> list[dict]:
@@ -78,7 +103,7 @@ def adjust(rows: list[dict]) -> list[dict]:
     tested = [r for r in rows if "p" in r]
     families = {}
     for r in tested:
-        key = f"primary: {r['method']}" if r["role"] == "primary" else "exploratory"
+        key = family_name(r) if r["role"] == "primary" else "exploratory"
         families.setdefault(key, []).append(r)
     for name, members in families.items():
         if name == "exploratory":
@@ -127,6 +152,9 @@ def reading(row: dict, alpha: float = 0.05) -> str:
 def declaration() -> dict:
     """The design as comparison.json records it."""
     return dict(metric=PRIMARY_METRIC, method=PRIMARY_METHOD, baselines=list(PRIMARY_BASELINES),
+                prior_baseline=PRIOR_BASELINE,
+                prior_family="per setting: every other prior against the bernoulli prior, differences and equivalence "
+                             "tests together, Holm",
                 relative_margin=RELATIVE_MARGIN,
                 family="per setting of the primary method: its differences' and equivalence tests' p values, Holm",
                 exploratory="every other row; Holm over a table's exploratory rows as a guide")

@@ -202,6 +202,8 @@ def paired(runs: list[dict], metrics: dict = METRICS, baselines: dict = BASELINE
                 continue
             row = dict(method=name, baseline=BASELINES[baseline], metric=key, **row,
                        role=design.role(mine[0]["family"], baseline, key))
+            if baseline == "bernoulli":  # the run it is compared with, which names the priors' Holm family
+                row["baseline_run"] = default_prior_name(mine[0])
             if baseline in TOPK_BASELINES and key in METRICS:
                 others = {reading: _compared(mine, baseline, key, ncl, default, reading) for reading in READINGS}
                 row["readings"] = {reading: {k: v for k, v in other.items() if k in READING_FIGURES}

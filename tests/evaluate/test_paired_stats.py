@@ -226,6 +226,31 @@ def test_a_run_of_another_prior_is_paired_with_the_same_seeds_run_at_the_bernoul
     assert cons["seeds"] == [0, 1] and cons["differences"] == pytest.approx([0.01, 0.02])
 
 
+def test_the_priors_question_is_declared_one_family_of_every_prior_at_a_setting():
+    """Each other prior's run minus the bernoulli prior's on the top-N consistency is primary; every prior of one
+    setting (D 0.3) is one Holm family of differences and equivalence tests together, and a prior at another setting
+    (D 0.5) is a family of its own; the paper's consistency against the bernoulli prior stays exploratory."""
+    runs = []
+    for setting, shift in (("-d0.3", 0.0), ("-d0.5", 0.05)):
+        runs += [dict(name=f"bayesncl-ste{setting}", family="bayesncl-ste", seed=s, semantic_consistency=0.2,
+                      semantic_consistency_topn=0.40 + shift) for s in range(4)]
+        for i, prior in enumerate(("ibp", "per-image", "logit-normal")):
+            runs += [dict(name=f"bayesncl-ste+{prior}{setting}", family=f"bayesncl-ste+{prior}", seed=s,
+                          semantic_consistency=0.2, semantic_consistency_topn=0.40 + shift + 0.01 * i + 0.003 * s * s)
+                     for s in range(4)]
+    rows = [r for r in paired(runs) if r["baseline"] == BASELINES["bernoulli"]]
+    primary = [r for r in rows if r["role"] == "primary"]
+    assert {r["metric"] for r in primary} == {"semantic_consistency_topn"} and len(primary) == 6
+    assert all(r["role"] == "exploratory" for r in rows if r["metric"] == "semantic_consistency")
+    for setting in ("-d0.3", "-d0.5"):
+        family = [r for r in primary if r["method"].endswith(setting)]
+        assert len(family) == 3 and len({r["holm_family"] for r in family}) == 1
+        assert family[0]["holm_family"].startswith(f"primary: the prior's form, bayesncl-ste{setting}")
+        adjusted = holm([r["p"] for r in family] + [r["tost_p"] for r in family])
+        assert [r["p_holm"] for r in family] == pytest.approx(adjusted[:3])
+        assert [r["tost_p_holm"] for r in family] == pytest.approx(adjusted[3:])
+
+
 def test_the_pairings_old_paths_still_work_and_name_the_new_home():
     from bayesncl_pyro.evaluate import comparison, matched
 
