@@ -19,7 +19,10 @@ each clamped to [c, 1 - c] by the estimator's ``kl_clamp`` c (0: none). Whatever
     expectation gradients, Titsias and Lazaro-Gredilla 2015, as ``leg`` takes InfoNCE's): unbiased, since q
     factorises over the gates, with no score-function variance. p's own parameters get the pathwise gradient of
     log p(b). It costs K + 1 evaluations of p's log-density per row, but for a mixture of Bernoulli products, whose K
-    flips come from its components in one pass (``experiments/bench_coupled_kl.py``).
+    flips come from its components in one pass, and for a law that gives them itself: a method
+    ``flip_log_probs(b)`` returning log p(b with gate k flipped) for every k, K x rows, which the law's structure
+    can make cheaper than K log-densities (an autoregressive law's flips change only the later gates' logits, by
+    one column of its weights: ``experiments/bench_coupled_kl.py``).
 ``Monte Carlo, one pathwise draw``
     a prior's continuous latent with no registered KL: log q(z) - log p(z) at the guide's reparameterised draw
     (``TraceMeanField_ELBO``'s own estimate), unbiased in value and gradient. So too an autoguide's site (a ``Delta``
@@ -33,6 +36,7 @@ import torch
 from pyro.distributions import Delta
 from torch.distributions import Bernoulli, Distribution, Independent, MixtureSameFamily, kl_divergence
 
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.nn.losses import bernoulli_kl
 
 ANALYTIC = "analytic"
@@ -125,10 +129,19 @@ def _local_expectation(probs: torch.Tensor, p: Distribution, dims: int) -> torch
 def _flipped_log_probs(p: Distribution, b: torch.Tensor) -> torch.Tensor:
     """Log p at b with each gate flipped in turn, K x rows.
 
-    A mixture of Bernoulli products (``MixtureSameFamily`` of an ``Independent`` Bernoulli: a mixture of sparsity
-    regimes) gives all K at once from its components (:func:`_mixture_flips`); any other law through its ``log_prob``
-    on the flipped copies, in chunks of gates that bound the memory.
+    A law with a ``flip_log_probs(b)`` method gives them itself; a mixture of Bernoulli products (``MixtureSameFamily``
+    of an ``Independent`` Bernoulli: a mixture of sparsity regimes) gives all K at once from its components
+    (:func:`_mixture_flips`); any other law through its ``log_prob`` on the flipped copies, in chunks of gates that
+    bound the memory.
     """
+    if callable(own := getattr(p, "flip_log_probs", None)):
+        flips = own(b)
+        want = (b.shape[-1], *b.shape[:-1])
+        if not torch.is_tensor(flips) or flips.shape != want:
+            got = tuple(flips.shape) if torch.is_tensor(flips) else type(flips).__name__
+            raise UserError(f"{type(p).__name__}.flip_log_probs(b) gave {got}; it must give log p(b with gate k "
+                            f"flipped) for every gate k, a tensor of shape K x rows = {want}")
+        return flips
     mixture = _mixture_flips(p, b)
     if mixture is not None:
         return mixture

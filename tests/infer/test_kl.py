@@ -206,3 +206,52 @@ def test_a_mixture_of_bernoulli_products_flips_every_gate_in_one_pass():
     slow = torch.stack([p.log_prob((b - eye[k]).abs()) for k in range(9)])
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     assert kl_module._mixture_flips(Independent(Bernoulli(probs=rates[:, 0]), 1), b) is None  # another law: generic
+
+
+class _ChainGates(torch.distributions.Distribution):
+    """Neighbouring gates coupled (gate k's logit moved by gate k - 1), with its flips given by a method of its own."""
+
+    arg_constraints = {}
+
+    def __init__(self, bias, weight, flips=True, shape_error=False):
+        self.bias, self.weight, self.calls, self.shape_error = bias, weight, 0, shape_error
+        if flips:
+            self.flip_log_probs = self._flips
+        super().__init__(bias.shape[:-1], bias.shape[-1:], validate_args=False)
+
+    def _logits(self, value):
+        return self.bias + self.weight * torch.nn.functional.pad(value[..., :-1], (1, 0))
+
+    def log_prob(self, value):
+        logits = self._logits(value)
+        return (value * logits - torch.nn.functional.softplus(logits)).sum(-1)
+
+    def _flips(self, b):
+        self.calls += 1
+        logits, sign = self._logits(b), 1 - 2 * b
+        moved = logits[..., 1:] + sign[..., :-1] * self.weight[1:]
+        following = (b[..., 1:] * (moved - logits[..., 1:]) - torch.nn.functional.softplus(moved)
+                     + torch.nn.functional.softplus(logits[..., 1:]))
+        flips = (self.log_prob(b).unsqueeze(-1) + sign * logits + torch.nn.functional.pad(following, (0, 1)))
+        return flips if self.shape_error else flips.movedim(-1, 0)
+
+
+def test_a_law_that_gives_its_own_flips_is_used_and_a_wrong_shape_is_one_clear_error():
+    """A coupled law with ``flip_log_probs`` gets the local expectation KL through it, with the value and gradient
+    the K evaluations of its log-density give; flips of the wrong shape are refused, naming the shape wanted."""
+    torch.manual_seed(0)
+    bias, weight = torch.randn(6, 9), 2 * torch.randn(9)
+    logits = torch.randn(6, 9, requires_grad=True)
+    results = []
+    for flips in (True, False):
+        p = _ChainGates(bias, weight, flips=flips)
+        torch.manual_seed(1)
+        q = torch.distributions.Independent(torch.distributions.Bernoulli(logits=logits), 1)
+        kl, kind = site_kl(q, p, None, kl_clamp=None)
+        assert kind == LOCAL_EXPECTATION and p.calls == int(flips)
+        results.append((kl, torch.autograd.grad(kl.sum(), logits)[0]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(UserError, match=r"flip_log_probs\(b\) gave \(6, 9\).*K x rows = \(9, 6\)"):
+        torch.manual_seed(1)
+        site_kl(q, _ChainGates(bias, weight, shape_error=True), None, kl_clamp=None)
