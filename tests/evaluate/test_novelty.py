@@ -17,6 +17,7 @@ from bayesncl_pyro.data.compositional import (
 )
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import novelty
+from bayesncl_pyro.infer.estimators import GATES
 
 HOLDOUT = "disk:sky,ring:wall"
 
@@ -160,6 +161,30 @@ def test_the_bayesian_heads_q_varies_over_weight_draws_and_its_evaluation_is_at_
     loss.backward()
     scales = [p for n, p in head.named_parameters() if ".scales." in n]
     assert scales and all(p.grad is not None for p in scales)  # q(W)'s spread is trained
+
+
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_the_bayesian_head_trains_its_weights_posterior_under_every_gate_estimator(gate):
+    """q(W)'s locations and scales get finite gradients, not all zero, under each estimator; and its locations get
+    InfoNCE's gradient, not the KL's alone: from the same draws at two lambdas, g = g_nce + lambda g_kl gives g_nce."""
+    grads = {}
+    for kl_weight in (3e-5, 1e-3):
+        torch.manual_seed(0)
+        head = BayesNCLHead(12, proj_dim=6, proj_hidden=10, num_train=50, gate_head="bayesian", gate=gate,
+                            kl_weight=kl_weight)
+        pyro.set_rng_seed(1)
+        torch.manual_seed(1)
+        loss, _ = head(torch.randn(8, 12))
+        loss.backward()
+        for kind in (".locs.", ".scales."):
+            found = [p.grad for n, p in head.named_parameters() if kind in n]
+            assert found and all(g is not None and torch.isfinite(g).all() for g in found), (gate, kind)
+            assert any(g.abs().sum() > 0 for g in found), (gate, kind)
+            grads[kl_weight, kind] = found
+    (small, large) = 3e-5, 1e-3
+    nce = [(large * g1 - small * g2) / (large - small) for g1, g2 in zip(grads[small, ".locs."], grads[large, ".locs."],
+                                                                        strict=True)]
+    assert sum(g.abs().sum() for g in nce) > 1e-3 * sum(g.abs().sum() for g in grads[small, ".locs."]), gate
 
 
 def test_a_bayesian_head_without_gates_is_refused():
