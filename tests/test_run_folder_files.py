@@ -1,4 +1,4 @@
-"""The one rule of every reader and writer of a run folder (bayesncl_pyro/rundir.py): a file in it is opened without
+"""The one rule of every reader and writer of a run folder (bayesncl_pyro/rundir/): a file in it is opened without
 following a symbolic link and only if it is a regular file, reads are capped, writes go by a temporary file renamed
 into a real folder of the run; the lock is taken or the run refused; a run is known by our marker, never by a
 config.json. Each reader and writer meets a link to a file outside, a link to /dev/zero and a FIFO.

@@ -1,4 +1,4 @@
-"""The run-folder rule (bayesncl_pyro/rundir.py), its third layer: trust by where a file lies, a folder inside a run
+"""The run-folder rule (bayesncl_pyro/rundir/), its third layer: trust by where a file lies, a folder inside a run
 folder however it is named, the records a resume takes back, and what compare.py --rebuild reads. docs/RELIABILITY.md
 maps each to its test."""
 

@@ -1,6 +1,6 @@
 """The training loop: dataset -> augment -> encoder -> (model, guide) -> -ELBO -> optimizer; then the evaluation.
 
-One ``Trainer`` owns a run folder (``rundir.py`` lists its files and does the writing and reading): ``fit()`` trains
+One ``Trainer`` owns a run folder (``rundir`` lists its files and does the writing and reading): ``fit()`` trains
 it to the last step, ``evaluate()`` evaluates the finished run. Running the same command again in the same folder
 resumes from ``checkpoint.pt``; a finished run is not retrained (its results are printed again), and one made by
 another number of processes continues.
