@@ -228,3 +228,31 @@ def test_writes_under_the_lock_look_for_stale_temporaries_once_a_file(tmp_path, 
         rundir.write_json({"a": 2}, run / "eval.json")
     assert not (run / "eval.json.999999.tmp").exists()
     assert len(listed) == 1 and json.loads((run / "eval.json").read_text()) == {"a": 2}
+
+
+def test_a_comparison_fails_midway_and_leaves_its_previous_files_whole(compared, tmp_path, monkeypatch):
+    """write_comparison renamed its json, each figure and its markdown one at a time: a failure on the second file
+    (the first figure) left a new comparison.json beside the old comparison.md and figures."""
+    out = shutil.copytree(compared[1] / "out", tmp_path / "out", symlinks=True)
+    names = ["comparison.json", "consistency_vs_probe.png", "matched_sparsity.png", "comparison.md"]
+    before = {name: (out / name).read_bytes() for name in names}
+    report = {**json.loads(before["comparison.json"]), "wall_s": 1234.5}  # a new comparison: every file differs
+    real, synced = os.fsync, []
+
+    def full_on_the_second(fd):
+        synced.append(fd)
+        if len(synced) == 2:
+            raise OSError(28, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full_on_the_second)
+    with pytest.raises(UserError) as refused:
+        comparison.write_comparison(out, report)
+    assert str(refused.value) == (f"cannot write {out / names[1]}: No space left on device; free some space or choose "
+                                  f"another --out ({', '.join(names)} are as they were)")
+    assert {name: (out / name).read_bytes() for name in names} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(os, "fsync", real)
+    comparison.write_comparison(out, report)  # and written whole when nothing fails
+    assert json.loads((out / "comparison.json").read_text())["wall_s"] == 1234.5
+    assert "20.6 min" in (out / "comparison.md").read_text()
