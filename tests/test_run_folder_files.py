@@ -311,14 +311,14 @@ def test_a_lock_that_cannot_be_taken_refuses_the_run(unfinished, monkeypatch, ca
         lock.mkdir()
         reason = "Is a directory"
     else:
-        real = os.open
+        real = rundir.beneath.open_beneath  # a file of a run is opened below its folder's descriptor, the lock too
 
-        def refused(path, flags, *args, **kwargs):
-            if Path(path) == lock:
+        def refused(dir_fd, names, flags, *args, **kwargs):
+            if tuple(names) == (lock.name,):
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-            return real(path, flags, *args, **kwargs)
+            return real(dir_fd, names, flags, *args, **kwargs)
 
-        monkeypatch.setattr(os, "open", refused)
+        monkeypatch.setattr(rundir.beneath, "open_beneath", refused)
         reason = os.strerror(errno.EACCES)
     log = (unfinished / "log.jsonl").read_text()
     assert run_svi.main([*TINY_RUN, "--out", str(unfinished)]) == 2

@@ -256,3 +256,40 @@ def test_a_comparison_fails_midway_and_leaves_its_previous_files_whole(compared,
     comparison.write_comparison(out, report)  # and written whole when nothing fails
     assert json.loads((out / "comparison.json").read_text())["wall_s"] == 1234.5
     assert "20.6 min" in (out / "comparison.md").read_text()
+
+
+@pytest.mark.parametrize("resolver", ["openat2", "a name at a time"])
+def test_a_read_below_a_run_folder_goes_through_no_linked_folder(bayes_run, tmp_path, monkeypatch, resolver):
+    """A file below a run folder was opened by its path: a folder on the way that is a link (a previous-* folder
+    replaced by one) was followed, and a run folder swapped for a link while this process held its lock was read from
+    the link's target. Both ways of opening below the run folder's descriptor: openat2 and, where the kernel lacks it,
+    a name at a time with O_NOFOLLOW."""
+    called = []
+    if resolver == "openat2":
+        if not rundir.beneath.OPENAT2:
+            pytest.skip("this kernel (or its seccomp filter) has no openat2")
+        real = rundir.beneath.openat2
+        monkeypatch.setattr(rundir.beneath, "openat2", lambda *args: called.append(args[1]) or real(*args))
+    else:
+        monkeypatch.setattr(rundir.beneath, "OPENAT2", False)
+        monkeypatch.setattr(rundir.beneath, "openat2", lambda *args: pytest.fail("openat2 was called"))
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = shutil.copytree(bayes_run, tmp_path / "elsewhere")
+    (elsewhere / "eval.json").write_text(json.dumps({"secret": 1}))
+    below = run / "previous-20240101-000000-x"
+    below.symlink_to(elsewhere, target_is_directory=True)
+    for read in (rundir.read_eval, rundir.read_log, lambda folder: rundir.read_json(folder / "config.json"),
+                 lambda folder: rundir.load_checkpoint(folder / "checkpoint.pt")):
+        with pytest.raises(UserError) as refused:
+            read(below)
+        assert str(refused.value) == (
+            f"{below} is a symbolic link, to {elsewhere}; a file of a run folder is never read or written through one "
+            "(it may point anywhere): replace the link by the folder, or move it away")
+    assert rundir.read_eval(elsewhere) == {"secret": 1, "protocol": "fast"}  # the user named it: it may be anywhere
+    with rundir.held(run):
+        run.rename(tmp_path / "moved")
+        run.symlink_to(elsewhere, target_is_directory=True)
+        assert rundir.read_eval(run) == rundir.read_eval(tmp_path / "moved")  # from the folder it locked
+        assert len(rundir.read_log(run)) == len(rundir.read_log(tmp_path / "moved"))
+    assert rundir.read_eval(run) == {"secret": 1, "protocol": "fast"}  # the lock let go: the path the user names
+    assert bool(called) == (resolver == "openat2")

@@ -18,9 +18,10 @@ holds anything else is refused, and every file is replaced by a rename, so a cra
 version intact (its temporary file, named by the writing process, is removed by the next run in the folder).
 
 A run folder is data, perhaps from elsewhere, and every reader and writer of one (the trainer, report, inspect_gates,
-export, compare --record, load_run) goes through the one rule here: a file in it is opened without following a
-symbolic link and only if it is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line
-naming it, and a file written in place, the lock or a log, that has other hard links), a read takes at most a limit in
+export, compare --record, load_run) goes through the one rule here: a file in it is opened from a descriptor of the
+run folder (the one its lock opened, where this process holds it), no name on the way a symbolic link, and only if it
+is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line naming it, and a file written
+in place, the lock or a log, that has other hard links), a read takes at most a limit in
 bytes (the records of a log, at most ``MAX_RECORDS``), and a write goes to a temporary file and is renamed into a
 real folder (:func:`save_together`, :func:`output_folder`; a folder inside the run that is a link is refused, and one
 replaced since it was checked, by its device and inode), under the run's lock (:func:`held`). Only the folders the
@@ -31,9 +32,9 @@ absolute path outside the run folder (``evaluate.loading.load_learner``).
 Its modules, one idea each, from the ground up (each imports only those above it in this list):
 
     layout       the names of a run's files, the limits on reading them, the run folder that holds a folder
-    opening      the rule of every read: a regular file, never through a link, up to a limit in bytes
-    beneath      a file below a folder's descriptor, opened without following a link (openat2 where the kernel has it)
-    locking      the run's lock (flock), taken by every writer, let go in a forked child
+    beneath      a regular file below a folder's descriptor, through no link (openat2 where the kernel has it)
+    locking      the run's lock (flock) and its descriptor of the run folder, let go in a forked child
+    opening      the rule of every read: from the run folder's descriptor, up to a limit in bytes
     folders      the folders written into: checked once, reached by a descriptor from the run folder
     temporaries  the temporary files a writer makes, and those a killed writer left
     commit       a set of files written all or none (save_together)

@@ -13,9 +13,9 @@ from typing import BinaryIO
 import torch
 
 from bayesncl_pyro.errors import Stopped, UserError
+from bayesncl_pyro.rundir.beneath import _kind
 from bayesncl_pyro.rundir.folders import _open_folder
 from bayesncl_pyro.rundir.locking import held
-from bayesncl_pyro.rundir.opening import _kind
 from bayesncl_pyro.rundir.temporaries import sweep, temporary_name
 
 Content = bytes | Callable[[BinaryIO], object] | object  # bytes, a function that writes a file, or torch.save's

@@ -7,8 +7,9 @@ import stat
 from pathlib import Path
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.rundir.layout import run_holding
-from bayesncl_pyro.rundir.locking import _HELD, held
+from bayesncl_pyro.rundir.beneath import open_beneath
+from bayesncl_pyro.rundir.layout import _below_run
+from bayesncl_pyro.rundir.locking import held, holding
 
 # The folders that output_folder (or claim) checked, by absolute path: the device and inode of the folder checked. A
 # write opens its folder and writes by that descriptor, and only where it is still that folder: one swapped for a link
@@ -25,14 +26,13 @@ def _remember(folder: Path, named: bool):
     _CHECKED[os.path.abspath(folder)] = (st.st_dev, st.st_ino)
 
 
-def _below_run(folder: Path) -> tuple[Path, tuple[str, ...]] | None:
-    """The run folder that holds ``folder`` (:func:`run_holding`) and the names that lead from it to ``folder``."""
-    run = run_holding(folder)
-    if run is None:
-        return None
-    named = Path(os.path.abspath(folder))
-    path = named if run in (named, *named.parents) else named.resolve()
-    return run, path.relative_to(run).parts
+def _first_not_a_folder(run: Path, names: tuple[str, ...]) -> Path:
+    """The first of ``run / names[:1]``, ``run / names[:2]``, ... that is a link or no folder (the last if none is)."""
+    for i in range(1, len(names)):
+        inner = run.joinpath(*names[:i])
+        if not stat.S_ISDIR(os.lstat(inner).st_mode):
+            return inner
+    return run.joinpath(*names)
 
 
 def _linked_inside(folder: Path, run: Path) -> UserError:
@@ -50,7 +50,7 @@ def _open_folder(folder: Path) -> int:
     Inside a run folder it is reached from the run folder, a name at a time, never through a link.
     """
     named = Path(os.path.abspath(folder))
-    mine = next((held for held in list(_HELD.values()) if held.named in (named, *named.parents)), None)
+    mine = holding(named)
     if mine is not None:  # a run folder this process locked: from the folder it locked, even if since replaced
         place = mine.named, named.relative_to(mine.named).parts
         fd = os.dup(mine.dir)
@@ -58,13 +58,13 @@ def _open_folder(folder: Path) -> int:
         place = _below_run(folder)
         fd = os.open(place[0] if place else folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for i, name in enumerate(place[1] if place else ()):
+        if place and place[1]:
             try:
-                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                inner = open_beneath(fd, place[1], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as e:
                 if e.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
-                raise _linked_inside(place[0].joinpath(*place[1][:i + 1]), place[0]) from None
+                raise _linked_inside(_first_not_a_folder(*place), place[0]) from None
             os.close(fd)
             fd = inner
         st = os.fstat(fd)

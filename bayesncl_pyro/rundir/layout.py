@@ -69,6 +69,16 @@ def run_folder(run: str | os.PathLike) -> Path:
     return run.parent if run.name == CHECKPOINT and run.is_file() else run
 
 
+def _below_run(folder: Path) -> tuple[Path, tuple[str, ...]] | None:
+    """The run folder that holds ``folder`` (:func:`run_holding`) and the names that lead from it to ``folder``."""
+    run = run_holding(folder)
+    if run is None:
+        return None
+    named = Path(os.path.abspath(folder))
+    path = named if run in (named, *named.parents) else named.resolve()
+    return run, path.relative_to(run).parts
+
+
 def run_holding(folder: Path) -> Path | None:
     """The run folder that is or holds ``folder``, or None.
 

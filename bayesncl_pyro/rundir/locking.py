@@ -9,8 +9,8 @@ import weakref
 from pathlib import Path
 
 from bayesncl_pyro.errors import UserError
+from bayesncl_pyro.rundir.beneath import open_regular
 from bayesncl_pyro.rundir.layout import LOCK, run_holding
-from bayesncl_pyro.rundir.opening import _open
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -31,9 +31,17 @@ class RunLock:
 
     def __init__(self, out: Path):
         path = out / LOCK
+        # the run folder, opened once: every read and write below it starts from this descriptor (its lock file too),
+        # so that the folder swapped for a link later (in a shared parent) sends nothing elsewhere
+        folder = None
         try:  # a lock file is never replaced, so a lock always guards the same file
-            self.file = os.fdopen(_open(path, os.O_RDWR | os.O_CREAT), "r+")
-        except OSError as e:  # another user's lock, a read-only folder: without the lock the run is refused
+            folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.file = os.fdopen(open_regular(folder, out, (LOCK,), os.O_RDWR | os.O_CREAT), "r+")
+        except BaseException as e:  # another user's lock, a read-only folder: without the lock the run is refused
+            if folder is not None:
+                os.close(folder)
+            if not isinstance(e, OSError):
+                raise
             raise UserError(f"cannot lock {out}: {path} cannot be opened for writing ({e.strerror}), and without "
                             "its lock a second run could train in the folder at the same time; choose another "
                             "--out, in a folder you can write") from None
@@ -42,6 +50,7 @@ class RunLock:
         except OSError as e:
             holder = self.file.read(200).strip() or "another process"
             self.file.close()
+            os.close(folder)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise UserError(f"cannot lock {path}: {e.strerror}; choose another --out") from None
             raise UserError(f"{out} is in use by another run ({holder}); wait for it to end, or pass another "
@@ -50,10 +59,8 @@ class RunLock:
         self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         self.file.flush()
         self.created = False  # whether the claim that took it created the folder (claim sets it)
-        # the run folder, opened once: every write into it starts from this descriptor, so that the folder swapped
-        # for a link later (in a shared parent) sends nothing elsewhere
         self.named = Path(os.path.abspath(out))
-        self.dir = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.dir = folder
         self.identity = _identity(out)
         weakref.finalize(self, os.close, self.dir)
 
@@ -90,6 +97,12 @@ def lock(out: Path) -> RunLock:
         held = RunLock(out)
         _HELD[held.identity] = held
     return held
+
+
+def holding(folder: Path) -> RunLock | None:
+    """The lock this process holds on a run folder that is or holds ``folder`` (by the name it was locked by)."""
+    named = Path(os.path.abspath(folder))
+    return next((held for held in list(_HELD.values()) if held.named in (named, *named.parents)), None)
 
 
 @contextlib.contextmanager

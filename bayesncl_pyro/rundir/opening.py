@@ -1,58 +1,46 @@
 """The rule of every read of a run's file: a regular file, never through a link, read up to a limit in bytes."""
 
-import errno
 import json
 import os
-import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from bayesncl_pyro.config import parse_file
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.rundir.layout import JSON_LIMIT, MAX_LINE, MAX_RECORDS, TEXT_LIMIT, logger
+from bayesncl_pyro.rundir.beneath import open_regular
+from bayesncl_pyro.rundir.layout import JSON_LIMIT, MAX_LINE, MAX_RECORDS, TEXT_LIMIT, _below_run, logger
+from bayesncl_pyro.rundir.locking import holding
+
+
+def _place(path: Path) -> tuple[int, Path, tuple[str, ...]]:
+    """Where a file of a run is opened from: a descriptor of a folder, that folder, and the names from it to the file.
+
+    The folder is the run folder this process locked, by the descriptor opened then (as every write into it); else
+    the run folder that holds the file (:func:`run_holding`), opened now by its path, which the user names and which
+    may be a link; else the file's own folder. Every name below it is opened without following a link.
+    """
+    named = Path(os.path.abspath(path))
+    mine = holding(named.parent)
+    if mine is not None:
+        return os.dup(mine.dir), mine.named, named.relative_to(mine.named).parts
+    folder, names = _below_run(named.parent) or (named.parent, ())
+    return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), folder, (*names, named.name)
 
 
 def _open(path: Path, flags: int, follow: bool = False) -> int:
-    """Return ``os.open(path, flags)`` of a regular file, never through a symbolic link, without waiting on a FIFO.
+    """Return ``os.open(path, flags)`` of a regular file, by the run folder's rule (:func:`beneath.open_regular`).
 
-    ``follow``: a file the user named may be a link. Anything but a regular file is a UserError naming it, and so is
-    a file of a run opened for writing that has other hard links (O_NOFOLLOW does not see them: the write would land
-    in the file elsewhere); other OSErrors pass.
+    It is opened below its run folder's descriptor (:func:`_place`), no name on the way a symbolic link; ``follow``:
+    a file the user named, opened by its path, may be one.
     """
+    path = Path(path)
+    if follow:
+        return open_regular(None, path.parent, (path.name,), flags, follow=True, shown=path)
+    fd, folder, names = _place(path)
     try:
-        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW), 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow and path.is_symlink():
-            raise UserError(f"{path} is a symbolic link, to {os.readlink(path)}; a file of a run folder is never "
-                            "read or written through one (it may point anywhere): replace the link by the file, or "
-                            "move it away") from None
-        if e.errno == errno.ENXIO:  # a FIFO that no process reads, opened for writing
-            raise UserError(_not_a_file(path, "a named pipe (FIFO)", follow)) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+        return open_regular(fd, folder, names, flags, shown=path)
+    finally:
         os.close(fd)
-        raise UserError(_not_a_file(path, _kind(mode), follow))
-    links = os.fstat(fd).st_nlink
-    if links > 1 and not follow and flags & (os.O_WRONLY | os.O_RDWR):
-        os.close(fd)
-        raise UserError(f"{path} has {links} hard links, so it is also a file elsewhere; a run never writes into a "
-                        "file it shares (the other name would change too): replace it by a copy of its own (cp FILE "
-                        "FILE.new && mv FILE.new FILE), or move it away")
-    os.set_blocking(fd, True)
-    return fd
-
-
-def _kind(mode: int) -> str:
-    """What a file of ``mode`` (``st_mode``) that is no regular file is, in words."""
-    return "a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else \
-        "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-
-
-def _not_a_file(path: Path, kind: str, follow: bool) -> str:
-    """The message refusing ``path``, which is ``kind`` (a folder, a FIFO, ...), not a regular file."""
-    return f"{path} is {kind}, not a regular file; " + (
-        "pass a regular file" if follow else "a run's files are regular files: move it away")
 
 
 def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
