@@ -30,20 +30,21 @@ def append_line(line: str | bytes, path: Path):
         raise UserError(cannot_write(path, e)) from None
 
 
-def cut_records(path: Path, step: int):
+def cut_records(path: Path, step: int) -> bool:
     """Cut a run's ``.jsonl`` file back to its records up to ``step``, the step of the checkpoint a run resumes from.
 
     A run killed after its checkpoint had logged the steps it then takes again: kept, they would stand twice, and what
     reads them (eval.json's ``conflict_*``) would differ from an uninterrupted run's. The file ends after the last
     record up to ``step`` before the first one past it; what follows, a line that a kill cut short too, goes. Called
-    under the run's lock, before the run appends.
+    under the run's lock, before the run appends. Returns whether it held a record past ``step`` (a W&B run then
+    holds it too: ``loggers.WandbLog`` rewinds it).
     """
     if not os.path.lexists(path):
-        return
+        return False
     try:
         fd = _open(path, os.O_RDWR)
         try:
-            keep = end = 0
+            keep, end, past = 0, 0, False
             with os.fdopen(os.dup(fd), "rb") as f:
                 for line in f:
                     end += len(line)
@@ -56,6 +57,7 @@ def cut_records(path: Path, step: int):
                         continue  # a line that is no record: it goes with what follows, or stays with what precedes
                     if isinstance(record, dict) and type(record.get("step")) is int:
                         if record["step"] > step:
+                            past = True
                             break
                         keep = end
             if keep < os.fstat(fd).st_size:
@@ -65,3 +67,4 @@ def cut_records(path: Path, step: int):
             os.close(fd)
     except OSError as e:
         raise UserError(cannot_write(path, e)) from None
+    return past
