@@ -15,7 +15,8 @@ Its layers, from the ground up; a module imports only from its own layer and fro
 (tests/test_imports.py reads this list and checks it):
 
     *.py        the leaves: _version, errors, config, plugins, device, distributed, rundir, loggers, _deprecated,
-                posterior (the last two: the old paths of moved names, until they go)
+                posterior (the last two: the old paths of moved names, until they go); rundir is a package
+                of this layer, split by idea
     data/       dataset -> images -> two augmented views per image, on the CPU or the training device
     nn/         plain PyTorch: backbones and MLPs, the contrastive maths, optimizers
     models/     the Pyro model: gates from a prior, InfoNCE on gated features as a likelihood factor

@@ -71,10 +71,12 @@ class RunLog:
     record.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True, step: int = 0):
+    def __init__(self, run_dir: str | os.PathLike, cfg: Config, bar: bool, trackers: bool = True, step: int = 0,
+                 rewind: bool = False):
+        """``step``: the checkpoint's step a run resumes from; ``rewind``: whether the run logged past it before."""
         self.path, self.batch_size, self.show_bar = Path(run_dir) / LOG, cfg.batch_size, bar
         self.trackers = [] if not trackers else ([TensorBoardLog(run_dir, step)] if cfg.tensorboard else []) + (
-            [WandbLog(run_dir, cfg.to_dict())] if cfg.wandb else [])
+            [WandbLog(run_dir, cfg.to_dict(), step + 1 if rewind else None)] if cfg.wandb else [])
         self.bar, self.last_step, self.estimated = None, 0, False
         self.tic, self.seen = time.perf_counter(), 0
 
@@ -183,8 +185,15 @@ PROJECT = "bayesncl-pyro"
 
 
 class WandbLog:
-    """A run's records, evaluation and config logged to a Weights & Biases run."""
-    def __init__(self, run_dir: str | os.PathLike, config: dict):
+    """A run's records, evaluation and config logged to a Weights & Biases run.
+
+    A run resumed after it logged past its checkpoint (killed, not stopped) rewinds its W&B run to the step after the
+    checkpoint (``rewind``; W&B's ``resume_from="ID?_step=N"`` keeps the history before step N), as its log.jsonl is
+    cut and TensorBoard purges its events: otherwise W&B keeps the killed run's records of the steps logged again and
+    drops the resumed run's (its steps must grow). Rewinding is a preview of W&B's servers: one that refuses it gets
+    the run resumed as before, with a note. A run stopped at a checkpoint logged nothing past it and resumes plainly.
+    """
+    def __init__(self, run_dir: str | os.PathLike, config: dict, rewind: int | None = None):
         try:
             import wandb  # late: an optional extra
         except ImportError:
@@ -196,17 +205,27 @@ class WandbLog:
             raise UserError(f"{hidden} is not what a run writes, and W&B would write its run into it (it may be a "
                             f"link to anywhere) rather than into {Path(run_dir) / WANDB_DIR}: move it away")
         id_file = output_folder(Path(run_dir) / WANDB_DIR) / "run_id"
-        run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        existed = id_file.exists()
+        run_id = read_bytes(id_file, 64).decode(errors="replace").strip() if existed else uuid.uuid4().hex[:8]
         if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):  # refused by W&B, whose message would ask for a login
             raise UserError(f"{id_file} holds {quoted(run_id)}, not a W&B run id (letters, digits, - and _, as a run "
                             "writes it); it is not what a run writes: move it away, and a new W&B run starts")
+        start = dict(project=os.environ.get("WANDB_PROJECT", PROJECT), name=Path(run_dir).name, id=run_id,
+                     dir=str(run_dir), config=config)
         try:
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=Path(run_dir).name,
-                                  id=run_id, resume="allow", dir=str(run_dir), config=config)
+            self.run = None
+            if rewind is not None and existed:  # resume and resume_from exclude each other
+                try:
+                    self.run = wandb.init(**start, resume_from=f"{run_id}?_step={rewind}")
+                except Exception as e:
+                    logger.warning(f"note: W&B did not rewind run {run_id} to step {rewind} ({_first_line(e)}); it "
+                                   f"keeps the records that the killed run logged from step {rewind} on, and drops "
+                                   f"the resumed run's records of those steps (log.jsonl holds them)")
+            if self.run is None:
+                self.run = wandb.init(**start, resume="allow")
         except Exception as e:  # no login in online mode, a server that refuses: say it in one line
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"--wandb: W&B did not start a run ({cause}); log in with `wandb login`, or export "
-                            "WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`"
+            raise UserError(f"--wandb: W&B did not start a run ({_first_line(e)}); log in with `wandb login`, or "
+                            "export WANDB_MODE=offline to write the run into the run folder for a later `wandb sync`"
                             ) from None
         atomic_save(f"{run_id}\n".encode(), id_file)
 
@@ -227,3 +246,8 @@ class WandbLog:
         """Finish the W&B run and stop its service."""
         self.run.finish()
         self.wandb.teardown()  # its service writes the last records when it stops: the folder is complete now
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of ``e``'s message, or its class's name."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -1,4 +1,4 @@
-"""The one rule of every reader and writer of a run folder (bayesncl_pyro/rundir.py): a file in it is opened without
+"""The one rule of every reader and writer of a run folder (bayesncl_pyro/rundir/): a file in it is opened without
 following a symbolic link and only if it is a regular file, reads are capped, writes go by a temporary file renamed
 into a real folder of the run; the lock is taken or the run refused; a run is known by our marker, never by a
 config.json. Each reader and writer meets a link to a file outside, a link to /dev/zero and a FIFO.
@@ -311,14 +311,14 @@ def test_a_lock_that_cannot_be_taken_refuses_the_run(unfinished, monkeypatch, ca
         lock.mkdir()
         reason = "Is a directory"
     else:
-        real = os.open
+        real = rundir.beneath.open_beneath  # a file of a run is opened below its folder's descriptor, the lock too
 
-        def refused(path, flags, *args, **kwargs):
-            if Path(path) == lock:
+        def refused(dir_fd, names, flags, *args, **kwargs):
+            if tuple(names) == (lock.name,):
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-            return real(path, flags, *args, **kwargs)
+            return real(dir_fd, names, flags, *args, **kwargs)
 
-        monkeypatch.setattr(os, "open", refused)
+        monkeypatch.setattr(rundir.beneath, "open_beneath", refused)
         reason = os.strerror(errno.EACCES)
     log = (unfinished / "log.jsonl").read_text()
     assert run_svi.main([*TINY_RUN, "--out", str(unfinished)]) == 2

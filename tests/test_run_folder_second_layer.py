@@ -1,4 +1,4 @@
-"""The run-folder rule (bayesncl_pyro/rundir.py), its second layer: what lay just past the first. Hard
+"""The run-folder rule (bayesncl_pyro/rundir/), its second layer: what lay just past the first. Hard
 links, the names a foreign-file check skipped, every writer (compare.py, a late swap of inspect/) under the rule, the
 code a --config from a run folder names, and readers whose memory is bounded. docs/RELIABILITY.md maps each to its
 test."""

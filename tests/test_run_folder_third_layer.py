@@ -1,4 +1,4 @@
-"""The run-folder rule (bayesncl_pyro/rundir.py), its third layer: trust by where a file lies, a folder inside a run
+"""The run-folder rule (bayesncl_pyro/rundir/), its third layer: trust by where a file lies, a folder inside a run
 folder however it is named, the records a resume takes back, and what compare.py --rebuild reads. docs/RELIABILITY.md
 maps each to its test."""
 
@@ -228,3 +228,68 @@ def test_writes_under_the_lock_look_for_stale_temporaries_once_a_file(tmp_path, 
         rundir.write_json({"a": 2}, run / "eval.json")
     assert not (run / "eval.json.999999.tmp").exists()
     assert len(listed) == 1 and json.loads((run / "eval.json").read_text()) == {"a": 2}
+
+
+def test_a_comparison_fails_midway_and_leaves_its_previous_files_whole(compared, tmp_path, monkeypatch):
+    """write_comparison renamed its json, each figure and its markdown one at a time: a failure on the second file
+    (the first figure) left a new comparison.json beside the old comparison.md and figures."""
+    out = shutil.copytree(compared[1] / "out", tmp_path / "out", symlinks=True)
+    names = ["comparison.json", "consistency_vs_probe.png", "matched_sparsity.png", "comparison.md"]
+    before = {name: (out / name).read_bytes() for name in names}
+    report = {**json.loads(before["comparison.json"]), "wall_s": 1234.5}  # a new comparison: every file differs
+    real, synced = os.fsync, []
+
+    def full_on_the_second(fd):
+        synced.append(fd)
+        if len(synced) == 2:
+            raise OSError(28, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full_on_the_second)
+    with pytest.raises(UserError) as refused:
+        comparison.write_comparison(out, report)
+    assert str(refused.value) == (f"cannot write {out / names[1]}: No space left on device; free some space or choose "
+                                  f"another --out ({', '.join(names)} are as they were)")
+    assert {name: (out / name).read_bytes() for name in names} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(os, "fsync", real)
+    comparison.write_comparison(out, report)  # and written whole when nothing fails
+    assert json.loads((out / "comparison.json").read_text())["wall_s"] == 1234.5
+    assert "20.6 min" in (out / "comparison.md").read_text()
+
+
+@pytest.mark.parametrize("resolver", ["openat2", "a name at a time"])
+def test_a_read_below_a_run_folder_goes_through_no_linked_folder(bayes_run, tmp_path, monkeypatch, resolver):
+    """A file below a run folder was opened by its path: a folder on the way that is a link (a previous-* folder
+    replaced by one) was followed, and a run folder swapped for a link while this process held its lock was read from
+    the link's target. Both ways of opening below the run folder's descriptor: openat2 and, where the kernel lacks it,
+    a name at a time with O_NOFOLLOW."""
+    called = []
+    if resolver == "openat2":
+        if not rundir.beneath.OPENAT2:
+            pytest.skip("this kernel (or its seccomp filter) has no openat2")
+        real = rundir.beneath.openat2
+        monkeypatch.setattr(rundir.beneath, "openat2", lambda *args: called.append(args[1]) or real(*args))
+    else:
+        monkeypatch.setattr(rundir.beneath, "OPENAT2", False)
+        monkeypatch.setattr(rundir.beneath, "openat2", lambda *args: pytest.fail("openat2 was called"))
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = shutil.copytree(bayes_run, tmp_path / "elsewhere")
+    (elsewhere / "eval.json").write_text(json.dumps({"secret": 1}))
+    below = run / "previous-20240101-000000-x"
+    below.symlink_to(elsewhere, target_is_directory=True)
+    for read in (rundir.read_eval, rundir.read_log, lambda folder: rundir.read_json(folder / "config.json"),
+                 lambda folder: rundir.load_checkpoint(folder / "checkpoint.pt")):
+        with pytest.raises(UserError) as refused:
+            read(below)
+        assert str(refused.value) == (
+            f"{below} is a symbolic link, to {elsewhere}; a file of a run folder is never read or written through one "
+            "(it may point anywhere): replace the link by the folder, or move it away")
+    assert rundir.read_eval(elsewhere) == {"secret": 1, "protocol": "fast"}  # the user named it: it may be anywhere
+    with rundir.held(run):
+        run.rename(tmp_path / "moved")
+        run.symlink_to(elsewhere, target_is_directory=True)
+        assert rundir.read_eval(run) == rundir.read_eval(tmp_path / "moved")  # from the folder it locked
+        assert len(rundir.read_log(run)) == len(rundir.read_log(tmp_path / "moved"))
+    assert rundir.read_eval(run) == {"secret": 1, "protocol": "fast"}  # the lock let go: the path the user names
+    assert bool(called) == (resolver == "openat2")

@@ -94,3 +94,66 @@ def test_wandb_missing_is_one_line_before_training(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"--wandb needs the wandb package: pip install -e '\.\[wandb\]'"):
         Trainer(Config(out=str(tmp_path / "run"), **TINY), progress=False)
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+class StandIn:
+    """wandb, as far as a run calls it, offline; ``init`` checks its arguments as wandb does (its own ``Settings``:
+    ``resume`` and ``resume_from`` exclude each other, ``resume_from`` is ``ID?_step=N`` of the same id) and records
+    them. ``refuse``: a server without the rewind preview."""
+
+    def __init__(self, settings, refuse: bool = False):
+        self.settings, self.calls, self.refuse = settings, [], refuse
+
+    def init(self, **kwargs):
+        self.settings(run_id=kwargs["id"], resume=kwargs.get("resume"), resume_from=kwargs.get("resume_from"))
+        self.calls.append(kwargs)
+        if self.refuse and "resume_from" in kwargs:
+            raise RuntimeError("rewinding runs is not enabled for this entity")
+
+        class Run:
+            summary = {}
+
+            def log(self, values, step):
+                pass
+
+            def finish(self):
+                pass
+
+        return Run()
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def Histogram(values):  # noqa: N802 (wandb's name)
+        return list(values)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_run_killed_past_its_checkpoint_rewinds_its_wandb_run(tmp_path, monkeypatch, caplog, refuse):
+    """A resumed run logged into the same W&B run with resume="allow" whether or not it had logged past its
+    checkpoint: W&B kept the killed run's records of the steps taken again and dropped the resumed run's."""
+    real = pytest.importorskip("wandb", reason="wandb is an optional extra: pip install -e '.[wandb]'")
+    wandb = StandIn(real.Settings, refuse)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    out = tmp_path / "run"
+    first = Trainer(Config(out=str(out), **TINY), progress=False)
+    first.train(5)
+    first.save()  # stopped at its checkpoint: nothing past it
+    first.log.close()
+    second = Trainer(Config(out=str(out), **TINY), progress=False)
+    run_id = (out / "wandb" / "run_id").read_text().strip()
+    assert [call.get("resume") for call in wandb.calls] == ["allow", "allow"]
+    assert not any("resume_from" in call for call in wandb.calls)
+    second.train(7)  # logs past step 5, then killed: no checkpoint past it
+    second.log.close()
+    assert read_log(out)[-1]["step"] > 5
+    Trainer(Config(out=str(out), **TINY), progress=False)
+    assert read_log(out)[-1]["step"] <= 5  # log.jsonl cut back to the checkpoint's step
+    assert wandb.calls[2]["id"] == run_id and wandb.calls[2].get("resume_from") == f"{run_id}?_step=6"
+    assert "resume" not in wandb.calls[2]
+    if refuse:  # then resumed as before, with a note saying what W&B keeps
+        assert wandb.calls[3].get("resume") == "allow" and len(wandb.calls) == 4
+        assert f"W&B did not rewind run {run_id} to step 6 (rewinding runs is not enabled" in caplog.text
+    else:
+        assert len(wandb.calls) == 3

@@ -11,7 +11,7 @@ from bayesncl_pyro import rundir
 from bayesncl_pyro._deprecated import moved
 from bayesncl_pyro.errors import UserError, quoted
 from bayesncl_pyro.evaluate import design, keys, novelty
-from bayesncl_pyro.evaluate.comparison_figures import plot, plot_matched, plot_paired
+from bayesncl_pyro.evaluate.comparison_figures import consistency_figure, matched_figure, paired_figure, png, pyplot
 from bayesncl_pyro.evaluate.heldout import describe_protocol
 from bayesncl_pyro.evaluate.pairing import (
     BASELINES,
@@ -345,21 +345,31 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
     The figures (:data:`FIGURES`), each name ending in ``suffix`` (a folder may hold several comparisons:
     comparison-d0.3.*): consistency_vs_probe, matched_sparsity, paired (where there are gated runs with baselines) and
     paired_mechanism (where they have the mechanism's figures). Returns the markdown's text.
+
+    The files land together (``rundir.save_together``): each is written to a temporary file first, and only when all
+    are written are they renamed over the old ones, so a failure midway (a figure that cannot be drawn, a full disk,
+    Ctrl-C) leaves the previous comparison whole, never a new comparison.md beside an old comparison.json.
     """
     # by the rule of rundir, as every writer: into a real folder, by renames that replace a link, never through one
     out = rundir.output_folder(out, named=True)  # created: every run may have come from --record
     report = dict(report, suffix=suffix) if suffix else report
-    rundir.write_json(report, out / f"comparison{suffix}.json")
-    if "consistency_vs_probe" in figures:
-        plot(report["runs"], out / stem_name("consistency_vs_probe", report))
-    if "matched_sparsity" in figures:
-        plot_matched(report["runs"], out / stem_name("matched_sparsity", report))
-    if "paired" in figures and (rows := report.get("paired_primary", []) + report.get("paired", [])):
-        plot_paired(rows, out / stem_name("paired", report))
-    if "paired_mechanism" in figures and report.get("paired_mechanism"):
-        plot_paired(report["paired_mechanism"], out / stem_name("paired_mechanism", report))
-    md = markdown(report)
-    rundir.atomic_save(md.encode(), out / f"comparison{suffix}.md")
+    drawn = {}
+    try:
+        if "consistency_vs_probe" in figures:
+            drawn["consistency_vs_probe"] = consistency_figure(report["runs"])
+        if "matched_sparsity" in figures:
+            drawn["matched_sparsity"] = matched_figure(report["runs"])
+        if "paired" in figures and (rows := report.get("paired_primary", []) + report.get("paired", [])):
+            drawn["paired"] = paired_figure(rows)
+        if "paired_mechanism" in figures and report.get("paired_mechanism"):
+            drawn["paired_mechanism"] = paired_figure(report["paired_mechanism"])
+        md = markdown(report)
+        rundir.save_together([(rundir.json_bytes(report), out / f"comparison{suffix}.json"),
+                              *((png(fig), out / stem_name(stem, report)) for stem, fig in drawn.items()),
+                              (md.encode(), out / f"comparison{suffix}.md")])
+    finally:
+        for fig in drawn.values():
+            pyplot().close(fig)
     return md
 
 

@@ -1,7 +1,8 @@
 """The figures of a comparison: consistency against the probe, the matched-sparsity curves, the paired differences.
 
 Every figure here is drawn by matplotlib with the Agg backend (:func:`pyplot`, the one place it is chosen: a comparison
-runs on machines without a display) and written by ``rundir.save_figure``.
+runs on machines without a display). Each ``*_figure`` returns its figure, which :func:`png` writes as one file of a
+set (``rundir.save_together``: a comparison's files land together); ``plot*`` write one figure alone.
 """
 
 import math
@@ -11,6 +12,8 @@ from bayesncl_pyro.evaluate import keys
 from bayesncl_pyro.evaluate.pairing import LABELS
 from bayesncl_pyro.evaluate.stats import mean_sd
 from bayesncl_pyro.rundir import save_figure
+
+DPI = 120
 
 
 def pyplot():
@@ -23,8 +26,26 @@ def pyplot():
     return plt
 
 
+def png(fig):
+    """The writer of ``fig`` as a PNG into a binary file: an item of ``rundir.save_together``."""
+    return lambda f: fig.savefig(f, format="png", dpi=DPI)
+
+
+def save(fig, path: Path):
+    """Write ``fig`` alone to ``path`` (``rundir.save_figure``) and close it."""
+    try:
+        save_figure(fig, path, dpi=DPI)
+    finally:
+        pyplot().close(fig)
+
+
 def plot(runs: list[dict], path: Path):
-    """Plot each run's semantic consistency against its linear-probe top-1."""
+    """Save :func:`consistency_figure` of ``runs`` to ``path``."""
+    save(consistency_figure(runs), path)
+
+
+def consistency_figure(runs: list[dict]):
+    """Each run's semantic consistency against its linear-probe top-1."""
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 4))
@@ -38,17 +59,12 @@ def plot(runs: list[dict], path: Path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_paired(rows: list[dict], path):
     """Save :func:`paired_figure` of ``rows`` to ``path``."""
-    plt = pyplot()
-
-    fig = paired_figure(rows)
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save(paired_figure(rows), path)
 
 
 def paired_figure(rows: list[dict]):
@@ -97,7 +113,12 @@ def paired_figure(rows: list[dict]):
 
 
 def plot_matched(runs: list[dict], path):
-    """Plot consistency and LP@1 against activation rate and active entries.
+    """Save :func:`matched_figure` of ``runs`` to ``path``."""
+    save(matched_figure(runs), path)
+
+
+def matched_figure(runs: list[dict]):
+    """Consistency and LP@1 against activation rate and active entries.
 
     Against the activation rate of F (top row) and its active entries, 1 - sparsity (bottom row): one curve per family
     (NCL joins NCL+TopK's, as its k = K end), one point per setting at its seeds' mean, the seeds' standard deviation as
@@ -137,5 +158,4 @@ def plot_matched(runs: list[dict], path):
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -1,6 +1,6 @@
 """The training loop: dataset -> augment -> encoder -> (model, guide) -> -ELBO -> optimizer; then the evaluation.
 
-One ``Trainer`` owns a run folder (``rundir.py`` lists its files and does the writing and reading): ``fit()`` trains
+One ``Trainer`` owns a run folder (``rundir`` lists its files and does the writing and reading): ``fit()`` trains
 it to the last step, ``evaluate()`` evaluates the finished run. Running the same command again in the same folder
 resumes from ``checkpoint.pt``; a finished run is not retrained (its results are printed again), and one made by
 another number of processes continues.
@@ -171,13 +171,13 @@ class Trainer:
         self._step = StepGraph(self._eager_step) if cfg.cuda_graphs else self._eager_step
         self.log, self.monitor = None, None
         if self.rank == 0:  # set up without a refusal: the folder is this run's now
-            for records in (LOG, CONFLICT):  # what a killed run logged past its checkpoint is logged again
-                cut_records(self.out / records, self.step)
+            # what a killed run logged past its checkpoint is logged again
+            past = {records: cut_records(self.out / records, self.step) for records in (LOG, CONFLICT)}
             # the thread count with the settings: a run's float sums, and so its numbers, depend on it
             write_json(dict(cfg.to_dict(), num_threads=torch.get_num_threads()), self.out / CONFIG)
             bar = sys.stderr.isatty() if progress is None else progress
             # a finished run evaluated before has nothing left to log: no TensorBoard or W&B run is started
-            self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated, step=self.step)
+            self.log = RunLog(self.out, cfg, bar, trackers=not self.evaluated, step=self.step, rewind=past[LOG])
             if cfg.monitor_every:
                 self.monitor = Monitor(self.learner, self.data, cfg, self.device)
 
