@@ -55,9 +55,14 @@ def test_every_script_is_smoke_tested():
 
 
 # the benchmarks' smoke runs (5-10 s each) are slow; test_bench_step_compares_workers_and_device_augmentation_on_jpegs
-# runs bench_step.py's
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("bench_") else s
-                                    for s in sorted(s for s, args in SCRIPTS.items() if args)])
+# runs bench_step.py's. So are the heaviest scripts' (6-8 s each), whose main() or library call the default suite runs
+# in-process (test_compare, test_novelty, test_report, test_gate_gradients, test_parsers): the subprocess adds the
+# interpreter's start and the script's two import lines
+SLOW_SMOKE = ("compare.py", "gate_gradient_bias.py", "novelty.py", "report.py")
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s.startswith("bench_") or s in SLOW_SMOKE
+                                    else s for s in sorted(s for s, args in SCRIPTS.items() if args)])
 def test_script_runs(script, tmp_path, bayes_run):
     proc = run(script, *SCRIPTS[script](tmp_path, str(bayes_run)))
     assert proc.returncode == 0, proc.stderr
