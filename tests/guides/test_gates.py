@@ -78,7 +78,7 @@ def test_each_estimators_training_value(name):
     trained = site["fn"].base_dist
     assert type(trained) is estimator.family and site["fn"].has_rsample and not q.has_rsample  # q itself untouched
     assert trained.probs is q.probs and trained.head_logits is q.head_logits
-    elbo = estimator.elbo(0.2)
+    elbo = estimator.elbo()
     assert elbo.kl_clamp == 0.01
     torch.testing.assert_close(elbo.kl_probs(trained), LOGITS.sigmoid().expand_as(q.probs)
                                if name == "gs-reference-kl" else q.probs)
@@ -139,7 +139,7 @@ def test_kl_clamp_zero_is_torchs_exact_bernoulli_kl(name):
     rho = torch.tensor([0.05, 0.5, 0.999])[:, None].expand(3, 41)
     estimator = gate_class(name)(kl_clamp=0.0)
     q = estimator.family(logits)
-    ours, kind = estimator.elbo(0.2)._kl(q, dist.Bernoulli(rho), None)  # the site's KL as its ELBO takes it
+    ours, kind = estimator.elbo()._kl(q, dist.Bernoulli(rho), None)  # the site's KL as its ELBO takes it
     assert kind == "analytic"
     # gs-reference-kl takes the reference's KL, at sigmoid(logits): by name not KL(q || p)
     at = logits.sigmoid() if name == "gs-reference-kl" else q.probs
@@ -162,7 +162,7 @@ def test_kl_label_says_what_the_kl_term_computes(clamp):
     for name in GATES:
         estimator = gate_class(name)(kl_clamp=clamp)
         q = estimator.family(logits)
-        term, _ = estimator.elbo(0.2)._kl(q, dist.Bernoulli(rho), None)
+        term, _ = estimator.elbo()._kl(q, dist.Bernoulli(rho), None)
         at_q, at_sigmoid = bernoulli_kl(q.probs, rho, clamp), bernoulli_kl(logits.sigmoid(), rho, clamp)
         label = type(estimator).kl_label(clamp)
         assert label.endswith(suffix) and ("clamped" in label) == bool(clamp), (name, label)
@@ -175,7 +175,7 @@ def test_kl_label_says_what_the_kl_term_computes(clamp):
             torch.testing.assert_close(term, at_q)
     # the report's KL per dimension: the base estimator's term (at q's probabilities), for the gs family too
     q, rate = GumbelSigmoidGates(logits), torch.linspace(0.05, 0.95, 41)
-    term, _ = GateEstimator(kl_clamp=clamp).elbo(0.2)._kl(q, dist.Bernoulli(rate.expand_as(logits)), None)
+    term, _ = GateEstimator(kl_clamp=clamp).elbo()._kl(q, dist.Bernoulli(rate.expand_as(logits)), None)
     torch.testing.assert_close(dm.kl_per_dim(q.probs, rate, clamp), term.mean(0))
 
 
