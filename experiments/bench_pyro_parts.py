@@ -66,7 +66,7 @@ def head_parts(cfg: Config) -> dict:
         guide_trace = poutine.trace(program_guide).get_trace(z, h)
         model_trace = poutine.trace(poutine.replay(program, trace=guide_trace)).get_trace(z, h)
     g = model_trace.nodes["g"]["value"]
-    elbo = estimator.elbo(model.temperature)
+    elbo = estimator.elbo()
 
     def plain():  # bench_step.plain_loss's head
         q = guide.posterior(h)
