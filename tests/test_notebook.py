@@ -38,8 +38,10 @@ def test_notebook_runs_top_to_bottom(executed_notebook):
     assert "dims most specific to one class" in text and "conflict (bayesncl)" in text and "conflict (ncl)" in text
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 5
-    work = tmp_path / "runs" / "notebook-inspect-gates"  # a folder the user finds, and is told (relative: no machine's path)
-    assert len(list(work.glob("bayesncl/inspect/*.png"))) == 6 and "the runs are in runs/notebook-inspect-gates/" in text
+    # a folder the user finds, and is told (relative: no machine's path)
+    work = tmp_path / "runs" / "notebook-inspect-gates"
+    assert len(list(work.glob("bayesncl/inspect/*.png"))) == 6
+    assert "the runs are in runs/notebook-inspect-gates/" in text
     # the report inline, then one card on its own, each in an iframe of its own
     pages = [html for c in nb.cells if c.cell_type == "code" for o in c.outputs
              if (html := o.get("data", {}).get("text/html", "")).startswith("<iframe srcdoc=")]
