@@ -67,6 +67,7 @@ small budget"): a 4-block CNN, at most 10,000 training images, 15 epochs, SGD lr
 """
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -222,18 +223,24 @@ def compare(args) -> dict:
             # prior reuses their records
             own = {k: v for k, v in shared.items() if fields["method"] == "bayesncl" or k not in GATE_SETTINGS}
             cfg = resolve(Config(**own, **fields, seed=seed, out=str(run_dir)))
-            recorded = args.record and recorded_run(args.record / run_dir.name, cfg)
-            if recorded:
-                print(f"== {name}, seed {seed}: recorded in {args.record / run_dir.name}", flush=True)
-                run_dir = args.record / run_dir.name
-                results = rundir.read_eval(run_dir, cfg.gate)
-            else:
+            kept = args.record / run_dir.name if args.record else None
+            # a record's check, its evaluation and its log read from one folder (rundir.RunFolder), as a run's copy
+            with rundir.RunFolder.open(kept) if kept else contextlib.nullcontext():
+                recorded = kept is not None and recorded_run(kept, cfg)
+                if recorded:
+                    print(f"== {name}, seed {seed}: recorded in {kept}", flush=True)
+                    run_dir = kept
+                    results = rundir.read_eval(run_dir, cfg.gate)
+                    seconds = train_time(run_dir, cfg.batch_size)
+            if not recorded:
                 print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
                 results = Trainer(cfg).fit().evaluate()
-                if args.record:
-                    record(run_dir, args.record / run_dir.name)
+                with rundir.RunFolder.open(run_dir):
+                    if kept:
+                        record(run_dir, kept)
+                    seconds = train_time(run_dir, cfg.batch_size)
             runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,
-                             train_time_s=train_time(run_dir, cfg.batch_size)))
+                             train_time_s=seconds))
             if settings is None or (cfg.method == "bayesncl" and settings.method != "bayesncl"):
                 settings = cfg  # the gates' shared settings, where there are gates
     report = comparison(args.dataset, args.seeds, notes, runs, shared_settings(settings, len(args.kl_weight or ()) > 1),

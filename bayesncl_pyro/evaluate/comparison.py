@@ -186,9 +186,10 @@ def rebuild(path: Path) -> dict:
                                 "move it away")
             seen.add(name)
             folder = rundir.inner_folder(path.parent / name)  # a link in the record may point anywhere
-            cfg = rundir.read_json(folder / rundir.CONFIG)
-            runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=name,
-                             **rundir.read_eval(folder, cfg.get("gate")), train_time_s=r["train_time_s"]))
+            with rundir.RunFolder.open(folder) as kept:  # its config and evaluation from one folder
+                cfg = kept.read_json(rundir.CONFIG)
+                runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=name,
+                                 **kept.read_eval(cfg.get("gate")), train_time_s=r["train_time_s"]))
         kept = old["dataset"], old["seeds"], old["notes"], old["settings"], old.get("budget"), old["wall_s"]
     except (KeyError, TypeError) as e:
         raise UserError(f"{path} is not a comparison's json as compare.py writes it ({type(e).__name__}: {e}); pass "
