@@ -78,7 +78,7 @@ from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import comparison, rebuild, write_comparison
+from bayesncl_pyro.evaluate.comparison import comparison, mismatched, rebuild, write_comparison
 from bayesncl_pyro.evaluate.pairing import family
 from bayesncl_pyro.train.plan import METHOD_NAMES, method_configs, record, recorded_run, shared_settings, train_time
 from bayesncl_pyro.train.resolve import resolve
@@ -263,6 +263,11 @@ def rebuild_comparison(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"--rebuild takes a comparison's json in a --record folder; {path} is no file")
     suffix = path.stem.removeprefix("comparison")  # comparison-d0.3.json -> -d0.3
+    stale = mismatched(path)
+    if stale:
+        print(f"note: {', '.join(stale)} in {path.parent} are not the files written with {path.name} (a write of the "
+              "comparison killed between its renames); --rebuild rewrites its markdown and paired figures, a full "
+              "compare.py command the figures of its runs", file=sys.stderr)
     report = rebuild(path)
     print(write_comparison(path.parent, report, suffix, ("paired", "paired_mechanism")))
     return report
