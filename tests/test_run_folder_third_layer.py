@@ -258,6 +258,34 @@ def test_a_comparison_fails_midway_and_leaves_its_previous_files_whole(compared,
     assert "20.6 min" in (out / "comparison.md").read_text()
 
 
+def test_a_comparison_killed_between_its_renames_is_told_by_its_digests(compared, tmp_path, monkeypatch, capsys):
+    """write_comparison renames its files one at a time (one rename for the set would change the folder's layout): a
+    kill after the json's left a new comparison.json beside the old comparison.md, and nothing told them apart. The
+    json names the digest of every other file; --rebuild says which do not match, and rewrites them."""
+    record = shutil.copytree(compared[1] / "record", tmp_path / "record")
+    path = record / "comparison.json"
+    assert comparison.mismatched(path) == []
+    report = {**json.loads(path.read_text()), "wall_s": 1234.5}  # another comparison.md
+    report.pop("files")
+    real, renamed = os.replace, []
+
+    def killed_after_the_first(*args, **kwargs):  # the state a SIGKILL there leaves, but for the temporaries
+        if renamed:
+            raise KeyboardInterrupt
+        renamed.append(real(*args, **kwargs))
+
+    monkeypatch.setattr(os, "replace", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        comparison.write_comparison(record, report, figures=())
+    monkeypatch.setattr(os, "replace", real)
+    assert json.loads(path.read_text())["wall_s"] == 1234.5 and "20.6 min" not in (record / "comparison.md").read_text()
+    assert comparison.mismatched(path) == ["comparison.md"]
+    assert compare.main(["--rebuild", str(path)]) == 0
+    assert (f"note: comparison.md in {record} are not the files written with comparison.json (a write of the "
+            "comparison killed between its renames)") in capsys.readouterr().err
+    assert comparison.mismatched(path) == [] and "20.6 min" in (record / "comparison.md").read_text()
+
+
 @pytest.mark.parametrize("resolver", ["openat2", "a name at a time"])
 def test_a_read_below_a_run_folder_goes_through_no_linked_folder(bayes_run, tmp_path, monkeypatch, resolver):
     """A file below a run folder was opened by its path: a folder on the way that is a link (a previous-* folder

@@ -67,6 +67,7 @@ small budget"): a 4-block CNN, at most 10,000 training images, 15 epochs, SGD lr
 """
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -77,7 +78,7 @@ from bayesncl_pyro.cli import ArgumentParser, one_line_errors
 from bayesncl_pyro.config import DATASET_DEFAULTS, EVAL_PROTOCOLS, Config
 from bayesncl_pyro.data import DATASETS
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.comparison import comparison, rebuild, write_comparison
+from bayesncl_pyro.evaluate.comparison import comparison, mismatched, rebuild, write_comparison
 from bayesncl_pyro.evaluate.pairing import family
 from bayesncl_pyro.train.plan import METHOD_NAMES, method_configs, record, recorded_run, shared_settings, train_time
 from bayesncl_pyro.train.resolve import resolve
@@ -222,18 +223,24 @@ def compare(args) -> dict:
             # prior reuses their records
             own = {k: v for k, v in shared.items() if fields["method"] == "bayesncl" or k not in GATE_SETTINGS}
             cfg = resolve(Config(**own, **fields, seed=seed, out=str(run_dir)))
-            recorded = args.record and recorded_run(args.record / run_dir.name, cfg)
-            if recorded:
-                print(f"== {name}, seed {seed}: recorded in {args.record / run_dir.name}", flush=True)
-                run_dir = args.record / run_dir.name
-                results = rundir.read_eval(run_dir, cfg.gate)
-            else:
+            kept = args.record / run_dir.name if args.record else None
+            # a record's check, its evaluation and its log read from one folder (rundir.RunFolder), as a run's copy
+            with rundir.RunFolder.open(kept) if kept else contextlib.nullcontext():
+                recorded = kept is not None and recorded_run(kept, cfg)
+                if recorded:
+                    print(f"== {name}, seed {seed}: recorded in {kept}", flush=True)
+                    run_dir = kept
+                    results = rundir.read_eval(run_dir, cfg.gate)
+                    seconds = train_time(run_dir, cfg.batch_size)
+            if not recorded:
                 print(f"== {name}, seed {seed} -> {run_dir}", flush=True)
                 results = Trainer(cfg).fit().evaluate()
-                if args.record:
-                    record(run_dir, args.record / run_dir.name)
+                with rundir.RunFolder.open(run_dir):
+                    if kept:
+                        record(run_dir, kept)
+                    seconds = train_time(run_dir, cfg.batch_size)
             runs.append(dict(name=name, family=family(fields), seed=seed, folder=run_dir.name, **results,
-                             train_time_s=train_time(run_dir, cfg.batch_size)))
+                             train_time_s=seconds))
             if settings is None or (cfg.method == "bayesncl" and settings.method != "bayesncl"):
                 settings = cfg  # the gates' shared settings, where there are gates
     report = comparison(args.dataset, args.seeds, notes, runs, shared_settings(settings, len(args.kl_weight or ()) > 1),
@@ -256,6 +263,11 @@ def rebuild_comparison(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"--rebuild takes a comparison's json in a --record folder; {path} is no file")
     suffix = path.stem.removeprefix("comparison")  # comparison-d0.3.json -> -d0.3
+    stale = mismatched(path)
+    if stale:
+        print(f"note: {', '.join(stale)} in {path.parent} are not the files written with {path.name} (a write of the "
+              "comparison killed between its renames); --rebuild rewrites its markdown and paired figures, a full "
+              "compare.py command the figures of its runs", file=sys.stderr)
     report = rebuild(path)
     print(write_comparison(path.parent, report, suffix, ("paired", "paired_mechanism")))
     return report

@@ -54,7 +54,7 @@ import xarray as xr
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.evaluate.heldout import TestFeatures
-from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, atomic_save, held, open_file, read_json, read_log
+from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, RunFolder, atomic_save, held, open_file
 
 ENGINE = "h5netcdf"
 DEFAULT_DRAWS = 10  # S x N x K bytes on disk: 10 draws of 10k items x 256 dims is 26 MB before compression
@@ -156,16 +156,17 @@ def export_gates(run_dir: str | os.PathLike, learner=None, data=None, num_draws:
         'gates.nc'
     """
     run_dir = Path(run_dir)
-    post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1), test=test,
-                          trust_code=trust_code)
-    config = read_json(run_dir / CONFIG) if (run_dir / CONFIG).exists() else None
-    dt = to_datatree(post, read_log(run_dir), config)
     path = run_dir / GATES_FILE
-    try:  # a failed write (disk full, read-only folder) is a UserError; under the run's lock, as every writer's
-        with held(run_dir):
-            atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
-    except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
-        raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
+    # the run folder opened once: its checkpoint, config and log read, and gates.nc written, in the same folder
+    with RunFolder.open(run_dir) as run:
+        post = gate_posterior(learner if learner is not None else run_dir, data, num_draws=max(num_draws, 1),
+                              test=test, trust_code=trust_code)
+        dt = to_datatree(post, run.read_log(), run.read_json(CONFIG) if run.exists(CONFIG) else None)
+        try:  # a failed write (disk full, read-only folder) is a UserError; under the run's lock, as every writer's
+            with held(run_dir):
+                atomic_save(lambda f: dt.to_netcdf(f, engine=ENGINE), path)
+        except ImportError as e:  # h5netcdf >= 1.8 no longer installs h5py by itself
+            raise UserError(f"cannot write {path}: {e}; pip install 'h5netcdf[h5py]'") from None
     return path
 
 

@@ -5,6 +5,8 @@ their means over seeds in tables, the paper's published numbers beside ours, and
 and what their records keep is ``train/plan.py``'s.
 """
 
+import hashlib
+import io
 from pathlib import Path
 
 from bayesncl_pyro import rundir
@@ -186,9 +188,10 @@ def rebuild(path: Path) -> dict:
                                 "move it away")
             seen.add(name)
             folder = rundir.inner_folder(path.parent / name)  # a link in the record may point anywhere
-            cfg = rundir.read_json(folder / rundir.CONFIG)
-            runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=name,
-                             **rundir.read_eval(folder, cfg.get("gate")), train_time_s=r["train_time_s"]))
+            with rundir.RunFolder.open(folder) as kept:  # its config and evaluation from one folder
+                cfg = kept.read_json(rundir.CONFIG)
+                runs.append(dict(name=r["name"], family=family(cfg), seed=r["seed"], folder=name,
+                                 **kept.read_eval(cfg.get("gate")), train_time_s=r["train_time_s"]))
         kept = old["dataset"], old["seeds"], old["notes"], old["settings"], old.get("budget"), old["wall_s"]
     except (KeyError, TypeError) as e:
         raise UserError(f"{path} is not a comparison's json as compare.py writes it ({type(e).__name__}: {e}); pass "
@@ -348,7 +351,9 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
 
     The files land together (``rundir.save_together``): each is written to a temporary file first, and only when all
     are written are they renamed over the old ones, so a failure midway (a figure that cannot be drawn, a full disk,
-    Ctrl-C) leaves the previous comparison whole, never a new comparison.md beside an old comparison.json.
+    Ctrl-C) leaves the previous comparison whole, never a new comparison.md beside an old comparison.json. The renames
+    are one after another (the json first, naming each other file's digest in ``files``): what a SIGKILL between two
+    leaves, :func:`mismatched` names.
     """
     # by the rule of rundir, as every writer: into a real folder, by renames that replace a link, never through one
     out = rundir.output_folder(out, named=True)  # created: every run may have come from --record
@@ -364,13 +369,48 @@ def write_comparison(out: Path, report: dict, suffix: str = "", figures: tuple[s
         if "paired_mechanism" in figures and report.get("paired_mechanism"):
             drawn["paired_mechanism"] = paired_figure(report["paired_mechanism"])
         md = markdown(report)
-        rundir.save_together([(rundir.json_bytes(report), out / f"comparison{suffix}.json"),
-                              *((png(fig), out / stem_name(stem, report)) for stem, fig in drawn.items()),
-                              (md.encode(), out / f"comparison{suffix}.md")])
+        files = {stem_name(stem, report): _bytes_of(png(fig)) for stem, fig in drawn.items()}
+        files[f"comparison{suffix}.md"] = md.encode()
+        # the json first, with the digest of every other file: a kill between two renames leaves a new json beside
+        # files it names other bytes for (mismatched), never an old json beside new files
+        rundir.save_together([(rundir.json_bytes(dict(report, files={name: _digest(data) for name, data in
+                                                                      files.items()})),
+                               out / f"comparison{suffix}.json"),
+                              *((data, out / name) for name, data in files.items())])
     finally:
         for fig in drawn.values():
             pyplot().close(fig)
     return md
+
+
+def _bytes_of(write) -> bytes:
+    """What ``write`` (a writer into a binary file, ``png(fig)``) writes."""
+    buffer = io.BytesIO()
+    write(buffer)
+    return buffer.getvalue()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def mismatched(path: Path) -> list[str]:
+    """The files beside the comparison's json ``path`` that hold other bytes than the ones written with it.
+
+    ``write_comparison`` renames its files one after another (json first, with the digest of each other file, in
+    ``files``); a kill (SIGKILL, a power cut) between two renames leaves the new json beside the files it has not
+    renamed yet, which this names. A file that is not there is not named (a ``--record`` folder keeps no run figures;
+    a comparison killed in its first write lacks those not renamed yet); a json written before ``files`` names none.
+    """
+    with rundir.RunFolder.open(path.parent) as folder:  # the json and its files from one folder
+        written = folder.read_json(path.name)
+        files = written.get("files") if isinstance(written, dict) else None
+        out = []
+        for name, digest in files.items() if isinstance(files, dict) else ():
+            if isinstance(name, str) and Path(name).name == name and folder.exists(name) and \
+                    _digest(folder.read_bytes(name, rundir.TEXT_LIMIT)) != digest:
+                out.append(name)
+    return out
 
 
 def __getattr__(name: str):

@@ -31,6 +31,7 @@ from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.rundir import (  # noqa: E402
     INSPECT_DIR,
+    RunFolder,
     atomic_save,
     held,
     output_folder,
@@ -295,8 +296,10 @@ def inspect(run_dir: Path, out: Path | None = None, baseline: Path | None = None
         >>> sorted(p.name for p in (Path(run_dir) / "inspect").glob("*.png"))[:2]
         ['class_heatmap.png', 'elbo.png']
     """
+    # each run folder opened once (rundir.RunFolder): its checkpoint, log and conflict records from the same folder
     with held(out if out is not None else run_folder(run_dir) / INSPECT_DIR), \
-            held(run_folder(run_dir)) if export else contextlib.nullcontext():
+            held(run_folder(run_dir)) if export else contextlib.nullcontext(), RunFolder.open(run_folder(run_dir)), \
+            RunFolder.open(run_folder(baseline)) if baseline is not None else contextlib.nullcontext():
         return _inspect(run_dir, out, baseline, export, **load)
 
 

@@ -19,7 +19,7 @@ from bayesncl_pyro.data.datasets import FOLDER_DATASETS
 from bayesncl_pyro.device import pick_device
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.infer.learner import ContrastiveLearner, load_weights
-from bayesncl_pyro.rundir import CHECKPOINT, check_code, load_checkpoint, run_folder
+from bayesncl_pyro.rundir import CHECKPOINT, RunFolder, check_code, run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,11 @@ def load_learner(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     """
     folder = run_folder(run_dir)
     path = folder / CHECKPOINT
-    if not path.exists():
-        raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
-    device = pick_device(str(device), flag="device")
-    state = load_checkpoint(path)
+    with RunFolder.open(folder) as run:  # where it is checked is where it is read
+        if not run.exists(CHECKPOINT):
+            raise UserError(f"{run_dir} holds no {CHECKPOINT}; point at a run folder written by run_svi.py")
+        device = pick_device(str(device), flag="device")
+        state = run.load_checkpoint()
     cfg = Config.from_dict(state["config"])
     check_code(cfg, path, trust_code)
     cfg = replace(cfg, data_dir=str(data_dir) if data_dir is not None else _own_data_dir(cfg, folder, path))

@@ -16,6 +16,7 @@ draws from too. The page's code is ``report_page.html`` beside this file; ``rend
 """
 
 import base64
+import contextlib
 import html
 import io
 import json
@@ -43,11 +44,11 @@ from bayesncl_pyro.rundir import (
     EVAL,
     REPORT_DIR,
     TEXT_LIMIT,
+    RunFolder,
+    exists,
     held,
     output_folder,
-    read_bytes,
     read_eval,
-    read_json,
     read_log,
     run_folder,
     save_together,
@@ -362,8 +363,17 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
           trust_code: bool = False, data_dir: str | os.PathLike | None = None) -> tuple[dict, list[str]]:
     """(report.json's data, the test images as data URIs) of a trained run, beside a baseline run.
 
-    ``trust_code``, ``data_dir``: as ``load_run`` takes them, for both.
+    ``trust_code``, ``data_dir``: as ``load_run`` takes them, for both. Each run folder is opened once
+    (``rundir.RunFolder``): its checkpoint, log and evaluation are read from the same folder.
     """
+    with RunFolder.open(run_folder(run_dir)), \
+            RunFolder.open(run_folder(baseline)) if baseline is not None else contextlib.nullcontext():
+        return _build(run_dir, baseline, device, trust_code=trust_code, data_dir=data_dir)
+
+
+def _build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None, device: str, *, trust_code: bool,
+           data_dir: str | os.PathLike | None) -> tuple[dict, list[str]]:
+    """:func:`build`, with the run folders open."""
     from bayesncl_pyro.evaluate.run import load_run  # late: run imports the training stack
 
     run = load_run(run_dir, device, trust_code=trust_code, data_dir=data_dir)
@@ -399,7 +409,7 @@ def build(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None,
 
 
 def _evaluation(run) -> dict | None:
-    return read_eval(run.dir, run.cfg.gate) if (run.dir / EVAL).exists() else None
+    return read_eval(run.dir, run.cfg.gate) if exists(run.dir / EVAL) else None
 
 
 def write(data: dict, images: list[str], out: str | os.PathLike, named: bool = True) -> Path:
@@ -461,6 +471,8 @@ class Report:
     * with a baseline, ``baseline``: its ``run``, ``evaluation``, ``dims``, ``dims_not_in_use``, ``neighbours`` and
       ``note`` (a difference in training budget).
 
+    ``page`` is index.html's, read with report.json from the same folder, opened once (``rundir.RunFolder``).
+
     Args:
         folder: ``RUN/report``, or the run folder holding it.
         height: the inline page's height, in pixels.
@@ -479,17 +491,17 @@ class Report:
 
     def __init__(self, folder: str | os.PathLike, height: int = 720):
         folder = Path(folder)
-        self.folder = folder / REPORT_DIR if (folder / REPORT_DIR / "report.json").exists() else folder
-        if not (self.folder / "report.json").exists():
-            raise UserError(f"{folder} holds no report; write one with: python experiments/report.py RUN")
-        self.data = read_json(self.folder / "report.json", TEXT_LIMIT)
+        with RunFolder.open(folder) as opened:  # the numbers and the page from the same folder
+            inner = REPORT_DIR + "/" if opened.exists(f"{REPORT_DIR}/report.json") else ""
+            self.folder = folder / inner
+            if not opened.exists(f"{inner}report.json"):
+                raise UserError(f"{folder} holds no report; write one with: python experiments/report.py RUN")
+            self.data = opened.read_json(f"{inner}report.json", TEXT_LIMIT)
+            self.page = opened.read_bytes(f"{inner}index.html", TEXT_LIMIT).decode()
         self.height = height
 
-    def _page(self) -> str:
-        return read_bytes(self.folder / "index.html", TEXT_LIMIT).decode()
-
     def _repr_html_(self) -> str:
-        return _Frame(self._page(), self.height)._repr_html_()
+        return _Frame(self.page, self.height)._repr_html_()
 
     def card(self, dim: int, height: int = 560) -> "_Frame":
         """The card of dimension ``dim`` alone.
@@ -504,7 +516,7 @@ class Report:
         if all(c["dim"] != dim for c in self.data["dims"]):
             raise UserError(f"dimension {dim} is not in use in this run (its features are zero on every test image); "
                             "pick one of report.data['dims']")
-        return _Frame(focused(self._page(), f"dim/{dim}"), height)
+        return _Frame(focused(self.page, f"dim/{dim}"), height)
 
 
 class _Frame:

@@ -63,11 +63,14 @@ def summarise(records: Path = RECORDS) -> dict:
                      key=lambda f: int(f.name.rsplit("seed", 1)[1]))
     if not folders:
         raise FileNotFoundError(f"no {METHOD}-seed* runs in {records}; run this from the repository's root")
-    configs = [Config.from_dict(rundir.read_json(f / rundir.CONFIG)) for f in folders]
+    configs, evals = [], []
+    for folder in folders:
+        with rundir.RunFolder.open(folder) as kept:  # a run's config and evaluation from one folder
+            configs.append(Config.from_dict(kept.read_json(rundir.CONFIG)))
+            evals.append(kept.read_json(rundir.EVAL))
     recipes = [{k: v for k, v in c.identity().items() if k != "seed"} for c in configs]
     if any(r != recipes[0] for r in recipes):
         raise ValueError(f"the runs in {records} are not one recipe over seeds")
-    evals = [rundir.read_json(f / rundir.EVAL) for f in folders]
     out = dict(records=str(RECORDS), method=METHOD, recipe=recipes[0], seeds=[c.seed for c in configs],
                topn_n=evals[0]["topn_n"])
     for key, values in _differences(evals).items():

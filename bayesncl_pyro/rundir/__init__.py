@@ -19,7 +19,8 @@ version intact (its temporary file, named by the writing process, is removed by 
 
 A run folder is data, perhaps from elsewhere, and every reader and writer of one (the trainer, report, inspect_gates,
 export, compare --record, load_run) goes through the one rule here: a file in it is opened from a descriptor of the
-run folder (the one its lock opened, where this process holds it), no name on the way a symbolic link, and only if it
+run folder (the one its lock opened, where this process holds it, or the one a reader of several files opened
+once, :class:`RunFolder`), no name on the way a symbolic link, and only if it
 is a regular file (:func:`open_file`; a link, a FIFO or a device is refused in one line naming it, and a file written
 in place, the lock or a log, that has other hard links), a read takes at most a limit in
 bytes (the records of a log, at most ``MAX_RECORDS``), and a write goes to a temporary file and is renamed into a
@@ -33,6 +34,7 @@ Its modules, one idea each, from the ground up (each imports only those above it
 
     layout       the names of a run's files, the limits on reading them, the run folder that holds a folder
     beneath      a regular file below a folder's descriptor, through no link (openat2 where the kernel has it)
+    opened       the folders this process holds open for reading, whose descriptors the reads below them start from
     locking      the run's lock (flock) and its descriptor of the run folder, let go in a forked child
     opening      the rule of every read: from the run folder's descriptor, up to a limit in bytes
     folders      the folders written into: checked once, reached by a descriptor from the run folder
@@ -40,6 +42,7 @@ Its modules, one idea each, from the ground up (each imports only those above it
     commit       a set of files written all or none (save_together)
     appending    log.jsonl and conflict.jsonl: whole lines, cut back to a checkpoint's step on resume
     artefacts    reading what a run wrote: its log, its eval.json, its checkpoint
+    reading      a run folder opened once by a reader of several of its files (RunFolder)
     claiming     claiming a folder for a run, undoing the claim, moving an earlier run aside
     trust        which code a run's configuration may import, and whose a file is
 
@@ -86,15 +89,17 @@ from bayesncl_pyro.rundir.layout import (
     run_holding,
 )
 from bayesncl_pyro.rundir.locking import RunLock, held, lock
-from bayesncl_pyro.rundir.opening import open_file, read_bytes, read_config_file, read_json, read_records
+from bayesncl_pyro.rundir.opening import exists, open_file, read_bytes, read_config_file, read_json, read_records
+from bayesncl_pyro.rundir.reading import RunFolder
 from bayesncl_pyro.rundir.trust import check_code, check_config_code, code_references, written_elsewhere
 
 __all__ = [
     "BAD_IMAGES", "CHECKPOINT", "CONFIG", "CONFLICT", "Content", "DATA_LIMIT", "EVAL", "GATES_FILE", "INSPECT_DIR",
     "JSON_LIMIT", "LOCK", "LOG", "MARKER", "MAX_LINE", "MAX_RECORDS", "NOVELTY", "NOVELTY_ROC", "PREVIOUS",
-    "REPORT_DIR", "RunLock", "TEXT_LIMIT", "WANDB_DIR", "append_line", "atomic_save", "cannot_write", "check_code",
-    "check_config_code", "check_not_a_run_file", "claim", "code_references", "cut_records", "differences", "held",
-    "holds_a_run", "inner_folder", "is_run_file", "json_bytes", "load_checkpoint", "lock", "move_aside", "open_file",
-    "output_folder", "read_bytes", "read_config_file", "read_eval", "read_json", "read_log", "read_records",
-    "run_folder", "run_holding", "save_figure", "save_together", "unclaim", "write_json", "written_elsewhere",
+    "REPORT_DIR", "RunFolder", "RunLock", "TEXT_LIMIT", "WANDB_DIR", "append_line", "atomic_save", "cannot_write",
+    "check_code", "check_config_code", "check_not_a_run_file", "claim", "code_references", "cut_records", "differences",
+    "exists", "held", "holds_a_run", "inner_folder", "is_run_file", "json_bytes", "load_checkpoint", "lock",
+    "move_aside", "open_file", "output_folder", "read_bytes", "read_config_file", "read_eval", "read_json", "read_log",
+    "read_records", "run_folder", "run_holding", "save_figure", "save_together", "unclaim", "write_json",
+    "written_elsewhere",
 ]

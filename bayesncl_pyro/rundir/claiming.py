@@ -15,7 +15,7 @@ from bayesncl_pyro.rundir.commit import atomic_save
 from bayesncl_pyro.rundir.folders import _remember
 from bayesncl_pyro.rundir.layout import _MARK, _PROJECT, _SOURCE, CHECKPOINT, CONFIG, LOCK, MARKER, PREVIOUS, logger
 from bayesncl_pyro.rundir.locking import RunLock, _identity, lock
-from bayesncl_pyro.rundir.opening import read_bytes, read_json
+from bayesncl_pyro.rundir.opening import exists, read_bytes, read_json
 from bayesncl_pyro.rundir.temporaries import _remove_temporaries
 
 
@@ -102,7 +102,7 @@ def differences(folder: Path, cfg: Config) -> str | None:
     None if the folder holds no configuration; one that cannot be read is a UserError, never taken for another run.
     """
     saved = folder / CONFIG
-    if not os.path.lexists(saved):
+    if not exists(saved):
         return None
     fix = "pass --overwrite to move the folder's files aside and start afresh, or pass another --out"
     try:

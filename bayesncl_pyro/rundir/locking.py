@@ -11,12 +11,15 @@ from pathlib import Path
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.beneath import open_regular
 from bayesncl_pyro.rundir.layout import LOCK, run_holding
+from bayesncl_pyro.rundir.opened import opened
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
-    """The device and inode of the folder at ``path``, None if there is none."""
+    """The device and inode of the folder at ``path`` (the one this process reads there), None if there is none."""
+    reader = opened(path)
     try:
-        st = os.stat(path)
+        st = os.fstat(reader.dir) if reader is not None and reader.named == Path(os.path.abspath(path)) else \
+            os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
@@ -32,10 +35,12 @@ class RunLock:
     def __init__(self, out: Path):
         path = out / LOCK
         # the run folder, opened once: every read and write below it starts from this descriptor (its lock file too),
-        # so that the folder swapped for a link later (in a shared parent) sends nothing elsewhere
-        folder = None
+        # so that the folder swapped for a link later (in a shared parent) sends nothing elsewhere; where this process
+        # reads it already (RunFolder.open), the folder it reads, so that it writes where it read
+        folder, reader = None, opened(out)
         try:  # a lock file is never replaced, so a lock always guards the same file
-            folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            folder = os.dup(reader.dir) if reader is not None and reader.named == Path(os.path.abspath(out)) else \
+                os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             self.file = os.fdopen(open_regular(folder, out, (LOCK,), os.O_RDWR | os.O_CREAT), "r+")
         except BaseException as e:  # another user's lock, a read-only folder: without the lock the run is refused
             if folder is not None:
@@ -61,7 +66,8 @@ class RunLock:
         self.created = False  # whether the claim that took it created the folder (claim sets it)
         self.named = Path(os.path.abspath(out))
         self.dir = folder
-        self.identity = _identity(out)
+        st = os.fstat(folder)  # the folder locked, wherever its path leads now
+        self.identity = st.st_dev, st.st_ino
         weakref.finalize(self, os.close, self.dir)
 
     def close(self):

@@ -1,26 +1,33 @@
 """The rule of every read of a run's file: a regular file, never through a link, read up to a limit in bytes."""
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from bayesncl_pyro.config import parse_file
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.rundir.beneath import open_regular
+from bayesncl_pyro.rundir.beneath import open_beneath, open_regular
 from bayesncl_pyro.rundir.layout import JSON_LIMIT, MAX_LINE, MAX_RECORDS, TEXT_LIMIT, _below_run, logger
 from bayesncl_pyro.rundir.locking import holding
+from bayesncl_pyro.rundir.opened import opened
 
 
 def _place(path: Path) -> tuple[int, Path, tuple[str, ...]]:
     """Where a file of a run is opened from: a descriptor of a folder, that folder, and the names from it to the file.
 
-    The folder is the run folder this process locked, by the descriptor opened then (as every write into it); else
-    the run folder that holds the file (:func:`run_holding`), opened now by its path, which the user names and which
-    may be a link; else the file's own folder. Every name below it is opened without following a link.
+    The folder is the run folder this process locked, by the descriptor opened then (as every write into it), or one
+    it opened for reading (``RunFolder.open``), by that descriptor: the innermost of the two; else the run folder that
+    holds the file (:func:`run_holding`), opened now by its path, which the user names and which may be a link; else
+    the file's own folder. Every name below it is opened without following a link.
     """
     named = Path(os.path.abspath(path))
     mine = holding(named.parent)
+    reader = opened(named.parent)
+    if reader is not None and (mine is None or len(reader.named.parts) > len(mine.named.parts)):
+        mine = reader
     if mine is not None:
         return os.dup(mine.dir), mine.named, named.relative_to(mine.named).parts
     folder, names = _below_run(named.parent) or (named.parent, ())
@@ -41,6 +48,39 @@ def _open(path: Path, flags: int, follow: bool = False) -> int:
         return open_regular(fd, folder, names, flags, shown=path)
     finally:
         os.close(fd)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a file (of any kind, a link too), looked up where :func:`open_file` would open it.
+
+    Below a run folder open for reading or locked, in that folder, even if the path now leads elsewhere; a link on
+    the way counts as there (the read refuses it, naming it).
+    """
+    try:
+        fd, _, names = _place(Path(path))
+    except (FileNotFoundError, NotADirectoryError):  # no folder to hold it
+        return False
+    try:
+        os.close(open_beneath(fd, names, os.O_PATH | os.O_CLOEXEC))
+    except OSError as e:  # a link on the way: ELOOP, or (a name at a time, O_DIRECTORY) ENOTDIR, as a file there
+        return e.errno == errno.ELOOP or e.errno == errno.ENOTDIR and _linked_on_the_way(fd, names)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _linked_on_the_way(dir_fd: int, names: tuple[str, ...]) -> bool:
+    """Whether a folder on the way from ``dir_fd`` to ``names`` is a symbolic link (rather than a file, or missing)."""
+    for i in range(1, len(names)):
+        try:
+            fd = open_beneath(dir_fd, names[:i], os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return False
+        mode = os.fstat(fd).st_mode
+        os.close(fd)
+        if stat.S_ISLNK(mode):
+            return True
+    return False
 
 
 def open_file(path: Path, limit: int, *, follow: bool = False) -> BinaryIO:
@@ -98,7 +138,7 @@ def read_records(path: Path) -> list[dict]:
     size in memory, a log of tiny records under the size limit some 27 GiB. A line that is no record, as the last one
     of a run killed while writing it, is left out, with a note.
     """
-    if not os.path.lexists(path):
+    if not exists(path):
         return []
     records, bad, first_bad, read, number = [], 0, None, 0, 0
     with open_file(path, TEXT_LIMIT) as f:

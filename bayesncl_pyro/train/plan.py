@@ -52,7 +52,8 @@ def method_configs(methods: list[str], priors: list[str], topk: int | list[int],
 def recorded_run(folder: Path, cfg: Config) -> bool:
     """Whether ``folder`` records a finished run of ``cfg``'s configuration (``--record``); a link is refused."""
     folder = rundir.inner_folder(folder)  # the user names the record, not the folders in it: one may point anywhere
-    return all((folder / name).exists() for name in RECORD) and not rundir.differences(folder, cfg)
+    with rundir.RunFolder.open(folder) as kept:  # what is checked is what is compared
+        return all(kept.exists(name) for name in RECORD) and not rundir.differences(folder, cfg)
 
 
 def record(run_dir: Path, folder: Path):
@@ -62,7 +63,8 @@ def record(run_dir: Path, folder: Path):
     three files replaced together.
     """
     folder = rundir.output_folder(folder)
-    rundir.save_together([(rundir.read_bytes(run_dir / name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
+    with rundir.RunFolder.open(run_dir) as run:  # the three files of one run, whatever its path leads to meanwhile
+        rundir.save_together([(run.read_bytes(name, rundir.TEXT_LIMIT), folder / name) for name in RECORD])
 
 
 def train_time(run_dir: Path, batch_size: int) -> float:
