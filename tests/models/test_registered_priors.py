@@ -22,8 +22,8 @@ from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import figures, heldout, report
 from bayesncl_pyro.evaluate.arviz_export import read_gates
+from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.evaluate.posterior import prior_rate
-from bayesncl_pyro.infer.learner import load_learner
 from bayesncl_pyro.models.priors import PerImagePrior, Prior, build_prior, stick_alpha
 
 
