@@ -43,7 +43,7 @@ _PUBLIC = {
     "Config": "bayesncl_pyro.config",
     "Trainer": "bayesncl_pyro.train.trainer",
     "load_run": "bayesncl_pyro.evaluate.run",
-    "gate_posterior": "bayesncl_pyro.evaluate.dimensions",
+    "gate_posterior": "bayesncl_pyro.evaluate.posterior",
     "export_gates": "bayesncl_pyro.evaluate.arviz_export",
     "read_gates": "bayesncl_pyro.evaluate.arviz_export",
     "Prior": "bayesncl_pyro.models.priors",

@@ -16,9 +16,9 @@ REMOVED_IN = "0.5.0"
 MOVED = {
     # old module -> {name: "new.module:name"}
     "bayesncl_pyro.infer.learner": {"load_learner": "bayesncl_pyro.evaluate.loading:load_learner"},
-    # the module was merged into evaluate/dimensions in 0.3.0 without a word
-    "bayesncl_pyro.posterior": {"gate_posterior": "bayesncl_pyro.evaluate.dimensions:gate_posterior",
-                                "GatePosterior": "bayesncl_pyro.evaluate.dimensions:GatePosterior"},
+    # the module was merged into evaluate/dimensions in 0.3.0 without a word; the gate posterior is evaluate/posterior's
+    "bayesncl_pyro.posterior": {"gate_posterior": "bayesncl_pyro.evaluate.posterior:gate_posterior",
+                                "GatePosterior": "bayesncl_pyro.evaluate.posterior:GatePosterior"},
     # one run's controls stay in evaluate/matched; the pairing across seeds, its table and its figures moved out
     "bayesncl_pyro.evaluate.matched": {
         **{n: f"bayesncl_pyro.evaluate.pairing:{n}" for n in (
@@ -36,8 +36,30 @@ MOVED = {
                                          **{n: f"bayesncl_pyro.train.plan:{n}" for n in (
                                              "METHOD_NAMES", "RECORD", "method_configs", "recorded_run", "record",
                                              "train_time", "shared_settings")}},
-    # one KL label: the estimator's, which says what its KL term computes
-    "bayesncl_pyro.evaluate.dimensions": {"kl_label": "bayesncl_pyro.infer.estimators:GateEstimator.kl_label"},
+    # one KL label: the estimator's, which says what its KL term computes; evaluate/dimensions keeps the numbers per
+    # dimension: the gate posterior and the prior's rate moved to evaluate/posterior
+    "bayesncl_pyro.evaluate.dimensions": {"kl_label": "bayesncl_pyro.infer.estimators:GateEstimator.kl_label",
+                                         **{n: f"bayesncl_pyro.evaluate.posterior:{n}" for n in (
+                                             "GatePosterior", "gate_posterior", "prior_rate", "prior_latents",
+                                             "learned_parameters")}},
+    # evaluate/novelty keeps the declared question across runs; the scores, the control heads and one run's detection
+    # moved out
+    "bayesncl_pyro.evaluate.novelty": {
+        **{n: f"bayesncl_pyro.evaluate.novelty_scores:{n}" for n in (
+            "DRAWS", "NEAREST_K", "SCORES", "POSTERIOR_SCORES", "EPISTEMIC_SCORES", "TOPK_SCORES", "binary_entropy",
+            "categorical_entropy", "mutual_information", "topk_mask", "topk_margin", "active_set_frequencies",
+            "atypicality", "NoveltyScorer")},
+        **{n: f"bayesncl_pyro.evaluate.novelty_controls:{n}" for n in (
+            "ENSEMBLE", "ControlHeads", "marginal_rate", "fit_control_heads")},
+        **{n: f"bayesncl_pyro.evaluate.novelty_detection:{n}" for n in ("detection", "report")}},
+    # evaluate/report keeps the page; the numbers it shows (report.json) are evaluate/report_data's
+    "bayesncl_pyro.evaluate.report": {n: f"bayesncl_pyro.evaluate.report_data:{n}" for n in (
+        "TOP_IMAGES", "CORRELATED", "NEIGHBOURS", "IMAGE_DIMS", "ACTIVATION_BINS", "INCLUSION_BINS", "THUMBNAIL_PX",
+        "FACTOR_VALUES", "dimension_cards", "image_table", "gate_summary", "factor_table", "training_curves",
+        "report_data", "thumbnails")},
+    # the novelty ROC curves beside the rest of novelty
+    "bayesncl_pyro.evaluate.figures": {n: f"bayesncl_pyro.evaluate.novelty_figures:{n}" for n in ("ROC_SCORES",
+                                                                                                   "plot_roc")},
 }
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from bayesncl_pyro.config import Config
-from bayesncl_pyro.evaluate.novelty import NoveltyScorer
+from bayesncl_pyro.evaluate.novelty_scores import NoveltyScorer
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.train.resolve import resolve
 

@@ -65,7 +65,7 @@ def test_every_key_of_eval_json_is_on_the_run_folder_page():
     by their suffix) and each key of the novelty block."""
     import torch
 
-    from bayesncl_pyro.evaluate import keys, novelty
+    from bayesncl_pyro.evaluate import keys, novelty_detection
 
     page = (ROOT / "docs" / "run_folder.md").read_text().split("## eval.json, key by key")[1].split("\n## ")[0]
     documented = set(re.findall(r"`([^`]+)`", page))
@@ -76,7 +76,7 @@ def test_every_key_of_eval_json_is_on_the_run_folder_page():
         factor = re.sub(r"_(class|background)$", "_<factor>", key)
         assert key in documented or family in documented or factor in documented, key
     scores = {"kl_prior": torch.rand(20)}
-    block = novelty.report(scores, {"a": {"kl_prior": torch.rand(10)}, "b": {"kl_prior": torch.rand(10)}},
+    block = novelty_detection.report(scores, {"a": {"kl_prior": torch.rand(10)}, "b": {"kl_prior": torch.rand(10)}},
                            {"a": "semantic", "b": "nuisance"})
     inner = {*block, *block["sets"]["a"], *block["sets"]["a"]["scores"]["kl_prior"], *block["full_spectrum"]}
     assert inner <= documented, inner - documented

@@ -12,7 +12,7 @@ import torch
 
 import bayesncl_pyro
 from bayesncl_pyro import _deprecated, rundir
-from bayesncl_pyro.evaluate import arviz_export, dimensions, run
+from bayesncl_pyro.evaluate import arviz_export, novelty_scores, posterior, run
 from bayesncl_pyro.evaluate.loading import load_learner
 from bayesncl_pyro.infer.estimators import GateEstimator
 from bayesncl_pyro.infer.head import HeadOutput
@@ -25,7 +25,7 @@ def test_the_top_level_names_are_the_objects_of_their_modules():
     from bayesncl_pyro.train.trainer import Trainer
 
     expected = {"BayesNCLHead": BayesNCLHead, "Config": Config, "Trainer": Trainer, "load_run": run.load_run,
-                "gate_posterior": dimensions.gate_posterior, "export_gates": arviz_export.export_gates,
+                "gate_posterior": posterior.gate_posterior, "export_gates": arviz_export.export_gates,
                 "read_gates": arviz_export.read_gates, "Prior": priors.Prior, "PRIORS": priors.PRIORS,
                 "register": priors.register}
     assert sorted(bayesncl_pyro.__all__) == sorted(expected)
@@ -43,9 +43,11 @@ def test_importing_the_package_loads_neither_torch_nor_pyro():
 
 @pytest.mark.parametrize("module, name, new", [
     ("bayesncl_pyro.infer.learner", "load_learner", load_learner),
-    ("bayesncl_pyro.posterior", "gate_posterior", dimensions.gate_posterior),
-    ("bayesncl_pyro.posterior", "GatePosterior", dimensions.GatePosterior),
-    ("bayesncl_pyro.evaluate.dimensions", "kl_label", GateEstimator.kl_label)])
+    ("bayesncl_pyro.posterior", "gate_posterior", posterior.gate_posterior),
+    ("bayesncl_pyro.posterior", "GatePosterior", posterior.GatePosterior),
+    ("bayesncl_pyro.evaluate.dimensions", "kl_label", GateEstimator.kl_label),
+    ("bayesncl_pyro.evaluate.dimensions", "gate_posterior", posterior.gate_posterior),
+    ("bayesncl_pyro.evaluate.novelty", "NoveltyScorer", novelty_scores.NoveltyScorer)])
 def test_a_moved_name_works_from_its_old_path_with_a_warning_naming_the_new_one(module, name, new):
     target = _deprecated.MOVED[module][name].replace(":", ".")
     with pytest.warns(DeprecationWarning, match=f"{module}.{name} moved to {target}; import it from there") as seen:
@@ -94,7 +96,7 @@ def test_without_any_logging_setup_a_note_reaches_stderr_as_its_own_text(tmp_pat
 def test_the_renamed_posterior_fields_read_as_before_with_a_warning():
     """``GatePosterior``'s beta-bernoulli fields, renamed when global latents came to be read by site name."""
     a, b, rate = torch.rand(4) + 1, torch.rand(4) + 1, torch.rand(3, 4)
-    post = dimensions.GatePosterior(torch.rand(2, 4), torch.rand(2, 4), torch.zeros(2), ["x"], global_draws={
+    post = posterior.GatePosterior(torch.rand(2, 4), torch.rand(2, 4), torch.zeros(2), ["x"], global_draws={
         "rate": rate}, global_params={"a": a, "b": b}, global_convergence=(12.0, 480.0))
     with pytest.warns(DeprecationWarning, match=r'rate_draws is now GatePosterior.global_draws\["rate"\]'):
         assert post.rate_draws is rate
@@ -102,7 +104,7 @@ def test_the_renamed_posterior_fields_read_as_before_with_a_warning():
         assert post.rate_beta == (a, b)
     with pytest.warns(DeprecationWarning, match="rate_optimum_concentration"):
         assert post.rate_optimum_concentration == 480.0
-    plain = dimensions.GatePosterior(torch.rand(2, 4), torch.rand(2, 4), torch.zeros(2), ["x"])
+    plain = posterior.GatePosterior(torch.rand(2, 4), torch.rand(2, 4), torch.zeros(2), ["x"])
     with pytest.warns(DeprecationWarning):
         assert plain.rate_draws is None and plain.rate_beta is None and plain.rate_optimum_concentration is None
 

@@ -23,7 +23,7 @@ from bayesncl_pyro.cli import report as report_script
 from bayesncl_pyro.config import Config
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import report
+from bayesncl_pyro.evaluate import report, report_data
 from bayesncl_pyro.evaluate.run import load_run
 from bayesncl_pyro.nn.encoders import build_backbone
 from bayesncl_pyro.rundir import read_config_file
@@ -349,9 +349,9 @@ def test_a_report_with_hostile_class_names_opens_in_chromium(tab, tmp_path):
     feats = bench_report.stand_in(60, 8, 3)
     kl = torch.full((8,), 0.1)
     run = dict(dir="runs/<!--<script>", method="bayesncl", dataset="x", config=dict(kl_weight=3e-5, gate="ste"))
-    data = report.report_data(feats, run, gates=report.gate_summary(feats, kl, "KL", 0.8), kl=kl)
+    data = report_data.report_data(feats, run, gates=report_data.gate_summary(feats, kl, "KL", 0.8), kl=kl)
     data["classes"] = HOSTILE
-    page = report.write(data, report.thumbnails(bench_report.stand_in_images(60)), tmp_path)
+    page = report.write(data, report_data.thumbnails(bench_report.stand_in_images(60)), tmp_path)
     tab.open(page, "#dims")
     assert tab.dims() and HOSTILE[0] in tab.page.inner_text("#view-dims .cls")
     assert tab.errors == []

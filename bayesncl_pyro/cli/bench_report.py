@@ -7,10 +7,10 @@ The stand-in is no trained model: it is made here, to the shapes of ImageNet-100
 of C classes, 64 px thumbnails) with the structure a trained BayesNCL run has (sparse non-negative features, most
 dimensions leaning towards one class, gates that close a share of them, some dimensions dead), so that the report's cost
 and size can be measured without training ResNet-50. Its images are made too, to compress no better than ImageNet's
-photographs at 64 px. It times each stage of ``bayesncl_pyro.evaluate.report`` (the numbers, the thumbnails, the page)
-and, with ``--browser`` and Debian's Chromium, how long the page takes to open and to render the next cards as it
-scrolls. Feature extraction (the backbone's forward pass over the test split) is not part of it: it costs what
-evaluation costs.
+photographs at 64 px. It times each stage of the report (the numbers and the thumbnails, ``evaluate.report_data``;
+the page, ``evaluate.report``) and, with ``--browser`` and Debian's Chromium, how long the page takes to open and to
+render the next cards as it scrolls. Feature extraction (the backbone's forward pass over the test split) is not part
+of it: it costs what evaluation costs.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from bayesncl_pyro.cli import ArgumentParser
 from bayesncl_pyro.data.images import TensorImages
 from bayesncl_pyro.evaluate import dimensions as dm
-from bayesncl_pyro.evaluate import report
+from bayesncl_pyro.evaluate import report, report_data
 from bayesncl_pyro.evaluate.heldout import TestFeatures
 from bayesncl_pyro.infer.estimators import GateEstimator
 from bayesncl_pyro.nn.losses import REFERENCE_KL_CLAMP
@@ -135,9 +135,9 @@ def main(argv=None) -> int:
         return value
 
     label = GateEstimator.kl_label(REFERENCE_KL_CLAMP)
-    gates = timed("gate summary", lambda: report.gate_summary(feats, kl, label, STAND_IN_RATE))
-    data = timed("cards, images (report.json)", lambda: report.report_data(feats, run, gates=gates, kl=kl))
-    uris = timed("thumbnails", lambda: report.thumbnails(images))
+    gates = timed("gate summary", lambda: report_data.gate_summary(feats, kl, label, STAND_IN_RATE))
+    data = timed("cards, images (report.json)", lambda: report_data.report_data(feats, run, gates=gates, kl=kl))
+    uris = timed("thumbnails", lambda: report_data.thumbnails(images))
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         page = timed("page and report.json written", lambda: report.write(data, uris, out))

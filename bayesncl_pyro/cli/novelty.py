@@ -5,9 +5,9 @@
 
 prints a table (one row a score, one column a novel set: its AUROC against the run's test split, with FPR at 95 % TPR)
 and writes RUN/novelty.json (per set its kind, size and each score's AUROC, FPR95, AUPR and the share flagged at the
-test split's 95th percentile; ``evaluate.novelty.report``) and RUN/novelty-roc.png (the ROC curves). What each score
-is: docs/novelty.md. A run without gates gets the deterministic scores only; a folder of ``--novel`` images counts as
-semantic novelty (to be flagged).
+test split's 95th percentile; ``evaluate.novelty_detection.report``) and RUN/novelty-roc.png (the ROC curves). What
+each score is: docs/novelty.md. A run without gates gets the deterministic scores only; a folder of ``--novel`` images
+counts as semantic novelty (to be flagged).
 """
 
 import argparse
@@ -57,9 +57,9 @@ def novelty(run_dir: Path, folders: dict[str, Path], controls: bool = True, **lo
     Everything is computed before anything is written, and the run folder's lock is held while writing.
     """
     from bayesncl_pyro.data.compositional import NOVEL_KINDS  # late: the imports of the evaluation take seconds
-    from bayesncl_pyro.evaluate import novelty as nv
-    from bayesncl_pyro.evaluate.figures import plot_roc
+    from bayesncl_pyro.evaluate import novelty_detection
     from bayesncl_pyro.evaluate.heldout import extract
+    from bayesncl_pyro.evaluate.novelty_figures import plot_roc
     from bayesncl_pyro.evaluate.run import load_run
 
     run = load_run(run_dir, **load)
@@ -77,7 +77,7 @@ def novelty(run_dir: Path, folders: dict[str, Path], controls: bool = True, **lo
             raise UserError(f"--novel {name}: the run's data has a novel set of that name already; pick another name")
         novel[name] = run.novelty(folder, controls=controls)
     kinds = {**NOVEL_KINDS, **dict.fromkeys(folders, "semantic")}
-    report = nv.report(in_scores, novel, kinds)
+    report = novelty_detection.report(in_scores, novel, kinds)
     folder = rundir.run_folder(run_dir)
     with rundir.held(folder):
         rundir.output_folder(folder)

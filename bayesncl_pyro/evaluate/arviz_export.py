@@ -52,8 +52,8 @@ import torch
 import xarray as xr
 
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate.dimensions import GatePosterior, gate_posterior
 from bayesncl_pyro.evaluate.heldout import TestFeatures
+from bayesncl_pyro.evaluate.posterior import GatePosterior, gate_posterior
 from bayesncl_pyro.rundir import CONFIG, DATA_LIMIT, GATES_FILE, RunFolder, atomic_save, held, open_file
 
 ENGINE = "h5netcdf"

@@ -2,7 +2,8 @@
 
 The training log's terms, the gate posterior on the test split (KL per dimension, inclusion probabilities, the class x
 dimension heatmap), the most class-consistent dimensions' top images, and the InfoNCE gradient conflict beside a
-baseline's.
+baseline's. Their style (``plt.rcParams`` below) and :func:`save` serve the novelty ROC curves too
+(``novelty_figures``).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bayesncl_pyro._deprecated import moved  # noqa: E402
 from bayesncl_pyro.data import load_dataset  # noqa: E402
 from bayesncl_pyro.errors import UserError  # noqa: E402
 from bayesncl_pyro.evaluate import dimensions as dm  # noqa: E402
@@ -28,6 +30,7 @@ from bayesncl_pyro.evaluate.diagnostics import (  # noqa: E402
 )
 from bayesncl_pyro.evaluate.heldout import test_features  # noqa: E402
 from bayesncl_pyro.evaluate.loading import load_learner  # noqa: E402
+from bayesncl_pyro.evaluate.posterior import prior_rate  # noqa: E402
 from bayesncl_pyro.infer.estimators import GateEstimator, gate_class  # noqa: E402
 from bayesncl_pyro.rundir import (  # noqa: E402
     INSPECT_DIR,
@@ -44,7 +47,7 @@ plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "axes.titlesize": 11, "
                      "grid.alpha": 0.3, "text.parse_math": False})  # class names are text: a "$" is no formula
 
 
-def _save(fig, path: Path, tight: bool = True, **savefig) -> Path:
+def save(fig, path: Path, tight: bool = True, **savefig) -> Path:
     """Write ``fig`` as a PNG to ``path`` atomically.
 
     By ``rundir.save_figure`` (a temporary file, renamed, never through a link), laid out first by tight_layout
@@ -74,7 +77,7 @@ def plot_elbo(log: list[dict], estimator: type[GateEstimator] | None, kl_weight:
     for ax, (key, title) in zip(np.atleast_1d(axes), panels):
         ax.plot(steps, [r[key] for r in log], lw=1.2)
         ax.set(title=title, xlabel="training step", ylabel="nats")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _dim_ticks(ax, order):
@@ -103,7 +106,7 @@ def plot_kl_per_dim(kl: np.ndarray, label: str, path: Path) -> Path:
         ax.set(xscale="log", xlabel=f"rank of the dimension by KL (1 = largest, of {len(kl)})")
     ax.set(title="\n".join(textwrap.wrap(f"{label} (a hierarchical prior at q(rate)'s mean)", 80)),
            ylabel="KL (nats)")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
@@ -118,7 +121,7 @@ def plot_inclusion(probs: np.ndarray, prior_rate: float, path: Path) -> Path:
     b.hist(probs.mean(0), bins=25, range=(0, 1), color="tab:orange")
     b.set(title="mean inclusion per dimension", xlabel="mean over test images of q(g_k = 1 | x)",
           ylabel="number of dimensions")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def heatmap_order(class_means: np.ndarray) -> np.ndarray:
@@ -158,7 +161,7 @@ def plot_class_heatmap(class_means: np.ndarray, classes: list[str], path: Path) 
         fig.colorbar(im, ax=ax, label=label, fraction=0.03, pad=0.01)
     axes[1].set_xlabel("dimension, grouped by the class that includes it most (lines separate the groups)")
     _dim_ticks(axes[1], order)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _image(item) -> tuple[np.ndarray, str | None]:
@@ -203,7 +206,7 @@ def plot_top_images(features, labels, dataset, classes, path: Path, dims: int = 
                  f"their {per_dim} test images of largest activation\n(row label: the shown images' most frequent "
                  "class; the share of all its active images in its dominant class; title: the image's class)",
                  fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def top_dimensions_line(features, labels, classes, n: int = 8) -> str:
@@ -233,7 +236,7 @@ def power_of_ten(value: float, position=None) -> str:
 
 def plot_conflict(main: dict, name: str, baseline: dict | None, baseline_name: str, path: Path) -> Path:
     """Plot a run's per-dimension gradient conflict beside a baseline's into ``path`` (:func:`conflict_figure`)."""
-    return _save(conflict_figure(main, name, baseline, baseline_name), path, tight=False, bbox_inches="tight")
+    return save(conflict_figure(main, name, baseline, baseline_name), path, tight=False, bbox_inches="tight")
 
 
 def conflict_figure(main: dict, name: str, baseline: dict | None, baseline_name: str):
@@ -338,7 +341,7 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
     gated_off = None
     if learner.gated:
         probs = feats.probs
-        rate = dm.prior_rate(learner, feats)
+        rate = prior_rate(learner, feats)
         kl = dm.kl_per_dim(probs, rate, cfg.kl_clamp).numpy()
         plot_kl_per_dim(kl, GateEstimator.kl_label(cfg.kl_clamp), out / "kl_per_dim.png")
         plot_inclusion(probs.numpy(), float(rate.mean()), out / "inclusion.png")
@@ -371,37 +374,5 @@ def _inspect(run_dir: Path, out: Path | None, baseline: Path | None, export: boo
     return summary
 
 
-ROC_SCORES = ("kl_prior", "gate_entropy", "bald", "weight_mi", "control_kl0_kl_prior", "control_ensemble_mi",
-              "knn_backbone", "mahalanobis_backbone", "msp_backbone", "topk_atypicality")
-"""The novelty scores whose ROC curves are drawn (those the run has): the posterior's, the controls' and the strongest
-deterministic baselines."""
-
-
-def plot_roc(in_scores: dict[str, torch.Tensor], novel: dict[str, dict[str, torch.Tensor]], kinds: dict[str, str],
-             path: Path) -> Path:
-    """One panel per novel set: each of ``ROC_SCORES``' ROC curve against the in-distribution images, in ``path``.
-
-    Posterior scores are solid, the controls dashed and the deterministic ones dotted; a nuisance set's panel says that
-    a curve near the diagonal is what a score that follows the class should draw there.
-    """
-    from sklearn.metrics import roc_curve  # late: only this figure needs it
-
-    names = [n for n in ROC_SCORES if n in in_scores]
-    fig, axes = plt.subplots(1, len(novel), figsize=(3.6 * len(novel), 3.8), squeeze=False)
-    for ax, (name, scores) in zip(axes[0], novel.items()):
-        for score in names:
-            known, new = in_scores[score].numpy(), scores[score].numpy()
-            labels = np.r_[np.zeros(len(known)), np.ones(len(new))]
-            if not np.isfinite(np.r_[known, new]).all():
-                continue
-            fpr, tpr, _ = roc_curve(labels, np.r_[known, new])
-            style = "-" if not score.startswith(("control", "knn", "mahal", "msp", "topk")) else \
-                "--" if score.startswith("control") else ":"
-            ax.plot(fpr, tpr, style, label=score, lw=1.4)
-        ax.plot([0, 1], [0, 1], color="0.6", lw=0.8)
-        kind = kinds.get(name, "semantic")
-        ax.set_title(f"{name} ({kind}{': should stay near the diagonal' if kind == 'nuisance' else ''})", fontsize=9)
-        ax.set_xlabel("in-distribution flagged (FPR)")
-    axes[0][0].set_ylabel("novel flagged (TPR)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    return _save(fig, path)
+def __getattr__(name: str):
+    return moved(__name__, name)  # the novelty ROC curves moved to novelty_figures (_deprecated)

@@ -1,7 +1,7 @@
 """Evaluation of a trained learner on the held-out split.
 
 Linear probe, kNN, interpretability metrics; and the test split's features, from one pass of the backbone
-(``test_features``), which the evaluation, the gate posterior (``dimensions.gate_posterior``) and the report read.
+(``test_features``), which the evaluation, the gate posterior (``posterior.gate_posterior``) and the report read.
 
 Two protocols (``Config.eval_protocol``) differ in the linear probe and retrieval only: ``fast``, for small
 runs, and ``reference``, the paper's, which its published numbers were measured with (docs/METHOD.md,
@@ -17,7 +17,7 @@ from bayesncl_pyro.config import Config
 from bayesncl_pyro.data.compositional import NOVEL_KINDS
 from bayesncl_pyro.data.views import TwoViews, collate_views, eval_transform, simclr_transform
 from bayesncl_pyro.errors import printable
-from bayesncl_pyro.evaluate import keys, novelty
+from bayesncl_pyro.evaluate import keys, novelty_controls, novelty_detection, novelty_scores
 from bayesncl_pyro.evaluate.dci import dci
 from bayesncl_pyro.evaluate.diagnostics import conflict_by_factor, conflict_table
 from bayesncl_pyro.evaluate.matched import (
@@ -192,12 +192,12 @@ def view_pairs(learner, dataset, cfg: Config, channels: int, device) -> tuple[to
 
 
 def novelty_scorer(learner, data, cfg: Config, device, train_h: torch.Tensor | None = None,
-                   train_y: torch.Tensor | None = None, controls: bool = True) -> novelty.NoveltyScorer:
-    """The run's ``novelty.NoveltyScorer``, fitted on its training split.
+                   train_y: torch.Tensor | None = None, controls: bool = True) -> novelty_scores.NoveltyScorer:
+    """The run's ``novelty_scores.NoveltyScorer``, fitted on its training split.
 
     ``train_h``, ``train_y``: the split's backbone features and labels (extracted here when not given). With
     ``controls`` and gates, the control gating heads too, trained on the frozen backbone for as many steps as the run
-    trained (``novelty.fit_control_heads``).
+    trained (``novelty_controls.fit_control_heads``).
     """
     if train_h is None:
         train_h, _, train_y = extract(learner, data.train, cfg, data.channels, device)
@@ -207,8 +207,8 @@ def novelty_scorer(learner, data, cfg: Config, device, train_h: torch.Tensor | N
         steps = cfg.epochs * max(1, len(data.train) // cfg.batch_size)
         steps = steps if cfg.max_steps is None else min(steps, cfg.max_steps)  # the run's own steps
         with torch.enable_grad():
-            fitted = novelty.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
-    return novelty.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, fitted)
+            fitted = novelty_controls.fit_control_heads(learner, first, second, steps, cfg.batch_size, cfg.seed)
+    return novelty_scores.NoveltyScorer(learner, train_h, train_y, data.num_classes, cfg.seed, fitted)
 
 
 def novelty_evaluation(learner, data, cfg: Config, device, train_h: torch.Tensor, train_y: torch.Tensor,
@@ -221,7 +221,7 @@ def novelty_evaluation(learner, data, cfg: Config, device, train_h: torch.Tensor
     scorer = novelty_scorer(learner, data, cfg, device, train_h, train_y)
     novel = {name: scorer(extract(learner, images, cfg, data.channels, device, progress)[0])
              for name, images in data.novel().items()}
-    return novelty.report(scorer(test_h), novel, NOVEL_KINDS)
+    return novelty_detection.report(scorer(test_h), novel, NOVEL_KINDS)
 
 
 def evaluate(learner, data, cfg: Config, device, progress: Progress | None = None,

@@ -4,7 +4,7 @@
 configuration names (``check_code``); here the learner is rebuilt from the saved config, with its data folder chosen
 by the rule below. ``load_run`` (``evaluate/run.py``) wraps the learner as an object for notebooks; the trainer resumes
 its own run (``train/trainer.py``), with the optimizer's state migrated by ``nn/optim.py``. This module sits below
-``evaluate/dimensions.py``, which opens a run folder here, and ``run.py`` sits above it (``TrainedRun.posterior``).
+``evaluate/posterior.py``, which opens a run folder here, and ``run.py`` sits above it (``TrainedRun.posterior``).
 """
 
 import logging

@@ -150,14 +150,14 @@ class TrainedRun:
             A ``GatePosterior``: ``probs`` (N x K), ``features``, ``labels``, ``classes`` and, with ``num_draws``,
             ``draws`` (num_draws x N x K).
         """
-        from bayesncl_pyro.evaluate.dimensions import gate_posterior  # late: it loads the evaluation code
+        from bayesncl_pyro.evaluate.posterior import gate_posterior  # late: it loads the evaluation code
 
         return gate_posterior(self.learner, data, num_draws=num_draws)
 
     def novelty(self, images, *, controls: bool = True, batch_size: int = 256) -> dict[str, torch.Tensor]:
         """Every novelty score of ``images``: score name -> N values on the CPU, larger for an image less like training.
 
-        The scores are ``evaluate.novelty.SCORES`` (what each is, in a line): the deterministic ones (``msp_*``,
+        The scores are ``evaluate.novelty_scores.SCORES`` (what each is, in a line): the deterministic ones (``msp_*``,
         ``energy_*``, ``knn_*``, ``mahalanobis_*`` on the backbone's features and on the representation; ``topk_*``
         for a run that selects features) for every run, the posterior's (``kl_prior``, ``gate_entropy``, ``bald``,
         ``predictive_entropy``; ``weight_mi`` and ``q_spread`` for a Bayesian gating head) for a gated one, and with
@@ -194,7 +194,7 @@ class TrainedRun:
         return self._data
 
     def novelty_scorer(self, controls: bool = True):
-        """The run's ``evaluate.novelty.NoveltyScorer``, fitted on its training split at the first call, then kept.
+        """The run's ``novelty_scores.NoveltyScorer``, fitted on its training split at the first call, then kept.
 
         Args:
             controls: with the control gating heads (trained on the frozen backbone first).

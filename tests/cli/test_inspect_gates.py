@@ -28,7 +28,7 @@ def drawn(monkeypatch):
         kept.append(fig)
         return path
 
-    monkeypatch.setattr(figures, "_save", keep)
+    monkeypatch.setattr(figures, "save", keep)
     yield kept
     matplotlib.pyplot.close("all")
 

@@ -16,7 +16,7 @@ from bayesncl_pyro.data.compositional import (
     parse_cells,
 )
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import novelty
+from bayesncl_pyro.evaluate import novelty, novelty_detection, novelty_scores
 from bayesncl_pyro.infer.estimators import GATES
 
 HOLDOUT = "disk:sky,ring:wall"
@@ -82,34 +82,34 @@ def test_holdout_cells_are_refused_for_data_without_cells():
 
 def test_mutual_information_is_zero_for_identical_draws_and_positive_when_they_disagree():
     same = torch.full((8, 3, 4), 0.3)
-    assert torch.allclose(novelty.mutual_information(same), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(novelty_scores.mutual_information(same), torch.zeros(3), atol=1e-6)
     split = torch.cat([torch.full((4, 3, 4), 0.01), torch.full((4, 3, 4), 0.99)])
     # half the draws say "off", half "on": H(0.5) - H(0.01) per gate
-    expected = 4 * (math.log(2) - float(novelty.binary_entropy(torch.tensor(0.01))))
-    assert torch.allclose(novelty.mutual_information(split), torch.full((3,), expected), atol=1e-5)
+    expected = 4 * (math.log(2) - float(novelty_scores.binary_entropy(torch.tensor(0.01))))
+    assert torch.allclose(novelty_scores.mutual_information(split), torch.full((3,), expected), atol=1e-5)
 
 
 def test_topk_margin_and_mask_follow_each_rows_k():
     x = torch.tensor([[0.9, 0.1, 0.5, 0.45], [0.2, 0.8, 0.7, 0.1]])
     k = torch.tensor([2, 1])
-    assert novelty.topk_mask(x, k).tolist() == [[1, 0, 1, 0], [0, 1, 0, 0]]
-    assert torch.allclose(novelty.topk_margin(x, k), torch.tensor([-0.05, -0.1]))
+    assert novelty_scores.topk_mask(x, k).tolist() == [[1, 0, 1, 0], [0, 1, 0, 0]]
+    assert torch.allclose(novelty_scores.topk_margin(x, k), torch.tensor([-0.05, -0.1]))
 
 
 def test_atypicality_is_lowest_for_a_set_its_class_uses():
     active = torch.tensor([[1.0, 1, 0, 0]] * 20 + [[0.0, 0, 1, 1]] * 20)
     labels = torch.tensor([0] * 20 + [1] * 20)
-    freq = novelty.active_set_frequencies(active, labels, 2)
-    typical, odd = novelty.atypicality(torch.tensor([[1.0, 1, 0, 0], [1.0, 0, 1, 0]]), freq)
+    freq = novelty_scores.active_set_frequencies(active, labels, 2)
+    typical, odd = novelty_scores.atypicality(torch.tensor([[1.0, 1, 0, 0], [1.0, 0, 1, 0]]), freq)
     assert typical < odd
 
 
 def test_detection_of_a_separated_and_an_identical_set():
     g = torch.Generator().manual_seed(0)
     known = {"s": torch.randn(2000, generator=g)}
-    far = novelty.detection(known, {"s": torch.randn(500, generator=g) + 100})["s"]
+    far = novelty_detection.detection(known, {"s": torch.randn(500, generator=g) + 100})["s"]
     assert far["auroc"] == 1.0 and far["fpr95"] == 0.0 and far["flagged"] == 1.0
-    same = novelty.detection(known, {"s": torch.randn(2000, generator=g)})["s"]
+    same = novelty_detection.detection(known, {"s": torch.randn(2000, generator=g)})["s"]
     assert abs(same["auroc"] - 0.5) < 0.04 and abs(same["flagged"] - 0.05) < 0.02
 
 
@@ -118,7 +118,7 @@ def test_report_adds_the_full_spectrum_setting():
     known = {"kl_prior": torch.randn(300, generator=g)}
     novel = {"new-shapes": {"kl_prior": torch.randn(100, generator=g) + 3},
              "new-colours": {"kl_prior": torch.randn(100, generator=g)}}
-    out = novelty.report(known, novel, NOVEL_KINDS)
+    out = novelty_detection.report(known, novel, NOVEL_KINDS)
     assert out["sets"]["new-colours"]["kind"] == "nuisance" and out["sets"]["new-shapes"]["n"] == 100
     assert out["full_spectrum"]["semantic"] == ["new-shapes"] and out["full_spectrum"]["nuisance"] == ["new-colours"]
     assert out["full_spectrum"]["scores"]["kl_prior"]["auroc"] > 0.9
@@ -127,7 +127,7 @@ def test_report_adds_the_full_spectrum_setting():
 
 def test_every_primary_score_is_declared():
     names = {novelty.PRIMARY["score"], *novelty.PRIMARY["baselines"]}
-    assert names <= set(novelty.SCORES)
+    assert names <= set(novelty_scores.SCORES)
     assert novelty.PRIMARY["novel_set"] in NOVEL_KINDS and NOVEL_KINDS[novelty.PRIMARY["novel_set"]] == "semantic"
 
 
@@ -215,7 +215,7 @@ def test_every_run_on_generated_data_evaluates_its_novelty(compositional_run):
     result = json.loads((compositional_run / "eval.json").read_text())["novelty"]
     assert set(result["sets"]) == {"unseen-combinations", *NOVEL_KINDS}
     scores = result["sets"]["new-shapes"]["scores"]
-    assert {*novelty.POSTERIOR_SCORES, "knn_backbone", "mahalanobis_backbone", "topk_atypicality",
+    assert {*novelty_scores.POSTERIOR_SCORES, "knn_backbone", "mahalanobis_backbone", "topk_atypicality",
             "control_kl0_kl_prior", "control_ensemble_mi"} <= set(scores)
     assert all(0 <= m["auroc"] <= 1 and 0 <= m["fpr95"] <= 1 for m in scores.values())
     assert result["full_spectrum"]["semantic"] == ["unseen-combinations", "new-shapes"]
@@ -234,7 +234,7 @@ def test_trained_run_novelty_gives_each_image_every_score(compositional_run):
     run = load_run(compositional_run)
     images = load_compositional(5).novel()["new-shapes"].images[:7]
     scores = run.novelty(images, controls=False)
-    assert {*novelty.POSTERIOR_SCORES, "knn_backbone", "msp_backbone"} <= set(scores)
+    assert {*novelty_scores.POSTERIOR_SCORES, "knn_backbone", "msp_backbone"} <= set(scores)
     assert all(v.shape == (7,) and torch.isfinite(v).all() for v in scores.values())
     with pytest.raises(UserError, match="32 x 32"):
         run.novelty(torch.zeros(2, 3, 40, 40, dtype=torch.uint8), controls=False)
@@ -249,7 +249,7 @@ def test_a_run_without_gates_gets_the_deterministic_scores_only(ncl_run):
     images = torch.randint(0, 255, (4, 1, 8, 8), dtype=torch.uint8)
     scores = run.novelty(images)
     assert "knn_backbone" in scores and "mahalanobis_representation" in scores
-    assert not set(scores) & {*novelty.POSTERIOR_SCORES, "control_kl0_kl_prior", "topk_margin"}
+    assert not set(scores) & {*novelty_scores.POSTERIOR_SCORES, "control_kl0_kl_prior", "topk_margin"}
 
 
 def test_novelty_script_asks_for_folders_where_the_data_has_no_novel_sets(ncl_run, capsys):

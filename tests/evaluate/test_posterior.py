@@ -16,7 +16,7 @@ from bayesncl_pyro.data.views import eval_transform
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import heldout
 from bayesncl_pyro.evaluate.arviz_export import ARVIZ_1, export_gates, read_gates
-from bayesncl_pyro.evaluate.dimensions import gate_posterior
+from bayesncl_pyro.evaluate.posterior import gate_posterior
 from bayesncl_pyro.infer.estimators import GATES
 from bayesncl_pyro.infer.learner import ContrastiveLearner
 from bayesncl_pyro.models.priors import Prior

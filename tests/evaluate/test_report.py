@@ -14,9 +14,9 @@ from bayesncl_pyro.cli import bench_report, run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import dimensions as dm
-from bayesncl_pyro.evaluate import heldout, report
-from bayesncl_pyro.evaluate.dimensions import gate_posterior
+from bayesncl_pyro.evaluate import heldout, report, report_data
 from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.evaluate.posterior import gate_posterior
 from bayesncl_pyro.infer.estimators import GateEstimator
 from bayesncl_pyro.rundir import read_eval
 from bayesncl_pyro.train.trainer import Trainer
@@ -47,7 +47,7 @@ def _cards_are_sound(cards, n, gated):
         images = [e[0] for e in c["top"] + c["quantiles"] + c.get("top_ungated", [])]
         assert all(0 <= i < n for i in images)
         values = [e[1] for e in c["top"]]
-        assert values == sorted(values, reverse=True) and len(c["top"]) == min(report.TOP_IMAGES, c["support"])
+        assert values == sorted(values, reverse=True) and len(c["top"]) == min(report_data.TOP_IMAGES, c["support"])
         # quantiles ordered: levels and the activations at them ascend
         levels, acts = [q[0] for q in c["quantiles"]], [q[2] for q in c["quantiles"]]
         assert levels == sorted(levels) and acts == sorted(acts) and (not acts or acts[-1] <= values[0])
@@ -110,7 +110,7 @@ def test_report_json_invariants_and_eval_json(runs):
 
 def test_the_report_and_the_posterior_agree(runs):
     """Inclusion by class is GatePosterior's class_means; mask stability, exact in the report, is what draws from q
-    (through bayesncl_pyro.evaluate.dimensions) give; top images and class counts are what inspect_gates ranks by."""
+    (through bayesncl_pyro.evaluate.posterior) give; top images and class counts are what inspect_gates ranks by."""
     bayes, _, _, data = runs
     learner, cfg = load_learner(bayes)
     spec = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
@@ -155,9 +155,9 @@ def test_the_page_is_one_self_contained_file(runs):
 def test_a_baseline_on_other_data_and_a_missing_run_are_refused(runs, tmp_path, ncl_run):
     bayes, _, _, _ = runs
     with pytest.raises(UserError, match="trained on digits"):
-        report.build(bayes, ncl_run)
+        report_data.build(bayes, ncl_run)
     with pytest.raises(UserError, match="no checkpoint.pt"):
-        report.build(tmp_path / "nowhere")
+        report_data.build(tmp_path / "nowhere")
     with pytest.raises(UserError, match="holds no report"):
         report.Report(tmp_path)
 
@@ -219,7 +219,7 @@ def test_in_chromium_cards_sort_filter_and_open_an_image(runs, tab, tmp_path):
     tab.follow("#view-card figure.thumb >> nth=0")
     assert tab.page.locator("#view-image h2").inner_text().startswith("Test image")
     assert "its uncertainty" in tab.page.locator("#view-image").inner_text()
-    assert tab.page.locator("#view-image figure.thumb").count() == 3 * report.NEIGHBOURS  # F, open, baseline
+    assert tab.page.locator("#view-image figure.thumb").count() == 3 * report_data.NEIGHBOURS  # F, open, baseline
     tab.open(folder / "index.html", f"#dim/{cards[0]['dim']}")
     tab.follow("#view-card a[href^='#baseline-dim/']")  # the baseline's closest dimension, beside
     assert tab.dims("#view-card") == [cards[0]["baseline_closest"][0]]
@@ -266,9 +266,9 @@ def test_the_gates_panel_names_the_prior_only_where_the_config_has_one(runs, tab
     kl = dm.kl_per_dim(feats.probs, torch.full((16,), 0.8), 0.01)
     run = bench_report.stand_in_run(16)
     del run["config"]["prior"]
-    gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
-    data = report.report_data(feats, run, gates=gates, kl=kl)
-    tab.open(report.write(data, report.thumbnails(bench_report.stand_in_images(200)), tmp_path))
+    gates = report_data.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
+    data = report_data.report_data(feats, run, gates=gates, kl=kl)
+    tab.open(report.write(data, report_data.thumbnails(bench_report.stand_in_images(200)), tmp_path))
     text = tab.page.inner_text("body")
     assert re.search(r"prior rate 0\.80*;", text) and "--prior" not in text and "undefined" not in text
     assert tab.errors == []
@@ -280,9 +280,10 @@ def imagenet100_sized(tmp_path_factory):
     feats = bench_report.stand_in(5000, 2048, 100)
     kl = dm.kl_per_dim(feats.probs, torch.full((2048,), 0.8), 0.01)
     run = bench_report.stand_in_run(2048)
-    gates = report.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
-    data = report.report_data(feats, run, gates=gates, kl=kl)
-    page = report.write(data, report.thumbnails(bench_report.stand_in_images(5000)), tmp_path_factory.mktemp("big"))
+    gates = report_data.gate_summary(feats, kl, GateEstimator.kl_label(0.01), 0.8)
+    data = report_data.report_data(feats, run, gates=gates, kl=kl)
+    images = report_data.thumbnails(bench_report.stand_in_images(5000))
+    page = report.write(data, images, tmp_path_factory.mktemp("big"))
     return page, data
 
 
@@ -317,9 +318,9 @@ def test_a_baseline_of_another_length_is_said_on_the_page():
     base.update(method="ncl")
     for steps, base_steps, note in ((225, 20, True), (225, 225, False)):
         run["steps"], base["steps"] = steps, base_steps
-        data = report.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
+        data = report_data.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
         assert (data["baseline"]["note"] is not None) == note
     run["steps"], base["steps"] = 225, 20
-    data = report.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
+    data = report_data.report_data(feats, run, baseline=dict(run=base, features=feats, evaluation=None))
     assert data["baseline"]["note"].startswith("note: the baseline (ncl) trained 20 steps and this run (bayesncl) 225")
-    assert "D.baseline.note" in report.render(data, report.thumbnails(bench_report.stand_in_images(200)))
+    assert "D.baseline.note" in report.render(data, report_data.thumbnails(bench_report.stand_in_images(200)))

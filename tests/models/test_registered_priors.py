@@ -20,10 +20,10 @@ from bayesncl_pyro import BayesNCLHead
 from bayesncl_pyro.cli import run_svi
 from bayesncl_pyro.data import load_dataset
 from bayesncl_pyro.errors import UserError
-from bayesncl_pyro.evaluate import dimensions as dm
 from bayesncl_pyro.evaluate import figures, heldout, report
 from bayesncl_pyro.evaluate.arviz_export import read_gates
-from bayesncl_pyro.infer.learner import load_learner
+from bayesncl_pyro.evaluate.loading import load_learner
+from bayesncl_pyro.evaluate.posterior import prior_rate
 from bayesncl_pyro.models.priors import PerImagePrior, Prior, build_prior, stick_alpha
 
 
@@ -263,7 +263,7 @@ def test_a_digits_run_of_each_prior_exports_its_gates_opens_in_the_figures_and_t
     n = idata["gates"].sizes["item"]
     assert idata["posterior"][site].dims == dims and idata.posterior.attrs["prior"] == prior
     feats = heldout.test_features(learner, load_dataset("digits", None, seed=0))
-    rate = dm.prior_rate(learner, feats)
+    rate = prior_rate(learner, feats)
     np.testing.assert_allclose(idata["gates"]["prior_rate"].values, rate.numpy(), rtol=1e-6)
     if prior == "per-image":  # each test image's rate, its q's mean given the image
         assert idata["gates"]["prior_rate"].dims == ("item", "feature") and rate.shape == (n, 16)

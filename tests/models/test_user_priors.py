@@ -132,7 +132,7 @@ def test_gates_nc_holds_the_priors_own_learned_parameters():
     """gates.nc held the guide's parameters of global latents but not the prior's own (a mixture's weights, the
     learned prior's rates): they are prior_param_<name>, a PyroParam in its constrained space."""
     from bayesncl_pyro.evaluate.arviz_export import to_datatree
-    from bayesncl_pyro.evaluate.dimensions import GatePosterior, learned_parameters
+    from bayesncl_pyro.evaluate.posterior import GatePosterior, learned_parameters
     from bayesncl_pyro.models.priors import LearnedPrior
 
     learned = LearnedPrior(4, 0.2)
