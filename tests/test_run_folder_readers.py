@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from bayesncl_pyro import rundir
+from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.evaluate import comparison, figures, report
 from bayesncl_pyro.evaluate.arviz_export import export_gates
 from bayesncl_pyro.evaluate.loading import load_learner
@@ -173,3 +174,38 @@ def test_a_checkpoint_is_read_where_it_was_found(bayes_run, tmp_path, monkeypatc
 
     monkeypatch.setattr(rundir.reading, "exists", found)
     assert load_learner(run)[1].method == "bayesncl" and swapped
+
+
+def test_a_linked_folder_inside_a_run_folder_is_not_opened_for_reading(bayes_run, tmp_path, resolver):
+    """``RunFolder.open("RUN/report")`` (what ``Report`` reads) with RUN/report a link to a folder elsewhere is refused,
+    naming the link, as a read of RUN/report/report.json by path is: nothing below it is read from elsewhere."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "report.json").write_text('{"planted": 1}')
+    (elsewhere / "index.html").write_text("<p>planted</p>")
+    (run / "report").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError, match=r"report is a symbolic link"):
+        rundir.read_json(run / "report" / "report.json")
+    with pytest.raises(UserError, match=r"report is a symbolic link"):
+        rundir.RunFolder.open(run / "report")
+    with pytest.raises(UserError, match=r"report is a symbolic link"):
+        report.Report(run / "report")
+    real = tmp_path / "real"
+    shutil.copytree(elsewhere, real)
+    (run / "report").unlink()
+    (run / "report").mkdir()
+    shutil.copy(real / "report.json", run / "report" / "report.json")
+    with rundir.RunFolder.open(run / "report") as opened:  # a real folder inside the run reads as before
+        assert opened.read_json("report.json", rundir.TEXT_LIMIT) == {"planted": 1}
+
+
+def test_a_run_folder_closed_inside_its_with_closes_at_its_end(bayes_run, tmp_path):
+    """``close()`` while entered is deferred to the end of the ``with``: reads below the folder meanwhile never use a
+    closed descriptor number (which the process may have given to another file)."""
+    run = shutil.copytree(bayes_run, tmp_path / "run")
+    with rundir.RunFolder.open(run) as opened:
+        opened.close()
+        assert opened.dir is not None
+        assert rundir.read_json(run / "config.json", rundir.TEXT_LIMIT)["method"] == "bayesncl"
+    assert opened.dir is None

@@ -12,6 +12,7 @@ runs. While a ``RunFolder`` is open, every read of a path below it (``read_json`
 """
 
 import contextlib
+import errno
 import os
 import weakref
 from pathlib import Path
@@ -19,13 +20,38 @@ from typing import BinaryIO
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.artefacts import load_checkpoint, read_eval, read_log
-from bayesncl_pyro.rundir.beneath import open_beneath
-from bayesncl_pyro.rundir.layout import CHECKPOINT, JSON_LIMIT
+from bayesncl_pyro.rundir.beneath import first_link, open_beneath
+from bayesncl_pyro.rundir.layout import CHECKPOINT, JSON_LIMIT, _below_run
 from bayesncl_pyro.rundir.locking import holding
 from bayesncl_pyro.rundir.opened import opened, reading_from
 from bayesncl_pyro.rundir.opening import exists, open_file, read_bytes, read_json, read_records
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _open_folder(path: Path) -> int:
+    """A descriptor of the folder ``path``, opened for reading.
+
+    A run folder, or a folder outside any, is opened by the path as named (a link the user names may lead to a run
+    kept elsewhere); a folder inside a run folder (``RUN/report``) is reached from the run folder without following a
+    link, as every read of a run's file is.
+    """
+    place = _below_run(path)
+    if place is None or not place[1]:
+        return os.open(path, _FOLDER)
+    run, names = place
+    base = os.open(run, _FOLDER)
+    try:
+        return open_beneath(base, names, _FOLDER)
+    except OSError as e:
+        link = first_link(run, names) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
+        if link is None:
+            raise
+        raise UserError(f"{link} is a symbolic link, to {os.readlink(link)}; a folder of a run folder is never "
+                        "read through one (it may point anywhere): replace the link by the folder, or move it away"
+                        ) from None
+    finally:
+        os.close(base)
 
 
 class RunFolder:
@@ -57,7 +83,7 @@ class RunFolder:
                    key=lambda m: len(m.named.parts), default=None)
         try:
             if mine is None:
-                fd = os.open(path, _FOLDER)
+                fd = _open_folder(path)
             elif mine.named == named:
                 fd = os.dup(mine.dir)
             else:
@@ -69,8 +95,8 @@ class RunFolder:
         return cls(path, fd)
 
     def close(self):
-        """Close the descriptor (a closed folder reads by path again)."""
-        if self.dir is not None:
+        """Close the descriptor (a closed folder reads by path again); while entered, at the end of the ``with``."""
+        if self.dir is not None and not self._entered:
             self._closer()
             self.dir = None
 
