@@ -11,7 +11,7 @@ from pathlib import Path
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.beneath import open_regular
 from bayesncl_pyro.rundir.layout import LOCK, run_holding
-from bayesncl_pyro.rundir.opened import opened
+from bayesncl_pyro.rundir.opened import Opened, opened
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -109,6 +109,17 @@ def holding(folder: Path) -> RunLock | None:
     """The lock this process holds on a run folder that is or holds ``folder`` (by the name it was locked by)."""
     named = Path(os.path.abspath(folder))
     return next((held for held in list(_HELD.values()) if held.named in (named, *named.parents)), None)
+
+
+def held_open(folder: Path) -> "RunLock | Opened | None":
+    """The innermost folder this process holds open that is or holds ``folder``, locked or read.
+
+    One it locked (:func:`holding`) or one it reads (``RunFolder.open``); the lock where both are the same folder
+    (their descriptors are of one folder). Both have ``named`` (the name it was opened by) and ``dir`` (its
+    descriptor): every read and write below ``folder`` starts from that descriptor.
+    """
+    found = [m for m in (holding(folder), opened(folder)) if m is not None]
+    return max(found, key=lambda m: len(m.named.parts), default=None)  # max keeps the first of a tie: the lock
 
 
 @contextlib.contextmanager

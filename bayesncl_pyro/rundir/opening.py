@@ -11,8 +11,7 @@ from bayesncl_pyro.config import parse_file
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.beneath import open_beneath, open_regular
 from bayesncl_pyro.rundir.layout import JSON_LIMIT, MAX_LINE, MAX_RECORDS, TEXT_LIMIT, _below_run, logger
-from bayesncl_pyro.rundir.locking import holding
-from bayesncl_pyro.rundir.opened import opened
+from bayesncl_pyro.rundir.locking import held_open
 
 
 def _place(path: Path) -> tuple[int, Path, tuple[str, ...]]:
@@ -24,10 +23,7 @@ def _place(path: Path) -> tuple[int, Path, tuple[str, ...]]:
     the file's own folder. Every name below it is opened without following a link.
     """
     named = Path(os.path.abspath(path))
-    mine = holding(named.parent)
-    reader = opened(named.parent)
-    if reader is not None and (mine is None or len(reader.named.parts) > len(mine.named.parts)):
-        mine = reader
+    mine = held_open(named.parent)
     if mine is not None:
         return os.dup(mine.dir), mine.named, named.relative_to(mine.named).parts
     folder, names = _below_run(named.parent) or (named.parent, ())

@@ -22,8 +22,8 @@ from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.artefacts import load_checkpoint, read_eval, read_log
 from bayesncl_pyro.rundir.beneath import first_link, open_beneath
 from bayesncl_pyro.rundir.layout import CHECKPOINT, JSON_LIMIT, _below_run
-from bayesncl_pyro.rundir.locking import holding
-from bayesncl_pyro.rundir.opened import opened, reading_from
+from bayesncl_pyro.rundir.locking import held_open
+from bayesncl_pyro.rundir.opened import reading_from
 from bayesncl_pyro.rundir.opening import exists, open_file, read_bytes, read_json, read_records
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -79,8 +79,7 @@ class RunFolder:
         path = Path(path)
         named = Path(os.path.abspath(path))
         # the innermost folder this process reads or locked already: the same folder, however long ago it was opened
-        mine = max((m for m in (opened(named), holding(named)) if m is not None),
-                   key=lambda m: len(m.named.parts), default=None)
+        mine = held_open(named)
         try:
             if mine is None:
                 fd = _open_folder(path)
