@@ -83,24 +83,37 @@ TOLERANCE = 0.05
 """How far from D the test split's share of open gates may end before the run says it missed the target."""
 
 
-def shortfall(density: float | None, share: float | None) -> str | None:
+def shortfall(density: float | None, share: float | None, last: dict | None = None) -> str | None:
     """The warning for a run whose test share of open gates missed its --gate-density, or None.
 
     One warning line when the test split's share of open gates ended more than TOLERANCE from D, saying why and what
     to change; None when it met D (or had no target). The multiplier holds the training batches' share on the
     target's path; the test split's can still differ when the run ended before the path reached D (about
-    5 * RAMP_STEPS steps), or when the gates closed below D and did not reopen.
+    5 * RAMP_STEPS steps), or when the gates closed below D and did not reopen. ``last``: the run's last log record
+    (its ``gate_nce_pull``, ``gate_prior_pull`` and ``kl_weight``), which tells the second cause: where the prior's
+    pull on the gates outweighs InfoNCE's, the KL closes gates faster than the multiplier, which raises every gate's
+    probability alike, opens them, and InfoNCE's pull is lost with the features (at lambda 0.3 on the compositional
+    recipe every gate closed within 10 steps, and the multiplier's equilibrium left the mode shut).
     """
     if density is None or share is None or abs(share - density) <= TOLERANCE:
         return None
-    if share < density:
+    fix = f"train for more steps (--epochs), the target's path to D takes about {5 * RAMP_STEPS:g} steps"
+    if share >= density:
+        why = "the multiplier had not closed enough gates by the last step"
+    elif last and "gate_prior_pull" in last and last["gate_prior_pull"] >= last.get("gate_nce_pull", 0.0):
+        why = (f"the prior's pull on the gates outweighed InfoNCE's at the last logged step (gate_prior_pull "
+               f"{last['gate_prior_pull']:.3g} against gate_nce_pull {last.get('gate_nce_pull', 0.0):.3g}): "
+               + (f"at --kl-weight {last['kl_weight']:g} " if "kl_weight" in last else "")
+               + "the KL closes the gates faster than the multiplier opens them, and a closed gate gets no InfoNCE "
+               "gradient")
+        fix = "lower --kl-weight until log.jsonl's gate_prior_pull stays below its gate_nce_pull"
+    else:
         why = ("gates that closed on the way to D did not reopen (a closed gate gets no InfoNCE gradient) or the "
                "run ended before the multiplier brought the share back")
-    else:
-        why = "the multiplier had not closed enough gates by the last step"
+        fix += ("; where log.jsonl's gate_prior_pull nears its gate_nce_pull, the prior is closing them: lower "
+                "--kl-weight")
     return (f"warning: the test split's share of open gates is {share:.3f}, not --gate-density {density:g} (more "
-            f"than {TOLERANCE:g} away): {why}; train for more steps (--epochs), the target's path to D takes about "
-            f"{5 * RAMP_STEPS:g} steps")
+            f"than {TOLERANCE:g} away): {why}; {fix}")
 
 
 class DensityControl(nn.Module):

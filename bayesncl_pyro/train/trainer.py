@@ -154,6 +154,7 @@ class Trainer:
         self._stop = StopRequest()
         self._degenerate = False
         self._threads_logged = False  # the first log record of this process says torch's thread count
+        self._last_record = None  # this process's last log record: the density warning reads its pulls
         self._load_checkpoint()
         self.evaluated = self.finished and (self.out / EVAL).exists()  # this very model's: a rerun prints it again
         self.net = self.learner  # what the training step calls: the learner, or its DDP wrapper
@@ -319,7 +320,7 @@ class Trainer:
         self.log.evaluation(results, self.step)
         self.log.close()
         print(heldout.format_table(results))
-        missed = shortfall(self.cfg.gate_density, results.get("gates_open"))
+        missed = shortfall(self.cfg.gate_density, results.get("gates_open"), self._last_record)
         if missed:
             logger.warning(missed)
         self._report_skipped()
@@ -483,6 +484,7 @@ class Trainer:
             if not self._degenerate:  # every record carries them; the terminal hears once per episode
                 logger.warning(f"warning: step {self.step}: " + "; ".join(warnings))
         self._degenerate = bool(warnings)
+        self._last_record = rec
         return rec
 
     def _grad_norm(self, out: HeadOutput) -> float:

@@ -183,12 +183,30 @@ def test_a_run_that_ends_away_from_its_density_says_why_and_the_fix(density, sha
         assert says in line and "train for more steps" in line
 
 
+@pytest.mark.parametrize("pulls, blames_the_prior", [
+    (dict(gate_nce_pull=0.0, gate_prior_pull=0.075, kl_weight=0.3), True),  # lambda 0.3: every feature closed
+    (dict(gate_nce_pull=0.035, gate_prior_pull=0.028, kl_weight=0.03), False),
+    ({}, False)])
+def test_a_density_missed_under_a_strong_prior_names_the_prior_and_its_fix(pulls, blames_the_prior):
+    line = shortfall(0.3, 0.016, pulls)
+    if blames_the_prior:
+        assert "gate_prior_pull 0.075 against gate_nce_pull 0" in line and "--kl-weight 0.3" in line
+        assert line.endswith("lower --kl-weight until log.jsonl's gate_prior_pull stays below its gate_nce_pull")
+        assert "train for more steps" not in line  # more steps do not reopen gates the prior holds shut
+    else:  # the pulls do not say: both fixes
+        assert "did not reopen" in line and "train for more steps" in line and "lower --kl-weight" in line
+    assert shortfall(0.3, 0.45, pulls).count("had not closed enough gates") == 1  # too many open: not the prior
+
+
 def test_the_evaluation_warns_when_the_density_was_missed(tmp_path, caplog):
-    trainer = Trainer(tiny(tmp_path, gate_density=0.9, max_steps=2), progress=False)  # two steps cannot open 90 %
+    # two steps cannot open 90 %; at lambda 30 the prior outweighs InfoNCE, and the warning says so from the log
+    trainer = Trainer(tiny(tmp_path, gate_density=0.9, max_steps=2, kl_weight=30.0, log_every=1), progress=False)
     trainer.train(2)
     share = trainer.evaluate()["gates_open"]
     assert share < 0.85
-    assert shortfall(0.9, share) in caplog.messages
+    warned = [m for m in caplog.messages if m.startswith("warning: the test split's share")]
+    assert warned == [shortfall(0.9, share, trainer._last_record)]
+    assert "the prior's pull on the gates outweighed InfoNCE's" in warned[0] and "--kl-weight 30 " in warned[0]
 
 
 def test_each_run_meets_the_topk_curve_of_its_own_seed():
