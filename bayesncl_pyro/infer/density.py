@@ -6,7 +6,9 @@ both work). ``--gate-density D`` states the density instead: training minimises 
 ``loss + mu * K * (share - D)``; mu, the constraint's multiplier, is found by dual ascent after every step
 (constrained L0 sparsity, Gallego-Posada et al. 2022). The constraint does not go through the prior: lambda weighting
 the KL was the multiplier before, and a prior that learns its rates follows q, its KL shrinks, and lambda had no
-lever (over ten seeds at D = 0.3 the ibp prior met D on none). mu prices the gates themselves, whatever the prior.
+lever (over ten seeds at D = 0.3 the ibp prior met D on none). mu prices the gates themselves, whatever the prior,
+as long as the prior's pull on the gates stays below InfoNCE's: a KL that outpulls it closes gates early, and a
+closed gate has no InfoNCE gradient left to reopen it (:func:`shortfall`).
 
 Which share. The constraint's value, which the dual step reads, is the share of open gates of the *evaluation mask*
 (q's mode 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the reference's mask, ``GateEstimator.mask``): the share
