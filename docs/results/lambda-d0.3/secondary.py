@@ -1,0 +1,44 @@
+"""The lambda record's declared secondary question: each lambda minus lambda 3e-5, same seed (docs/RESULTS.md).
+
+kl_prior's AUROC on new shapes and the top-N consistency; 95 % t intervals (evaluate.stats.interval), Holm over the
+six differences. Reads the record's eval.json files; writes secondary.md beside them. From the checkout's root:
+
+    python docs/results/lambda-d0.3/secondary.py
+"""
+import json
+import sys
+from pathlib import Path
+
+from bayesncl_pyro.evaluate.stats import holm, interval, mean_sd
+
+rec = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/lambda-d0.3")
+runs = {}
+for ev in sorted(rec.glob("bayesncl-ste-lambda*-seed*/eval.json")):
+    name = ev.parent.name
+    lam, seed = name.split("lambda")[1].split("-d0.3-seed")
+    runs[(lam, int(seed))] = json.loads(ev.read_text())
+kl = lambda e: e["novelty"]["sets"]["new-shapes"]["scores"]["kl_prior"]["auroc"]  # noqa: E731
+measures = {"kl_prior AUROC, new shapes": kl, "top-N consistency": lambda e: e["semantic_consistency_topn"]}
+lams = sorted({lam for lam, _ in runs if lam != "3e-05"}, key=float)
+rows = []
+for lam in lams:
+    seeds = sorted(s for l_, s in runs if l_ == lam and ("3e-05", s) in runs)
+    for what, f in measures.items():
+        d = [f(runs[(lam, s)]) - f(runs[("3e-05", s)]) for s in seeds]
+        rows.append(dict(lam=lam, what=what, seeds=seeds, **interval(d)))
+for r, p in zip(rows, holm([r["p"] for r in rows])):
+    r["p_holm"] = p
+out = ["| lambda | measure | seeds | value at lambda (mean ± sd) | minus lambda 3e-5 [95 % t] | p | Holm p | MDD |",
+       "|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    vals = [measures[r["what"]](runs[(r["lam"], s)]) for s in r["seeds"]]
+    m, sd = mean_sd(vals)
+    out.append(f"| {r['lam']} | {r['what']} | {len(r['seeds'])} | {m:.3f} ± {sd:.3f} | {r['mean']:+.3f} "
+               f"[{r['t_low']:+.3f}, {r['t_high']:+.3f}] | {r['p']:.3f} | {r['p_holm']:.3f} | {r['mdd']:.3f} |")
+base = [runs[("3e-05", s)] for s in sorted(s for l_, s in runs if l_ == "3e-05")]
+for what, f in measures.items():
+    m, sd = mean_sd([f(e) for e in base])
+    out.append(f"| 3e-05 | {what} | {len(base)} | {m:.3f} ± {sd:.3f} | | | | |")
+text = "\n".join(out) + "\n"
+(rec / "secondary.md").write_text(text)
+print(text)
