@@ -88,6 +88,26 @@ def first_link(folder: Path, names: Sequence[str]) -> Path | None:
                  if os.path.islink(folder.joinpath(*names[:i]))), None)
 
 
+def open_below(dir_fd: int, folder: Path, names: Sequence[str], flags: int, kind: str = "file",
+               shown: Path | None = None) -> int:
+    """:func:`open_beneath` of ``folder / names``, a symbolic link on the way refused in one line that names it.
+
+    ``dir_fd``: a descriptor of ``folder``; ``kind``: what ``names`` leads to, ``"file"`` or ``"folder"`` (the
+    message's words); ``shown``: the path as the caller named it. Any other OSError passes.
+    """
+    try:
+        return open_beneath(dir_fd, names, flags)
+    except OSError as e:
+        link = first_link(folder, names) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
+        if link is None:
+            raise
+        last = link == folder.joinpath(*names)
+        path = Path(shown) if shown is not None else folder.joinpath(*names)
+        raise UserError(f"{path if last else link} is a symbolic link, to {os.readlink(link)}; a {kind} of a run "
+                        "folder is never read or written through one (it may point anywhere): replace the link by "
+                        f"the {kind if last else 'folder'}, or move it away") from None
+
+
 def open_regular(dir_fd: int | None, folder: Path, names: Sequence[str], flags: int, follow: bool = False,
                  shown: Path | None = None) -> int:
     """Return a descriptor of the regular file ``folder / names``, opened below ``dir_fd`` without waiting on a FIFO.
@@ -100,14 +120,8 @@ def open_regular(dir_fd: int | None, folder: Path, names: Sequence[str], flags: 
     path = Path(shown) if shown is not None else folder.joinpath(*names)
     flags |= os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, flags, 0o666) if dir_fd is None else open_beneath(dir_fd, names, flags)
+        fd = os.open(path, flags, 0o666) if dir_fd is None else open_below(dir_fd, folder, names, flags, shown=shown)
     except OSError as e:
-        link = first_link(folder, names) if e.errno in (errno.ELOOP, errno.ENOTDIR) and dir_fd is not None else None
-        if link is not None:
-            last = link == folder.joinpath(*names)
-            raise UserError(f"{path if last else link} is a symbolic link, to {os.readlink(link)}; a file of a run "
-                            "folder is never read or written through one (it may point anywhere): replace the link by "
-                            f"the {'file' if last else 'folder'}, or move it away") from None
         if e.errno == errno.ENXIO:  # a FIFO that no process reads, opened for writing
             raise UserError(_not_a_file(path, "a named pipe (FIFO)", follow)) from None
         raise

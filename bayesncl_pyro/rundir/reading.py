@@ -12,7 +12,6 @@ runs. While a ``RunFolder`` is open, every read of a path below it (``read_json`
 """
 
 import contextlib
-import errno
 import os
 import weakref
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import BinaryIO
 
 from bayesncl_pyro.errors import UserError
 from bayesncl_pyro.rundir.artefacts import load_checkpoint, read_eval, read_log
-from bayesncl_pyro.rundir.beneath import first_link, open_beneath
+from bayesncl_pyro.rundir.beneath import open_below, open_beneath
 from bayesncl_pyro.rundir.layout import CHECKPOINT, JSON_LIMIT, _below_run
 from bayesncl_pyro.rundir.locking import held_open
 from bayesncl_pyro.rundir.opened import reading_from
@@ -42,14 +41,7 @@ def _open_folder(path: Path) -> int:
     run, names = place
     base = os.open(run, _FOLDER)
     try:
-        return open_beneath(base, names, _FOLDER)
-    except OSError as e:
-        link = first_link(run, names) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
-        if link is None:
-            raise
-        raise UserError(f"{link} is a symbolic link, to {os.readlink(link)}; a folder of a run folder is never "
-                        "read through one (it may point anywhere): replace the link by the folder, or move it away"
-                        ) from None
+        return open_below(base, run, names, _FOLDER, kind="folder")
     finally:
         os.close(base)
 
