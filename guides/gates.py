@@ -49,6 +49,7 @@ from torch import nn
 
 from bayesncl_pyro.models.bayesncl import image_features, images_plate, rows_plate, scaled_call
 from bayesncl_pyro.nn.encoders import mlp
+from bayesncl_pyro.nn.losses import bound_logits
 
 
 class BernoulliGates(dist.Bernoulli):
@@ -260,7 +261,7 @@ class GateGuide(PyroModule):
         else:
             with torch.autocast(h.device.type, dtype=mlp_dtype):
                 raw = head(h.detach()).to(h.dtype)
-        return b * torch.tanh(raw / b)
+        return bound_logits(raw, b)
 
     def posterior(self, h: torch.Tensor, family: type[BernoulliGates] | None = None,
                   mlp_dtype: torch.dtype | None = None, weights="mean") -> BernoulliGates:

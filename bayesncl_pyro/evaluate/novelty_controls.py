@@ -12,15 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from bayesncl_pyro.nn.encoders import mlp
-from bayesncl_pyro.nn.losses import bernoulli_kl, info_nce_rows, normalize
+from bayesncl_pyro.nn.losses import bernoulli_kl, bound_logits, info_nce_rows, normalize
 
 ENSEMBLE = 5
 """Gating heads in the ensemble control."""
 
 
 @dataclass
-
-
 class ControlHeads:
     """Gating heads trained on a run's frozen backbone (:func:`fit_control_heads`): the KL-0 head and the ensemble."""
 
@@ -31,13 +29,10 @@ class ControlHeads:
     @torch.no_grad()
     def probs(self, head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         """q(g = 1 | x) of one control head at backbone features h (N x K)."""
-        b = self.logit_bound
-        return torch.sigmoid(b * torch.tanh(head(h.float()) / b))
+        return torch.sigmoid(bound_logits(head(h.float()), self.logit_bound))
 
 
 @torch.no_grad()
-
-
 def marginal_rate(learner) -> torch.Tensor:
     """K: the prior's inclusion rates, what the control heads' KL is taken against.
 
@@ -80,13 +75,13 @@ def fit_control_heads(learner, view1: torch.Tensor, view2: torch.Tensor, steps: 
 
 def _train_control(net, h1, h2, u1, u2, rate, kl_weight, steps, batch_size, cfg, generator):
     optimizer = torch.optim.SGD(net.parameters(), lr=cfg.gate_lr, momentum=0.9)
-    b, n = cfg.logit_bound, len(h1)
+    n = len(h1)
     batch_size = min(batch_size, n)
     for _ in range(steps):
         rows = torch.randperm(n, generator=generator)[:batch_size].to(h1.device)
         h, u = torch.cat([h1[rows], h2[rows]]), torch.cat([u1[rows], u2[rows]])
-        p = torch.sigmoid(b * torch.tanh(net(h) / b))
-        g = (p > 0.5).float() + p - p.detach()
+        p = torch.sigmoid(bound_logits(net(h), cfg.logit_bound))
+        g = (p > 0.5).float() + p - p.detach()  # the `ste` estimator's value: the mode, straight-through to p
         loss = info_nce_rows(normalize(u * g), cfg.temperature).mean()
         if kl_weight:
             loss = loss + kl_weight * bernoulli_kl(p, rate, cfg.kl_clamp).sum(1).mean()

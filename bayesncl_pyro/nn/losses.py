@@ -205,6 +205,15 @@ def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return torch.where(norm <= eps, torch.zeros_like(x), x / norm.clamp_min(eps))
 
 
+def bound_logits(raw: torch.Tensor, bound: float) -> torch.Tensor:
+    """Gate logits b tanh(raw / b), in (-b, b): the reference's logit bound.
+
+    Every gate's probability stays inside (sigmoid(-b), sigmoid(b)), so the KL and the straight-through gradient stay
+    finite. ``raw``: any shape (R x K gate logits before the bound); ``bound``: b > 0.
+    """
+    return bound * torch.tanh(raw / bound)
+
+
 NONNEG = ("relu", "rep_relu", "none")
 """The kinds of :func:`nonneg` (``--nonneg``)."""
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from bayesncl_pyro.nn.losses import (
     bernoulli_kl,
+    bound_logits,
     info_nce,
     info_nce_flip_differences,
     info_nce_rows,
@@ -88,6 +89,15 @@ def test_rep_relu_forward_is_relu_backward_is_gelu():
 def test_topk_mask_keeps_k_largest():
     z = torch.tensor([[0.1, 0.9, 0.5, 0.3], [4.0, 1.0, 2.0, 3.0]])
     torch.testing.assert_close(topk_mask(z, 2), torch.tensor([[0.0, 1, 1, 0], [1, 0, 0, 1]]))
+
+
+def test_bound_logits_hold_every_gate_inside_the_bound():
+    raw = torch.tensor([-1e6, -30.0, -0.01, 0.0, 0.01, 30.0, 1e6], requires_grad=True)
+    bounded = bound_logits(raw, 5.0)
+    assert bool((bounded.abs() <= 5.0).all()) and bounded[0] == -5.0 and bounded[-1] == 5.0
+    torch.testing.assert_close(bounded[2:5], raw[2:5].detach(), atol=1e-6, rtol=1e-4)  # the identity near 0
+    bounded.sum().backward()
+    assert raw.grad[3] == 1.0 and bool((raw.grad >= 0).all())
 
 
 def test_normalize_zero_row_has_zero_gradient():
