@@ -113,9 +113,9 @@ def parser() -> argparse.ArgumentParser:
                    "%(default)s)")
     g.add_argument("--gate-density", type=float, help="a target share of open gates (of the evaluation mask) in "
                    "(0, 1), for any prior: a constraint with a Lagrange multiplier of its own, raised or lowered after "
-                   "every step until the share meets it; lambda stays --kl-weight, and a lambda whose KL outpulls "
-                   "InfoNCE (log.jsonl's gate_prior_pull above gate_nce_pull) closes gates the multiplier cannot "
-                   "reopen (bayesncl_pyro/infer/density.py; default: off)")
+                   "every step until the share meets it; lambda stays --kl-weight, and a lambda whose KL pull is "
+                   "not a small part of InfoNCE's (log.jsonl's gate_prior_pull against gate_nce_pull) holds gates "
+                   "shut that the multiplier cannot open (bayesncl_pyro/infer/density.py; default: off)")
     g.add_argument("--kl-clamp", type=float, default=d.kl_clamp,
                    help="both rates of the gate KL are clamped to [c, 1 - c] as the reference does; 0 = the exact "
                    "Bernoulli KL (default: %(default)s)")

@@ -7,8 +7,9 @@ both work). ``--gate-density D`` states the density instead: training minimises 
 (constrained L0 sparsity, Gallego-Posada et al. 2022). The constraint does not go through the prior: lambda weighting
 the KL was the multiplier before, and a prior that learns its rates follows q, its KL shrinks, and lambda had no
 lever (over ten seeds at D = 0.3 the ibp prior met D on none). mu prices the gates themselves, whatever the prior,
-as long as the prior's pull on the gates stays below InfoNCE's: a KL that outpulls it closes gates early, and a
-closed gate has no InfoNCE gradient left to reopen it (:func:`shortfall`).
+as long as the prior's pull on the gates stays a small part of InfoNCE's: a KL that outpulls it closes gates early,
+and a closed gate has no InfoNCE gradient left to reopen it; a KL half as strong as InfoNCE can still take up the
+multiplier's whole push (:func:`prior_holds_the_gates`).
 
 Which share. The constraint's value, which the dual step reads, is the share of open gates of the *evaluation mask*
 (q's mode 1[q(g = 1 | x) > 0.5]; for ``gs-reference-kl`` the reference's mask, ``GateEstimator.mask``): the share
@@ -92,23 +93,23 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
     to change; None when it met D (or had no target). The multiplier holds the training batches' share on the
     target's path; the test split's can still differ when the run ended before the path reached D (about
     5 * RAMP_STEPS steps), or when the gates closed below D and did not reopen. ``last``: the run's last log record
-    (its ``gate_nce_pull``, ``gate_prior_pull`` and ``kl_weight``), which tells the second cause: where the prior's
-    pull on the gates outweighs InfoNCE's, the KL closes gates faster than the multiplier, which raises every gate's
-    probability alike, opens them, and InfoNCE's pull is lost with the features (at lambda 0.3 on the compositional
-    recipe every gate closed within 10 steps, and the multiplier's equilibrium left the mode shut).
+    (its ``gate_nce_pull``, ``gate_prior_pull``, ``density_multiplier`` and ``kl_weight``), which tells when the prior
+    is the cause (:func:`prior_holds_the_gates`): the KL closes gates faster than the multiplier, which raises every
+    gate's probability alike, opens them, and the gates settle where the two balance, below 1/2, the mode shut (at
+    lambda 0.3 on the compositional recipe every gate closed within 10 steps under ``ste`` and under ``leg``).
     """
     if density is None or share is None or abs(share - density) <= TOLERANCE:
         return None
     fix = f"train for more steps (--epochs), the target's path to D takes about {5 * RAMP_STEPS:g} steps"
     if share >= density:
         why = "the multiplier had not closed enough gates by the last step"
-    elif last and "gate_prior_pull" in last and last["gate_prior_pull"] >= last.get("gate_nce_pull", 0.0):
-        why = (f"the prior's pull on the gates outweighed InfoNCE's at the last logged step (gate_prior_pull "
-               f"{last['gate_prior_pull']:.3g} against gate_nce_pull {last.get('gate_nce_pull', 0.0):.3g}): "
+    elif last and (held := prior_holds_the_gates(last)):
+        why = (f"the prior's pull on the gates {held} at the last logged step: "
                + (f"at --kl-weight {last['kl_weight']:g} " if "kl_weight" in last else "")
                + "the KL closes the gates faster than the multiplier opens them, and a closed gate gets no InfoNCE "
                "gradient")
-        fix = "lower --kl-weight until log.jsonl's gate_prior_pull stays below its gate_nce_pull"
+        fix = ("lower --kl-weight until log.jsonl's gate_prior_pull is a small part of its gate_nce_pull and of "
+               "|density_multiplier|")
     else:
         why = ("gates that closed on the way to D did not reopen (a closed gate gets no InfoNCE gradient) or the "
                "run ended before the multiplier brought the share back")
@@ -116,6 +117,26 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
                 "--kl-weight")
     return (f"warning: the test split's share of open gates is {share:.3f}, not --gate-density {density:g} (more "
             f"than {TOLERANCE:g} away): {why}; {fix}")
+
+
+def prior_holds_the_gates(last: dict) -> str | None:
+    """How the prior's pull held the gates shut at a log record, or None where the record does not show it.
+
+    The prior is the cause where its pull on the gates (``gate_prior_pull``) outweighs InfoNCE's (``gate_nce_pull``),
+    or where the multiplier pushes the gates open (mu < 0) and the prior pulls back with at least half that push: the
+    multiplier's force then goes to the prior, not to the gates' choice. The two are in the same units (loss per gate
+    per row; module docstring). Under ``leg`` at lambda 0.3 (compositional, five seeds) InfoNCE's pull stayed twice the
+    prior's while the prior matched |mu| (0.085-0.098 against 0.086-0.090) and every gate's probability sat near 0.25.
+    """
+    prior, nce, mu = last.get("gate_prior_pull"), last.get("gate_nce_pull", 0.0), last.get("density_multiplier")
+    if prior is None:
+        return None
+    if prior >= nce:
+        return f"outweighed InfoNCE's (gate_prior_pull {prior:.3g} against gate_nce_pull {nce:.3g})"
+    if mu is not None and mu < 0 and prior >= -mu / 2:
+        return (f"took up the multiplier's push to open them (gate_prior_pull {prior:.3g} against "
+                f"|density_multiplier| {-mu:.3g}; gate_nce_pull {nce:.3g})")
+    return None
 
 
 class DensityControl(nn.Module):
