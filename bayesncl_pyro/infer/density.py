@@ -104,12 +104,10 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
     if share >= density:
         why = "the multiplier had not closed enough gates by the last step"
     elif last and (held := prior_holds_the_gates(last)):
-        why = (f"the prior's pull on the gates {held} at the last logged step: "
-               + (f"at --kl-weight {last['kl_weight']:g} " if "kl_weight" in last else "")
-               + "the KL closes the gates faster than the multiplier opens them, and a closed gate gets no InfoNCE "
-               "gradient")
-        fix = ("lower --kl-weight until log.jsonl's gate_prior_pull is a small part of its gate_nce_pull and of "
-               "|density_multiplier|")
+        at = f" at --kl-weight {last['kl_weight']:g}" if "kl_weight" in last else ""
+        why = f"the prior's pull on the gates{at} {held[0]} at the last logged step: {held[1]}"
+        fix = ("lower --kl-weight until log.jsonl's gate_prior_pull is a small part of its gate_nce_pull (a tenth met "
+               "D on every seed of the compositional recipe)")
     else:
         why = ("gates that closed on the way to D did not reopen (a closed gate gets no InfoNCE gradient) or the "
                "run ended before the multiplier brought the share back")
@@ -119,8 +117,8 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
             f"than {TOLERANCE:g} away): {why}; {fix}")
 
 
-def prior_holds_the_gates(last: dict) -> str | None:
-    """How the prior's pull held the gates shut at a log record, or None where the record does not show it.
+def prior_holds_the_gates(last: dict) -> tuple[str, str] | None:
+    """How the prior's pull held the gates shut at a log record (the pulls, what followed), or None where it does not.
 
     The prior is the cause where its pull on the gates (``gate_prior_pull``) outweighs InfoNCE's (``gate_nce_pull``),
     or where the multiplier pushes the gates open (mu < 0) and the prior pulls back with at least half that push: the
@@ -132,10 +130,13 @@ def prior_holds_the_gates(last: dict) -> str | None:
     if prior is None:
         return None
     if prior >= nce:
-        return f"outweighed InfoNCE's (gate_prior_pull {prior:.3g} against gate_nce_pull {nce:.3g})"
+        return (f"outweighed InfoNCE's (gate_prior_pull {prior:.3g} against gate_nce_pull {nce:.3g})",
+                "the KL closes the gates faster than the multiplier opens them, and a closed gate gets no InfoNCE "
+                "gradient")
     if mu is not None and mu < 0 and prior >= -mu / 2:
         return (f"took up the multiplier's push to open them (gate_prior_pull {prior:.3g} against "
-                f"|density_multiplier| {-mu:.3g}; gate_nce_pull {nce:.3g})")
+                f"|density_multiplier| {-mu:.3g}; gate_nce_pull {nce:.3g})",
+                "the gates settle where the two balance, below 1/2, and the mode that the share counts reads them shut")
     return None
 
 
