@@ -100,9 +100,9 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
     """
     if density is None or share is None or abs(share - density) <= TOLERANCE:
         return None
-    fix = f"train for more steps (--epochs), the target's path to D takes about {5 * RAMP_STEPS:g} steps"
+    more_steps = f"train for more steps (--epochs), the target's path to D takes about {5 * RAMP_STEPS:g} steps"
     if share >= density:
-        why = "the multiplier had not closed enough gates by the last step"
+        why, fix = "the multiplier had not closed enough gates by the last step", more_steps
     elif last and (held := prior_holds_the_gates(last)):
         at = f" at --kl-weight {last['kl_weight']:g}" if "kl_weight" in last else ""
         why = f"the prior's pull on the gates{at} {held[0]} at the last logged step: {held[1]}"
@@ -111,8 +111,8 @@ def shortfall(density: float | None, share: float | None, last: dict | None = No
     else:
         why = ("gates that closed on the way to D did not reopen (a closed gate gets no InfoNCE gradient) or the "
                "run ended before the multiplier brought the share back")
-        fix += ("; where log.jsonl's gate_prior_pull nears its gate_nce_pull, the prior is closing them: lower "
-                "--kl-weight")
+        fix = (f"{more_steps}; where log.jsonl's gate_prior_pull nears its gate_nce_pull, the prior is closing them: "
+               "lower --kl-weight")
     return (f"warning: the test split's share of open gates is {share:.3f}, not --gate-density {density:g} (more "
             f"than {TOLERANCE:g} away): {why}; {fix}")
 
